@@ -1,0 +1,26 @@
+# Two commands for a fresh machine: `make run` (the CPU demo) and `make test` (the suite).
+PYTHON ?= python3
+VENV ?= .venv
+# Machines without an NVIDIA driver get the CPU-sized torch pin; others get what pip picks.
+TORCH_SPEC ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch>=2.9,torch==2.13.0)
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: install run test clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+run: $(VENV)/.installed
+	$(PY) -m archon.config --config configs/cpu_demo.toml
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info outputs

@@ -1,0 +1,361 @@
+"""ArchonEngine: one model laid over the ranks by its allocation string, and how it trains.
+
+Every rank calls every method with the same global batch (a dict of right-padded ``[B, S]``
+tensors with ``attention_mask``).  The engine cuts it into data-parallel shares and packed
+microbatches the same way on every rank, and normalises the loss by the global batch, so a
+step's loss and gradients do not depend on the allocation or on microbatching.
+
+Per-token outputs are token-aligned: ``logprobs[b, i] = log p(input_ids[b, i] | input_ids[b, :i])``
+(0 at each sequence's first token); a critic's ``values[b, i]`` is the value of the state
+before token ``i``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from archon.alloc import ModelAllocation
+from archon.config import TrainEngineConfig
+from archon.engine.dist import init_distributed, resolve_device_type
+from archon.engine.microbatch import (
+    Batch,
+    PackedMicrobatch,
+    pack,
+    plan_microbatches,
+    rows_of,
+    seqlens_of,
+    unpack,
+)
+from archon.engine.optimizer import build_lr_scheduler, build_optimizer
+from parallel.dims import ParallelDims
+from parallel.grad_clip import clip_grad_norm_
+from parallel.loss_parallel import vocab_parallel_logprobs_entropy
+
+logger = logging.getLogger("archon.engine")
+
+LossFn = Callable[[dict[str, torch.Tensor], Batch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+LossWeightFn = Callable[[Batch], float]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _token_count_weight(mb: Batch) -> float:
+    return float(mb["loss_mask"].sum()) if "loss_mask" in mb else float(mb["attention_mask"].sum())
+
+
+class EngineError(ValueError):
+    """A user-caused problem with an engine's config, allocation or data."""
+
+
+class ArchonEngine:
+    """Builds, trains, evaluates, checkpoints and exports one model (actor, critic or reference)."""
+
+    def __init__(self, config: TrainEngineConfig, *, name: str = "actor", is_critic: bool = False,
+                 seed: int = 1, device: str = "auto", temperature: float = 1.0, total_steps: int = 1,
+                 trainable: bool = True):
+        self.config = config
+        self.name = name
+        self.is_critic = is_critic
+        self.seed = seed
+        self.device_setting = device
+        self.temperature = temperature
+        self.total_steps = max(1, total_steps)
+        self.trainable = trainable
+        self.step = 0
+        self.model: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.lr_scheduler = None
+
+    # ------------------------------------------------------------------ build
+    def initialize(self) -> "ArchonEngine":
+        from models import get_model_spec
+
+        cfg = self.config
+        self.device_type = resolve_device_type(self.device_setting)
+        if cfg.archon.use_deterministic_algorithms:
+            from parallel.determinism import apply_determinism
+
+            # Environment variables must be set before the first kernel/communicator exists.
+            apply_determinism(self.device_type)
+        init_distributed(self.device_type)
+        self.device = torch.device(self.device_type, torch.cuda.current_device() if self.device_type == "cuda" else 0) \
+            if self.device_type == "cuda" else torch.device("cpu")
+        self.allocation = ModelAllocation.from_str(cfg.backend)
+        world = dist.get_world_size()
+        if self.allocation.world_size != world:
+            raise EngineError(f"{self.name}.backend = '{cfg.backend}' needs {self.allocation.world_size} ranks but "
+                              f"the job has {world}; launch with --nproc_per_node={self.allocation.world_size} "
+                              f"or change the allocation")
+        self.parallel_dims = ParallelDims.from_allocation(self.allocation, world_size=world,
+                                                          dp_replicate=cfg.archon.dp_replicate)
+        self.parallel_dims.build_meshes(self.device_type)
+        if dist.get_rank() == 0:
+            logger.info("Initialized Archon engine with parallel dims: %s", self.parallel_dims.describe())
+
+        self.hf_config = self._load_hf_config()
+        self.spec = get_model_spec(self.hf_config.model_type)
+        self.model_args = self.spec.model_args_class.from_hf_config(self.hf_config, is_critic=self.is_critic)
+        with torch.device("meta"):
+            model = self.spec.model_class(self.model_args)
+        model = self.spec.parallelize_fn(model, self.parallel_dims, cfg)
+        model.to_empty(device=self.device)
+        self.model = model
+        self._init_weights()
+        if not self.trainable:
+            self.model.requires_grad_(False)
+        else:
+            self.optimizer = build_optimizer(self.model.parameters(), cfg.optimizer, self.device_type)
+            self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.optimizer, self.total_steps)
+        return self
+
+    def _load_hf_config(self):
+        from transformers import AutoConfig
+
+        source = self.config.path or self.config.model_config
+        if not source:
+            raise EngineError(f"{self.name}.path is empty and {self.name}.model_config is empty; set one to an "
+                              "HF model folder (path loads its weights, model_config only its architecture)")
+        p = Path(source)
+        folder = p.parent if p.name == "config.json" else p
+        if not (folder / "config.json").is_file():
+            raise EngineError(f"{self.name}: no config.json in '{folder}'; point {self.name}.path at a Hugging Face "
+                              "model folder (config.json + *.safetensors)")
+        return AutoConfig.from_pretrained(str(folder))
+
+    @torch.no_grad()
+    def _init_weights(self) -> None:
+        from models import load_hf_weights
+
+        assert self.model is not None
+        # Buffers (RoPE tables) and anything a checkpoint lacks (a critic's value head).
+        self.model.init_weights(buffer_device=self.device)
+        if self.config.path:
+            load_hf_weights(self.model, self.config.path, self.spec.state_dict_adapter_class(self.model_args),
+                            strict=not self.is_critic)
+            return
+        # From scratch: initialise the full model identically on every rank from the seed, then
+        # shard it, so that the initial weights do not depend on the allocation.
+        torch.manual_seed(self.seed)
+        full = self.spec.model_class(self.model_args)
+        full.init_weights()
+        full_sd = dict(full.named_parameters())
+        for name, tensor in _named_state(self.model):
+            copy_full_into(tensor, full_sd[name])
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def dp_size(self) -> int:
+        pd = self.parallel_dims
+        return pd.dp_replicate * pd.dp_shard
+
+    @property
+    def dp_rank(self) -> int:
+        if self.dp_size == 1:
+            return 0
+        return self.parallel_dims.get_mesh("dp").get_local_rank()
+
+    def _dp_group(self):
+        return self.parallel_dims.get_mesh("dp").get_group() if self.dp_size > 1 else None
+
+    def _to_device(self, batch: Batch) -> Batch:
+        return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+    def _pack(self, batch: Batch, indices: list[int]) -> PackedMicrobatch:
+        pad_to = self.config.mb_spec.max_tokens_per_mb if self._pad_to_maximum() else 0
+        return pack(batch, indices, multiple_of=self.parallel_dims.seq_len_divisor, pad_to=pad_to)
+
+    def _pad_to_maximum(self) -> bool:
+        cfg = self.config
+        if (cfg.pad_to_maximum or cfg.archon.enable_compile) and cfg.mb_spec.max_tokens_per_mb <= 0:
+            return False
+        return cfg.pad_to_maximum or cfg.archon.enable_compile
+
+    def _set_gradient_sync(self, enabled: bool) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(self.model, FSDPModule):
+            self.model.set_requires_gradient_sync(enabled)
+
+    def _run_model(self, mb: PackedMicrobatch) -> dict[str, torch.Tensor]:
+        """Packed forward; token-aligned per-token outputs, unpacked to ``[b, s]`` rows."""
+        out = self.model(mb.tokens, positions=mb.positions, cu_seqlens=mb.cu_seqlens)
+        starts = mb.seq_starts
+        if self.is_critic:
+            values = out.full_tensor() if isinstance(out, DTensor) else out
+            values = values.reshape(-1).float()
+            aligned = torch.roll(values, 1).index_fill(0, starts, 0.0)
+            return {"values": unpack(aligned, mb)}
+        targets = torch.roll(mb.tokens[0], -1)
+        lp_next, ent_next = vocab_parallel_logprobs_entropy(out[0], targets, self.temperature)
+        logprobs = torch.roll(lp_next, 1).index_fill(0, starts, 0.0)
+        entropy = torch.roll(ent_next, 1).index_fill(0, starts, 0.0)
+        return {"logprobs": unpack(logprobs, mb), "entropy": unpack(entropy, mb)}
+
+    def _plan(self, batch: Batch):
+        mb_spec = self.config.mb_spec
+        try:
+            plan = plan_microbatches(seqlens_of(batch), self.dp_size, mb_spec.n_mbs, mb_spec.max_tokens_per_mb)
+        except ValueError as exc:
+            raise EngineError(f"{self.name}: {exc}") from None
+        return plan.per_rank[self.dp_rank]
+
+    # ------------------------------------------------------------------ train
+    def train_batch(self, batch: Batch, loss_fn: LossFn, loss_weight_fn: LossWeightFn = _token_count_weight
+                    ) -> dict[str, float]:
+        """Forward+backward over every microbatch, then one optimizer step; returns global stats."""
+        assert self.model is not None and self.optimizer is not None, "initialize() a trainable engine first"
+        t0 = time.perf_counter()
+        self.model.train()
+        batch = self._to_device(batch)
+        total_weight = float(loss_weight_fn(batch))
+        if total_weight <= 0:
+            raise EngineError(f"{self.name}: the batch has no loss weight (e.g. every loss_mask is 0); "
+                              "nothing to train on")
+        my_mbs = self._plan(batch)
+        grad_scale = float(self.parallel_dims.fsdp_gradient_divide_factor)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        stat_sums: dict[str, float] = {}
+        n_tokens = 0
+        for i, indices in enumerate(my_mbs):
+            self._set_gradient_sync(i == len(my_mbs) - 1)
+            packed = self._pack(batch, indices)
+            outputs = self._run_model(packed)
+            if indices:
+                mb = rows_of(batch, indices)
+                loss, stats = loss_fn(outputs, mb)
+                weight = float(loss_weight_fn(mb))
+            else:
+                # A rank without samples still runs backward so FSDP's collectives line up.
+                loss = sum(v.sum() for v in outputs.values()) * 0.0
+                stats, weight = {}, 0.0
+            scaled = loss * (weight / total_weight)
+            (scaled * grad_scale).backward()
+            loss_sum += float(scaled.detach())
+            for key, value in stats.items():
+                value = float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
+                stat_sums[key] = stat_sums.get(key, 0.0) + value * weight / total_weight
+            n_tokens += packed.n_real_tokens
+
+        pp_group = self.parallel_dims.get_mesh("pp").get_group() if self.parallel_dims.pp_enabled else None
+        grad_norm = clip_grad_norm_(self.model.parameters(), self.config.optimizer.max_grad_norm, pp_group=pp_group)
+        finite = bool(torch.isfinite(grad_norm))
+        lr = self.optimizer.param_groups[0]["lr"]
+        if finite:
+            self.optimizer.step()
+        else:
+            logger.warning("%s: non-finite gradient norm at step %d; the optimizer step is skipped",
+                           self.name, self.step)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.lr_scheduler.step()
+        self.step += 1
+
+        keys = sorted(stat_sums)
+        reduced = torch.tensor([float(loss_sum), float(n_tokens)] + [stat_sums[k] for k in keys], dtype=torch.float64)
+        if self.dp_size > 1:
+            dist.all_reduce(reduced, group=self._dp_group())
+        result = {"loss": float(reduced[0]), "grad_norm": float(grad_norm), "lr": lr,
+                  "tokens": float(reduced[1]), "update_skipped": float(not finite),
+                  "train_time_s": time.perf_counter() - t0}
+        result.update({k: float(v) for k, v in zip(keys, reduced[2:].tolist())})
+        return result
+
+    # ------------------------------------------------------------------ forward
+    @torch.no_grad()
+    def forward(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """Per-token ``logprobs`` and ``entropy`` (or ``values`` for a critic), ``[B, S]``, global batch order."""
+        assert self.model is not None, "initialize() first"
+        self.model.eval()
+        batch = self._to_device(batch)
+        B, S = batch["input_ids"].shape
+        mine: dict[str, list[torch.Tensor]] = {}
+        my_indices: list[int] = []
+        for indices in self._plan(batch):
+            outputs = self._run_model(self._pack(batch, indices))
+            if not indices:
+                continue
+            my_indices.extend(indices)
+            for key, value in outputs.items():
+                mine.setdefault(key, []).extend(list(value.float().cpu()))
+        gathered: list[Any] = [None] * self.dp_size
+        payload = (my_indices, mine)
+        if self.dp_size > 1:
+            dist.all_gather_object(gathered, payload, group=self._dp_group())
+        else:
+            gathered = [payload]
+        keys = ["values"] if self.is_critic else ["logprobs", "entropy"]
+        result = {k: torch.zeros(B, S, dtype=torch.float32) for k in keys}
+        for indices, values in gathered:
+            for key in keys:
+                for row, idx in enumerate(indices):
+                    v = values[key][row]
+                    result[key][idx, : v.shape[0]] = v
+        return result
+
+    # ------------------------------------------------------------------ weights out
+    def named_full_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) one parameter at a time; a collective: every rank must iterate."""
+        adapter = self.spec.state_dict_adapter_class(self.model_args)
+        for name, tensor in _named_state(self.model, buffers=False):
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            full = full.detach()
+            if dtype is not None:
+                full = full.to(dtype)
+            yield from adapter.to_hf_tensors(name, full)
+
+    def export_hf(self, path: str | Path, dtype: torch.dtype | None = None, max_shard_size: str | int = "5GB") -> None:
+        """Write an HF folder (config.json + sharded safetensors) from the sharded model; rank 0 writes."""
+        from models import save_hf_tensors
+
+        tensors = ((n, t.cpu()) for n, t in self.named_full_tensors(dtype))
+        if dist.get_rank() == 0:
+            save_hf_tensors(tensors, self.hf_config.to_dict(), path, max_shard_size=max_shard_size)
+        else:
+            for _ in tensors:  # join the collectives
+                pass
+        dist.barrier()
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, path: str | Path, extra_state: dict[str, Any] | None = None) -> None:
+        from archon.engine.checkpoint import save_checkpoint
+
+        save_checkpoint(self, Path(path), extra_state or {})
+
+    def load(self, path: str | Path) -> dict[str, Any]:
+        from archon.engine.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, Path(path))
+
+
+def _named_state(model: torch.nn.Module, buffers: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Parameters (and persistent buffers) with wrapper prefixes (AC, compile) removed."""
+    items = list(model.named_parameters())
+    if buffers:
+        items += list(model.named_buffers())
+    for name, tensor in items:
+        yield clean_fqn(name), tensor
+
+
+def clean_fqn(name: str) -> str:
+    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
+        name = name.replace(wrapper, "")
+    return name
+
+
+@torch.no_grad()
+def copy_full_into(target: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy a full tensor into a parameter that may be a DTensor shard (no communication)."""
+    if isinstance(target, DTensor):
+        local = distribute_tensor(full.to(target.device, target.dtype), target.device_mesh, target.placements,
+                                  src_data_rank=None).to_local()
+        target.to_local().copy_(local)
+    else:
+        target.copy_(full.to(target.device, target.dtype))

@@ -1,0 +1,178 @@
+"""Cutting a global batch into data-parallel shares and packed microbatches.
+
+Every rank holds the same global batch (a dict of right-padded ``[B, S]`` tensors with an
+``attention_mask``), so every rank can compute every rank's split without communication.
+That makes the plan identical everywhere, in particular the number of microbatches, which
+all data-parallel ranks must agree on because FSDP's collectives run once per microbatch.
+
+A microbatch is one packed row: its sequences are concatenated without padding and
+``cu_seqlens`` marks the boundaries.  Padding appears only as one extra segment at the end,
+to reach a length multiple that tensor/context parallel need, or a fixed length under
+compile (``pad_to_maximum``).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+import torch
+
+Batch = dict[str, torch.Tensor]
+
+
+def seqlens_of(batch: Batch) -> list[int]:
+    """Real (unpadded) length of every sequence of a padded batch."""
+    return batch["attention_mask"].sum(dim=1).tolist()
+
+
+def balanced_partition(sizes: list[int], indices: list[int], n_parts: int) -> list[list[int]]:
+    """Greedy longest-first assignment of ``indices`` (weights ``sizes[i]``) to ``n_parts`` bins.
+
+    Deterministic: ties are broken by index, and each bin's indices come back sorted so
+    samples keep their original order inside a bin.
+    """
+    heap = [(0, part) for part in range(n_parts)]
+    bins: list[list[int]] = [[] for _ in range(n_parts)]
+    for idx in sorted(indices, key=lambda i: (-sizes[i], i)):
+        load, part = heapq.heappop(heap)
+        bins[part].append(idx)
+        heapq.heappush(heap, (load + sizes[idx], part))
+    return [sorted(b) for b in bins]
+
+
+def split_for_data_parallel(seqlens: list[int], dp_size: int) -> list[list[int]]:
+    """Sample indices of each data-parallel rank, balanced by token count."""
+    return balanced_partition(seqlens, list(range(len(seqlens))), dp_size)
+
+
+def _count_microbatches(seqlens: list[int], indices: list[int], n_mbs: int, max_tokens: int) -> int:
+    if max_tokens <= 0 or not indices:
+        return n_mbs
+    total = sum(seqlens[i] for i in indices)
+    k = max(n_mbs, math.ceil(total / max_tokens))
+    while True:
+        parts = balanced_partition(seqlens, indices, k)
+        if all(sum(seqlens[i] for i in p) <= max_tokens for p in parts):
+            return k
+        k += 1
+
+
+@dataclass
+class MicrobatchPlan:
+    """Which samples each data-parallel rank trains on, cut into microbatches."""
+
+    per_rank: list[list[list[int]]]
+    """per_rank[dp_rank][mb] -> sorted sample indices (may be empty: the rank then runs a padding-only microbatch)."""
+
+    @property
+    def n_microbatches(self) -> int:
+        return len(self.per_rank[0])
+
+
+def plan_microbatches(seqlens: list[int], dp_size: int, n_mbs: int = 1,
+                      max_tokens_per_mb: int = 0) -> MicrobatchPlan:
+    """Split samples over dp ranks, then into the same number of microbatches on every rank."""
+    too_long = [i for i, n in enumerate(seqlens) if max_tokens_per_mb > 0 and n > max_tokens_per_mb]
+    if too_long:
+        i = too_long[0]
+        raise ValueError(f"sample {i} has {seqlens[i]} tokens, more than mb_spec.max_tokens_per_mb="
+                         f"{max_tokens_per_mb}; raise max_tokens_per_mb or shorten the data")
+    shares = split_for_data_parallel(seqlens, dp_size)
+    k = max(_count_microbatches(seqlens, share, n_mbs, max_tokens_per_mb) for share in shares)
+    return MicrobatchPlan([balanced_partition(seqlens, share, k) for share in shares])
+
+
+@dataclass
+class PackedMicrobatch:
+    """One packed row of sequences, ready for ``model(tokens, positions, cu_seqlens)``."""
+
+    indices: list[int]
+    """Sample indices (into the global batch) of the real sequences, in packing order."""
+    seqlens: list[int]
+    """Length of each real sequence."""
+    tokens: torch.Tensor
+    """[1, T] token ids, padding segment (if any) at the end."""
+    positions: torch.Tensor
+    """[1, T] positions, restarting at 0 for every sequence (and the padding segment)."""
+    cu_seqlens: torch.Tensor
+    """int32 [n_segments + 1] boundaries, including the padding segment."""
+    n_real_tokens: int
+    """Tokens that belong to real sequences (the rest is padding)."""
+
+    @property
+    def total_len(self) -> int:
+        return self.tokens.shape[1]
+
+    @property
+    def seq_starts(self) -> torch.Tensor:
+        """Packed position of the first token of every segment."""
+        return self.cu_seqlens[:-1].long()
+
+
+def pack(batch: Batch, indices: list[int], multiple_of: int = 1, pad_to: int = 0,
+         pad_token_id: int = 0) -> PackedMicrobatch:
+    """Concatenate the real tokens of ``indices``; pad once at the end to a multiple or a fixed length.
+
+    An empty ``indices`` gives a padding-only microbatch so that a rank with no samples still
+    joins the collectives of its data-parallel group.
+    """
+    input_ids = batch["input_ids"]
+    lens = batch["attention_mask"].sum(dim=1)
+    seqlens = [int(lens[i]) for i in indices]
+    pieces = [input_ids[i, : n] for i, n in zip(indices, seqlens)]
+    n_real = sum(seqlens)
+    target = max(n_real, 1)
+    if pad_to:
+        if n_real > pad_to:
+            raise ValueError(f"a microbatch has {n_real} tokens but pad_to_maximum pads to {pad_to}; "
+                             "raise mb_spec.max_tokens_per_mb")
+        target = pad_to
+    target = math.ceil(target / multiple_of) * multiple_of
+    n_pad = target - n_real
+    seg_lens = seqlens + ([n_pad] if n_pad else [])
+    device = input_ids.device
+    if n_pad:
+        pieces.append(torch.full((n_pad,), pad_token_id, dtype=input_ids.dtype, device=device))
+    tokens = torch.cat(pieces).unsqueeze(0)
+    positions = torch.cat([torch.arange(n, device=device) for n in seg_lens]).unsqueeze(0)
+    cu = torch.zeros(len(seg_lens) + 1, dtype=torch.int32, device=device)
+    cu[1:] = torch.cumsum(torch.tensor(seg_lens, device=device), 0)
+    return PackedMicrobatch(list(indices), seqlens, tokens, positions, cu, n_real)
+
+
+def rows_of(batch: Batch, indices: list[int]) -> Batch:
+    """The batch restricted to ``indices`` and trimmed to their longest sequence."""
+    if not indices:
+        return {k: v[:0] for k, v in batch.items()}
+    idx = torch.tensor(indices, device=batch["input_ids"].device)
+    width = int(batch["attention_mask"][idx].sum(dim=1).max())
+    out = {}
+    for key, value in batch.items():
+        rows = value.index_select(0, idx.to(value.device))
+        out[key] = rows[:, :width] if rows.dim() >= 2 and value.shape[1] == batch["input_ids"].shape[1] else rows
+    return out
+
+
+def unpack(packed_values: torch.Tensor, mb: PackedMicrobatch, width: int | None = None,
+           fill: float = 0.0) -> torch.Tensor:
+    """Per-token packed values ``[T]`` back to right-padded rows ``[len(indices), width]``."""
+    width = width if width is not None else max(mb.seqlens, default=0)
+    out = packed_values.new_full((len(mb.seqlens), width), fill)
+    if not mb.seqlens:
+        return out
+    starts = mb.cu_seqlens[: len(mb.seqlens)].long()
+    lens = torch.tensor(mb.seqlens, device=packed_values.device)
+    col = torch.arange(width, device=packed_values.device)
+    valid = col.unsqueeze(0) < lens.unsqueeze(1)
+    src = (starts.unsqueeze(1) + col.unsqueeze(0))[valid]
+    return out.masked_scatter(valid, packed_values[src])
+
+
+def pad_rows_to(values: torch.Tensor, width: int, fill: float = 0.0) -> torch.Tensor:
+    """Right-pad ``[b, s]`` to ``[b, width]``."""
+    if values.shape[1] >= width:
+        return values[:, :width]
+    pad = values.new_full((values.shape[0], width - values.shape[1]), fill)
+    return torch.cat([values, pad], dim=1)

@@ -1,0 +1,40 @@
+"""AdamW and the warmup + constant/cosine/linear learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from archon.config import OptimizerConfig
+
+
+def build_optimizer(params, cfg: OptimizerConfig, device_type: str = "cpu") -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters (DTensors included)."""
+    params = [p for p in params if p.requires_grad]
+    # foreach kernels group tensors by device/dtype and also work for DTensors on one mesh;
+    # fused AdamW is CUDA-only in practice.
+    fused = device_type == "cuda"
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+                             weight_decay=cfg.weight_decay, fused=fused, foreach=None if fused else True)
+
+
+def lr_multiplier(step: int, cfg: OptimizerConfig, total_steps: int) -> float:
+    """Factor on ``cfg.lr`` before optimizer step ``step`` (0-based)."""
+    warmup = cfg.warmup_steps
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    if cfg.lr_schedule == "constant":
+        return 1.0
+    decay_steps = max(1, total_steps - warmup)
+    progress = min(1.0, (step - warmup) / decay_steps)
+    if cfg.lr_schedule == "cosine":
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:  # linear
+        shape = 1.0 - progress
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimizerConfig, total_steps: int) -> LambdaLR:
+    return LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg, total_steps))

@@ -1,0 +1,88 @@
+"""Supervised fine-tuning on ``{"prompt", "completion"}`` jsonl with the Archon engine.
+
+The loss is the mean negative log-likelihood over the completion tokens (and EOS) of the
+whole global batch, whatever the allocation.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from archon.config import Config, ConfigError
+
+logger = logging.getLogger("archon.sft")
+
+
+def sft_loss_fn(outputs: dict[str, torch.Tensor], mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Token-mean NLL of this microbatch's loss tokens (the engine reweights by token count)."""
+    mask = mb["loss_mask"].to(outputs["logprobs"].dtype)
+    n = mask.sum().clamp(min=1.0)
+    loss = -(outputs["logprobs"] * mask).sum() / n
+    return loss, {"entropy": (outputs["entropy"].detach() * mask).sum() / n}
+
+
+def loss_token_count(mb: dict[str, torch.Tensor]) -> float:
+    return float(mb["loss_mask"].sum())
+
+
+def run_sft(cfg: Config) -> list[dict[str, Any]]:
+    """Train ``cfg.actor`` on ``cfg.train_dataset`` for ``cfg.total_train_steps``; returns the metrics."""
+    from transformers import AutoTokenizer
+
+    from archon.data.collate import collate
+    from archon.data.sampler import EpochSampler
+    from archon.data.sft_dataset import SFTDataset
+    from archon.engine.checkpoint import CheckpointManager
+    from archon.engine.engine import ArchonEngine
+    from archon.metrics import MetricsLogger, peak_memory_gb
+
+    if not cfg.actor.path:
+        raise ConfigError("actor.path is empty; SFT needs a Hugging Face model folder with a tokenizer")
+    if not cfg.train_dataset.path:
+        raise ConfigError("train_dataset.path is empty; point it at a jsonl file of {\"prompt\", \"completion\"}")
+    engine = ArchonEngine(cfg.actor, name="actor", seed=cfg.seed, device=cfg.device,
+                          total_steps=cfg.total_train_steps).initialize()
+    rank0 = dist.get_rank() == 0
+    tokenizer = AutoTokenizer.from_pretrained(cfg.actor.path)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    dataset = SFTDataset(cfg.train_dataset.path, tokenizer, max_length=cfg.train_dataset.max_length)
+    sampler = EpochSampler(len(dataset), cfg.train_dataset.batch_size, seed=cfg.seed,
+                           shuffle=cfg.train_dataset.shuffle, drop_last=cfg.train_dataset.drop_last)
+    ckpt = CheckpointManager(cfg.run_dir, cfg.saver.keep_last)
+    extra = ckpt.load({"actor": engine})
+    if extra is not None:
+        sampler.load_state_dict(extra["sampler"])
+        if rank0:
+            logger.info("resumed from %s at step %d", ckpt.latest(), engine.step)
+    metrics_log = MetricsLogger(cfg.run_dir, cfg.total_train_steps, enabled=rank0,
+                                headline=("loss", "grad_norm", "tokens_per_s"), start_step=engine.step)
+    history = []
+    try:
+        while engine.step < cfg.total_train_steps:
+            t0 = time.perf_counter()
+            batch = collate([dataset[i] for i in sampler.next_batch()], pad_token_id=pad_id)
+            stats = engine.train_batch(batch, sft_loss_fn, loss_token_count)
+            elapsed = time.perf_counter() - t0
+            record = {
+                "step": engine.step, "loss": stats["loss"], "grad_norm": stats["grad_norm"], "lr": stats["lr"],
+                "tokens": stats["tokens"], "tokens_per_s": stats["tokens"] / elapsed, "step_time_s": elapsed,
+                "peak_mem_gb": peak_memory_gb(engine.device_type), "entropy": stats.get("entropy"),
+                "update_skipped": stats["update_skipped"],
+            }
+            history.append(record)
+            metrics_log.log(record)
+            freq = cfg.saver.freq_steps
+            if (freq and engine.step % freq == 0) or engine.step == cfg.total_train_steps:
+                ckpt.save(engine.step, {"actor": engine}, {"sampler": sampler.state_dict()})
+    finally:
+        metrics_log.close()
+    if cfg.saver.export_hf:
+        engine.export_hf(cfg.run_dir / "hf")
+        if rank0:
+            tokenizer.save_pretrained(cfg.run_dir / "hf")
+    return history

@@ -1,0 +1,160 @@
+"""Grouped-query attention with packed sequences and an optional KV cache.
+
+One module for every device: ``CoreAttention`` picks the kernel, and every kernel computes
+the same function.  On CPU (and whenever a mask is given) it is SDPA with an explicit
+boolean mask (block-diagonal causal for packed rows); on CUDA in half precision, packed
+rows go through ``torch.nn.attention.varlen`` (FlashAttention); rows without packing use
+SDPA's causal path everywhere.  (FlexAttention has no CPU backward, and varlen attention
+is CUDA-only, hence the SDPA mask on CPU.)
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from models.common.norm import RMSNorm
+from models.common.packing import packed_causal_mask
+from models.common.rope import apply_rotary_emb
+
+
+@functools.lru_cache(maxsize=1)
+def _varlen_attn():
+    """``torch.nn.attention.varlen.varlen_attn`` if this torch has the API used here, else None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # torch < 2.10
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    if not {"scale", "window_size", "enable_gqa"} <= set(params):
+        return None
+    return varlen_attn
+
+
+def _can_use_varlen(q: torch.Tensor) -> bool:
+    # FlashAttention: CUDA, half precision only.
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _varlen_attn() is not None
+
+
+class CoreAttention(nn.Module):
+    """``softmax(q k^T * scale + mask) v`` on ``[batch, seq, heads, head_dim]`` tensors.
+
+    A separate module so context parallel (Ulysses) can wrap it: its inputs and output keep
+    the ``[batch, seq, heads, head_dim]`` layout.  ``k, v`` may have fewer heads than ``q``
+    (grouped-query attention).  ``cu_seqlens`` refers to the full, unsharded sequence.
+    ``mask`` (boolean, broadcastable to ``[batch, 1, seq_q, seq_k]``, True = may attend)
+    replaces the causal/packed mask; the KV cache path passes it.
+    """
+
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.scale = scale
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
+    ) -> torch.Tensor:
+        gqa = q.shape[2] != k.shape[2]
+        if mask is None and cu_seqlens is not None and _can_use_varlen(q):
+            return self._varlen(q, k, v, cu_seqlens, max_seqlen, gqa)
+        is_causal = False
+        if mask is None and cu_seqlens is not None:
+            mask = packed_causal_mask(cu_seqlens, q.shape[1], q.device)
+        elif mask is None:
+            is_causal = True
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            attn_mask=mask, is_causal=is_causal, scale=self.scale, enable_gqa=gqa,
+        )
+        return out.transpose(1, 2)
+
+    def _varlen(self, q, k, v, cu_seqlens, max_seqlen, gqa) -> torch.Tensor:
+        bs, seqlen = q.shape[:2]
+        assert bs == 1, "packed sequences (cu_seqlens) need batch size 1"
+        cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+        tail = seqlen - int(cu[-1])
+        if tail > 0:  # trailing padding is one more sequence, as on the SDPA path
+            cu = torch.cat([cu, cu.new_tensor([seqlen])])
+        if max_seqlen is None:
+            max_seqlen = int((cu[1:] - cu[:-1]).max())
+        max_seqlen = max(max_seqlen, tail)
+        out = _varlen_attn()(
+            q[0], k[0], v[0], cu, cu, max_seqlen, max_seqlen,
+            scale=self.scale, window_size=(-1, 0), enable_gqa=gqa,
+        )
+        return out.unsqueeze(0)
+
+
+class Attention(nn.Module):
+    """Qwen attention: ``wq, wk, wv, wo`` projections, optional q/k RMSNorm over head_dim, RoPE.
+
+    Head counts are never stored for reshapes (``view(..., -1, head_dim)``), so tensor
+    parallel can shard ``wq/wk/wv`` column-wise and ``wo`` row-wise without model changes.
+    """
+
+    def __init__(
+        self,
+        layer_id: int,
+        dim: int,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-6,
+    ) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.head_dim = head_dim
+        self.wq = nn.Linear(dim, n_heads * head_dim, bias=qkv_bias)
+        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
+        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=o_bias)
+        self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
+        self.core = CoreAttention(scale=head_dim**-0.5)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope_cos_sin: tuple[torch.Tensor, torch.Tensor],
+        cu_seqlens: torch.Tensor | None = None,
+        cache: Any = None,
+        max_seqlen: int | None = None,
+    ) -> torch.Tensor:
+        bs, seqlen, _ = x.shape
+        q = self.wq(x).view(bs, seqlen, -1, self.head_dim)
+        k = self.wk(x).view(bs, seqlen, -1, self.head_dim)
+        v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q, k = apply_rotary_emb(q, k, *rope_cos_sin)
+
+        mask = None
+        if cache is not None:
+            # Duck-typed KV cache: returns keys/values of every cached position and the
+            # boolean mask [batch, 1, seq_new, seq_total] (True = may attend).
+            k, v, mask = cache.update(self.layer_id, k, v)
+        out = self.core(q, k, v, cu_seqlens=cu_seqlens, mask=mask, max_seqlen=max_seqlen)
+        return self.wo(out.reshape(bs, seqlen, -1))
+
+    def init_weights(self, init_std: float) -> None:
+        for linear in (self.wq, self.wk, self.wv, self.wo):
+            nn.init.normal_(linear.weight, mean=0.0, std=init_std)
+            if linear.bias is not None:
+                nn.init.zeros_(linear.bias)
+        for norm in (self.q_norm, self.k_norm):
+            if norm is not None:
+                norm.init_weights()

@@ -1,0 +1,97 @@
+"""The ``ModelSpec`` registry: which Archon model serves which Hugging Face ``model_type``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch.nn as nn
+
+
+class ModelRegistryError(ValueError):
+    """A model type is unknown, or a spec clashes with one already registered."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything Archon needs to build, load, save and parallelize one model family."""
+
+    name: str
+    """Spec name, unique in the registry (``qwen3``)."""
+    model_class: type[nn.Module]
+    """Single-device ``nn.Module`` built as ``model_class(model_args)``."""
+    model_args_class: type
+    """``BaseModelArgs`` subclass with ``from_hf_config(hf_config, is_critic=False)``."""
+    state_dict_adapter_class: type
+    """``BaseStateDictAdapter`` subclass built as ``state_dict_adapter_class(model_args)``."""
+    parallelize_fn: Callable
+    """``parallelize_fn(model, parallel_dims, config) -> model``."""
+    pipelining_fn: Callable | None
+    """Splits the model into pipeline stages; None until pipeline parallel supports it."""
+    supported_model_types: frozenset[str]
+    """Hugging Face ``model_type`` strings (config.json) this spec serves."""
+
+
+_SPECS: dict[str, ModelSpec] = {}
+_BY_MODEL_TYPE: dict[str, ModelSpec] = {}
+
+
+def register_model_spec(spec: ModelSpec) -> ModelSpec:
+    """Add ``spec`` to the registry; a duplicate name or model_type is an error."""
+    if spec.name in _SPECS:
+        raise ModelRegistryError(f"a model spec named {spec.name!r} is already registered; pick another name.")
+    if not spec.supported_model_types:
+        raise ModelRegistryError(f"model spec {spec.name!r} lists no supported_model_types.")
+    taken = {t: _BY_MODEL_TYPE[t].name for t in spec.supported_model_types if t in _BY_MODEL_TYPE}
+    if taken:
+        raise ModelRegistryError(
+            f"model spec {spec.name!r} claims model_type(s) already served by other specs: {taken}."
+        )
+    _SPECS[spec.name] = spec
+    for model_type in spec.supported_model_types:
+        _BY_MODEL_TYPE[model_type] = spec
+    return spec
+
+
+def unregister_model_spec(name: str) -> None:
+    """Remove a spec (tests and interactive sessions that re-register a model)."""
+    spec = _SPECS.pop(name)
+    for model_type in spec.supported_model_types:
+        _BY_MODEL_TYPE.pop(model_type, None)
+
+
+def get_model_spec(model_type: str) -> ModelSpec:
+    """The spec serving HF ``model_type``; the error lists the supported types."""
+    try:
+        return _BY_MODEL_TYPE[model_type]
+    except KeyError:
+        raise ModelRegistryError(
+            f"model_type {model_type!r} is not supported by Archon; supported: {supported_model_types()}. "
+            "Add a model spec (see models/qwen3 for the layout) or use another backend."
+        ) from None
+
+
+def supported_model_types() -> list[str]:
+    """Sorted HF ``model_type`` strings with a registered spec."""
+    return sorted(_BY_MODEL_TYPE)
+
+
+def spec_for_model(model: nn.Module) -> ModelSpec:
+    """The spec whose ``model_class`` built ``model``."""
+    for spec in _SPECS.values():
+        if type(model) is spec.model_class:
+            return spec
+    for spec in _SPECS.values():
+        if isinstance(model, spec.model_class):
+            return spec
+    raise ModelRegistryError(
+        f"no registered model spec builds {type(model).__name__}; pass a state-dict adapter explicitly."
+    )
+
+
+def spec_for_args(args: object) -> ModelSpec:
+    """The spec whose ``model_args_class`` is the type of ``args``."""
+    for spec in _SPECS.values():
+        if type(args) is spec.model_args_class:
+            return spec
+    raise ModelRegistryError(f"no registered model spec uses {type(args).__name__}; register one first.")

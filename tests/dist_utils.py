@@ -1,0 +1,113 @@
+"""Fork-based multi-process launcher for tests.
+
+Forking after ``import torch`` starts a rank in ~0.1 s (torchrun takes ~5 s), so
+multi-process tests run a worker function in N forked children that form a gloo
+group.  A rank reports its real result through a pipe; exit-time noise from gloo
+("terminate called without an active exception") after a successful report is
+ignored, because the report is what counts.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+
+def find_free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class DistributedTestError(RuntimeError):
+    """A rank raised, died, or did not finish in time."""
+
+
+def _child(conn, rank: int, world_size: int, port: int, threads: int, backend: str,
+           timeout: float, env: dict[str, str], fn: Callable, args: tuple, kwargs: dict) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(env)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+        LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout))
+        result = fn(*args, **kwargs)
+        conn.send(("ok", result))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        try:
+            conn.send(("err", traceback.format_exc()))
+        finally:
+            os._exit(1)
+    try:
+        dist.barrier()
+        dist.destroy_process_group()
+    finally:
+        os._exit(0)
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
+                    timeout: float = 300.0, backend: str = "gloo",
+                    threads: int | None = None, env: dict[str, str] | None = None,
+                    **kwargs: Any) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` forked gloo ranks; return per-rank results.
+
+    ``fn`` reads its rank from ``torch.distributed.get_rank()``.  Results must pickle.
+    Raises DistributedTestError with the failing rank's traceback.
+    """
+    ctx = mp.get_context("fork")
+    port = find_free_port()
+    if threads is None:
+        # GNU OpenMP is not fork-safe: a child that opens a parallel region after the parent
+        # used its thread pool can hang.  One intra-op thread per rank never opens one.
+        threads = 1
+    procs, conns = [], []
+    for rank in range(world_size):
+        parent_conn, child_conn = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_child, args=(child_conn, rank, world_size, port, threads,
+                                             backend, timeout, env or {}, fn, args, kwargs))
+        p.start()
+        child_conn.close()
+        procs.append(p)
+        conns.append(parent_conn)
+
+    results: list[Any] = [None] * world_size
+    pending = set(range(world_size))
+    deadline = time.monotonic() + timeout
+    try:
+        while pending:
+            if time.monotonic() > deadline:
+                raise DistributedTestError(f"ranks {sorted(pending)} did not finish within {timeout:.0f}s")
+            ready = mp.connection.wait([conns[r] for r in pending], timeout=0.5)
+            for conn in ready:
+                rank = conns.index(conn)
+                try:
+                    status, payload = conn.recv()
+                except EOFError:
+                    procs[rank].join(1)
+                    raise DistributedTestError(
+                        f"rank {rank} died without reporting (exit code {procs[rank].exitcode})") from None
+                if status == "err":
+                    raise DistributedTestError(f"rank {rank} failed:\n{payload}")
+                results[rank] = payload
+                pending.discard(rank)
+    finally:
+        for p in procs:
+            p.join(timeout=10 if not pending else 0.1)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        for c in conns:
+            c.close()
+    return results

@@ -1,0 +1,306 @@
+"""Advantage estimators against hand-computed numbers and plain-Python references."""
+
+import math
+import statistics
+
+import pytest
+import torch
+
+from archon.rl.advantages import (
+    AdvantageConfig,
+    NormConfig,
+    compute_advantages,
+    discounted_returns,
+    gae_advantages,
+    normalize,
+    overlong_penalty,
+    rloo_rewards,
+    shape_rewards,
+    token_rewards,
+)
+
+EPS = 1e-5
+
+
+def mask_from(rows):
+    return torch.tensor(rows, dtype=torch.long)
+
+
+# ---------------------------------------------------------------------------------------
+# normalisation
+# ---------------------------------------------------------------------------------------
+
+
+def test_group_mean_std_matches_statistics_module():
+    r = [1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0]
+    out = normalize(torch.tensor(r), mean_level="group", std_level="group", group_size=4)
+    expected = []
+    for g in (r[:4], r[4:]):
+        mean, std = statistics.mean(g), statistics.stdev(g)  # stdev: n-1 denominator
+        expected += [(x - mean) / (std + EPS) for x in g]
+    # Hand check of the first group: mean 0.25, unbiased std 0.5.
+    assert expected[0] == pytest.approx(0.75 / (0.5 + EPS))
+    torch.testing.assert_close(out, torch.tensor(expected))
+
+
+def test_batch_level_and_biased_std():
+    r = [3.0, 1.0, 4.0, 1.0, 5.0, 9.0]
+    out = normalize(torch.tensor(r), mean_level="batch", std_level="batch", std_unbiased=False, group_size=2)
+    mean, std = statistics.mean(r), statistics.pstdev(r)
+    torch.testing.assert_close(out, torch.tensor([(x - mean) / (std + EPS) for x in r]))
+
+
+def test_group_mean_batch_std():
+    r = [1.0, 3.0, 10.0, 14.0]
+    out = normalize(torch.tensor(r), mean_level="group", std_level="batch", group_size=2)
+    std = statistics.stdev(r)
+    expected = [(1 - 2) / (std + EPS), (3 - 2) / (std + EPS), (10 - 12) / (std + EPS), (14 - 12) / (std + EPS)]
+    torch.testing.assert_close(out, torch.tensor(expected))
+
+
+def test_leave_one_out_mean_and_dr_grpo_mean_only():
+    r = torch.tensor([1.0, 2.0, 3.0, 6.0])
+    loo = normalize(r, mean_level="group", std_level=None, mean_leave1out=True, group_size=4)
+    # Each baseline is the mean of the other three: 11/3, 10/3, 9/3, 6/3.
+    torch.testing.assert_close(loo, torch.tensor([1 - 11 / 3, 2 - 10 / 3, 3 - 9 / 3, 6 - 6 / 3]))
+    torch.testing.assert_close(rloo_rewards(r, group_size=4), loo)
+    dr = normalize(r, mean_level="group", std_level=None, group_size=2)
+    torch.testing.assert_close(dr, torch.tensor([-0.5, 0.5, -1.5, 1.5]))
+
+
+def test_degenerate_groups():
+    # Identical rewards: zero advantage, no NaN.  Group of one: leave-one-out mean is 0 and
+    # the unbiased std is undefined, so the value is left unscaled.
+    same = normalize(torch.tensor([1.0, 1.0, 0.0, 0.0]), mean_level="group", std_level="group", group_size=2)
+    torch.testing.assert_close(same, torch.zeros(4))
+    single = normalize(torch.tensor([2.0, -3.0]), mean_level="group", std_level="group", mean_leave1out=True,
+                       group_size=1)
+    torch.testing.assert_close(single, torch.tensor([2.0, -3.0]))
+
+
+def test_masked_token_normalisation_batch_and_group():
+    x = torch.tensor([[9.0, 1.0, 2.0, 9.0], [9.0, 9.0, 4.0, 7.0], [5.0, 9.0, 9.0, 9.0], [9.0, 9.0, 9.0, 9.0]])
+    m = mask_from([[0, 1, 1, 0], [0, 0, 1, 1], [1, 0, 0, 0], [0, 0, 0, 0]])
+    vals = [1.0, 2.0, 4.0, 7.0, 5.0]
+    out = normalize(x, m, mean_level="batch", std_level="batch")
+    mean, std = statistics.mean(vals), statistics.stdev(vals)
+    expected = torch.zeros_like(x)
+    for b in range(4):
+        for s in range(4):
+            if m[b, s]:
+                expected[b, s] = (x[b, s] - mean) / (std + EPS)
+    torch.testing.assert_close(out, expected)
+    # Group level (2 rows per group): group 0 holds tokens 1,2,4,7; group 1 only token 5.
+    out_g = normalize(x, m, mean_level="group", std_level="group", group_size=2)
+    g0 = [1.0, 2.0, 4.0, 7.0]
+    m0, s0 = statistics.mean(g0), statistics.stdev(g0)
+    expected_g = torch.zeros_like(x)
+    expected_g[0, 1], expected_g[0, 2] = (1 - m0) / (s0 + EPS), (2 - m0) / (s0 + EPS)
+    expected_g[1, 2], expected_g[1, 3] = (4 - m0) / (s0 + EPS), (7 - m0) / (s0 + EPS)
+    expected_g[2, 0] = 0.0  # a single token: centred to 0, std undefined
+    torch.testing.assert_close(out_g, expected_g)
+
+
+def test_norm_config_validation():
+    assert NormConfig(mean_level="none", std_level="None").is_identity
+    with pytest.raises(ValueError, match="mean_level"):
+        NormConfig(mean_level="sequence")
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        normalize(torch.ones(5), mean_level="group", std_level=None, group_size=2)
+
+
+# ---------------------------------------------------------------------------------------
+# reward shaping
+# ---------------------------------------------------------------------------------------
+
+
+def test_shape_rewards_bias_scale_clip():
+    r = torch.tensor([1.0, -3.0, 10.0])
+    out = shape_rewards(r, reward_bias=0.5, reward_scaling=2.0, reward_clip=5.0)
+    # (1 + .5) * 2 = 3 ; (-3 + .5) * 2 = -5 ; (10 + .5) * 2 = 21 -> clipped to 5
+    torch.testing.assert_close(out, torch.tensor([3.0, -5.0, 5.0]))
+
+
+def test_overlong_penalty_dapo():
+    lengths = torch.tensor([5, 6, 8, 10])
+    pen = overlong_penalty(lengths, overlong_tokens=4, overlong_penalty_factor=1.0, max_new_tokens=10)
+    # Penalty window is (6, 10]: 0 up to 6 tokens, then -1/4 per extra token.
+    torch.testing.assert_close(pen, torch.tensor([0.0, 0.0, -0.5, -1.0]))
+    out = shape_rewards(torch.ones(4), response_lengths=lengths, overlong_reward_penalty=True, overlong_tokens=4,
+                        overlong_penalty_factor=2.0, max_new_tokens=10)
+    torch.testing.assert_close(out, torch.tensor([1.0, 1.0, 0.0, -1.0]))
+
+
+# ---------------------------------------------------------------------------------------
+# token rewards, GAE, returns
+# ---------------------------------------------------------------------------------------
+
+
+def test_token_rewards_place_reward_on_last_loss_token_with_kl():
+    m = mask_from([[0, 0, 1, 1, 1, 0], [0, 1, 1, 0, 0, 0], [0, 0, 0, 0, 0, 0]])
+    kl = torch.full((3, 6), 2.0)
+    out = token_rewards(torch.tensor([1.0, -1.0, 5.0]), m, kl=kl, kl_ctl=0.1)
+    expected = torch.tensor([
+        [0.0, 0.0, -0.2, -0.2, 0.8, 0.0],
+        [0.0, -0.2, -1.2, 0.0, 0.0, 0.0],
+        [0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+    ])
+    torch.testing.assert_close(out, expected)
+
+
+def test_gae_hand_computed():
+    # One row, prompt of 1 token, two completion tokens, then padding.
+    m = mask_from([[0, 1, 1, 0]])
+    values = torch.tensor([[7.0, 0.5, 0.2, 7.0]])  # values outside the mask must be ignored
+    rewards = torch.tensor([[0.0, 0.0, 1.0, 0.0]])
+    adv, ret = gae_advantages(rewards, values, m, discount=0.9, gae_lambda=0.5)
+    # last:  delta = 1 + 0.9*0 - 0.2 = 0.8                 A = 0.8
+    # first: delta = 0 + 0.9*0.2 - 0.5 = -0.32             A = -0.32 + 0.45*0.8 = 0.04
+    torch.testing.assert_close(adv, torch.tensor([[0.0, 0.04, 0.8, 0.0]]))
+    torch.testing.assert_close(ret, torch.tensor([[0.0, 0.54, 1.0, 0.0]]))
+
+
+def _gae_reference(rewards, values, mask, gamma, lam):
+    """Plain-Python GAE over each row's loss positions."""
+    B, S = len(rewards), len(rewards[0])
+    adv = [[0.0] * S for _ in range(B)]
+    for b in range(B):
+        pos = [s for s in range(S) if mask[b][s]]
+        nxt_v, nxt_a = 0.0, 0.0
+        for s in reversed(pos):
+            delta = rewards[b][s] + gamma * nxt_v - values[b][s]
+            a = delta + gamma * lam * nxt_a
+            adv[b][s] = a
+            nxt_v, nxt_a = values[b][s], a
+    return adv
+
+
+def test_gae_ragged_batch_and_empty_row():
+    torch.manual_seed(0)
+    m = mask_from([
+        [0, 0, 1, 1, 1, 1, 0],
+        [0, 1, 1, 1, 1, 1, 1],
+        [0, 0, 0, 0, 0, 0, 0],
+        [0, 0, 0, 0, 0, 1, 0],
+    ])
+    values = torch.randn(4, 7)
+    rewards = token_rewards(torch.tensor([1.0, -0.5, 3.0, 2.0]), m, kl=torch.rand(4, 7), kl_ctl=0.05)
+    adv, ret = gae_advantages(rewards, values, m, discount=0.95, gae_lambda=0.8)
+    ref = torch.tensor(_gae_reference(rewards.tolist(), values.tolist(), m.tolist(), 0.95, 0.8))
+    torch.testing.assert_close(adv, ref)
+    torch.testing.assert_close(ret, torch.where(m > 0, ref + values, 0.0))
+    assert adv[2].abs().sum() == 0 and ret[2].abs().sum() == 0
+
+
+def test_discounted_returns():
+    m = mask_from([[0, 1, 1, 1]])
+    r = torch.tensor([[0.0, 1.0, 0.0, 2.0]])
+    out = discounted_returns(r, m, discount=0.5)
+    # G3 = 2 ; G2 = 0 + .5*2 = 1 ; G1 = 1 + .5*1 = 1.5
+    torch.testing.assert_close(out, torch.tensor([[0.0, 1.5, 1.0, 2.0]]))
+
+
+# ---------------------------------------------------------------------------------------
+# the whole pipeline
+# ---------------------------------------------------------------------------------------
+
+
+def _batch(rewards, mask, **extra):
+    b = {"rewards": torch.tensor(rewards), "loss_mask": mask_from(mask)}
+    b.update(extra)
+    return b
+
+
+MASK4 = [[0, 1, 1, 0], [0, 1, 1, 1], [0, 0, 1, 0], [0, 1, 1, 1]]
+
+
+def test_grpo_broadcasts_group_normalised_rewards():
+    out = compute_advantages(_batch([1.0, 0.0, 1.0, 1.0], MASK4), AdvantageConfig(adv_estimator="grpo", group_size=2))
+    a = 0.5 / (math.sqrt(0.5) + EPS)  # group {1, 0}: mean .5, unbiased std sqrt(.5)
+    expected = torch.tensor([[0, a, a, 0], [0, -a, -a, -a], [0, 0, 0, 0], [0, 0, 0, 0]], dtype=torch.float32)
+    torch.testing.assert_close(out["advantages"], expected)
+    torch.testing.assert_close(out["rewards"], torch.tensor([a, -a, 0.0, 0.0]))
+
+
+def test_dr_grpo_rloo_and_no_eos_mask():
+    batch = _batch([1.0, 0.0, 3.0, 1.0], MASK4, seq_no_eos_mask=torch.tensor([False, True, False, False]))
+    dr = compute_advantages(batch, AdvantageConfig(group_size=2, reward_norm=NormConfig(std_level=None)))
+    torch.testing.assert_close(dr["rewards"], torch.tensor([0.5, -0.5, 1.0, -1.0]))
+    rloo = compute_advantages(batch, AdvantageConfig(adv_estimator="rloo", group_size=2))
+    # Leave-one-out baseline in a group of two is the other sample's reward.
+    torch.testing.assert_close(rloo["rewards"], torch.tensor([1.0, -1.0, 2.0, -2.0]))
+    masked = compute_advantages(batch, AdvantageConfig(adv_estimator="rloo", group_size=2, mask_no_eos_with_zero=True))
+    torch.testing.assert_close(masked["rewards"], torch.tensor([1.0, 0.0, 2.0, -2.0]))
+    assert masked["advantages"][1].abs().sum() == 0
+    torch.testing.assert_close(masked["advantages"][3], torch.tensor([0.0, -2.0, -2.0, -2.0]))
+
+
+def test_grpo_with_kl_penalty_adds_reward_to_go():
+    mask = [[0, 1, 1, 1], [0, 1, 1, 1]]
+    logp = torch.tensor([[0.0, -1.0, -1.0, -1.0], [0.0, -1.0, -1.0, -1.0]])
+    ref = torch.tensor([[0.0, -1.5, -1.0, -2.0], [0.0, -1.0, -1.0, -1.0]])
+    batch = _batch([1.0, 0.0], mask, old_logprobs=logp, ref_logprobs=ref)
+    out = compute_advantages(batch, AdvantageConfig(group_size=2, kl_ctl=0.1, kl_estimator="k1"))
+    a = 0.5 / (math.sqrt(0.5) + EPS)
+    # k1 = logp - ref on row 0: [.5, 0, 1]; rewards -0.1*k1 = [-.05, 0, -.1]; reward-to-go from the end.
+    expected0 = [0.0, a - 0.05 - 0.0 - 0.1, a - 0.1, a - 0.1]
+    torch.testing.assert_close(out["advantages"][0], torch.tensor(expected0))
+    torch.testing.assert_close(out["advantages"][1], torch.tensor([0.0, -a, -a, -a]))
+
+
+def test_reinforce_pp_batch_normalised_returns():
+    mask = [[0, 1, 1, 0], [0, 0, 1, 1], [0, 1, 1, 1]]
+    logp = torch.zeros(3, 4)
+    ref = torch.tensor([[0.0, -0.2, 0.1, 0.0], [0.0, 0.0, 0.3, -0.1], [0.0, 0.5, 0.0, 0.2]])
+    batch = _batch([1.0, 0.0, 2.0], mask, old_logprobs=logp, ref_logprobs=ref)
+    cfg = AdvantageConfig(adv_estimator="reinforce++", kl_ctl=0.2, kl_estimator="k3", discount=0.9)
+    out = compute_advantages(batch, cfg)
+    rewards = [1.0, 0.0, 2.0]
+    returns = [[0.0] * 4 for _ in range(3)]
+    for b in range(3):
+        pos = [s for s in range(4) if mask[b][s]]
+        g = 0.0
+        for s in reversed(pos):
+            r = ref[b, s].item() - logp[b, s].item()
+            k3 = math.exp(r) - r - 1
+            g = -0.2 * k3 + (rewards[b] if s == pos[-1] else 0.0) + 0.9 * g
+            returns[b][s] = g
+    flat = [returns[b][s] for b in range(3) for s in range(4) if mask[b][s]]
+    mean, std = statistics.mean(flat), statistics.stdev(flat)
+    expected = [[(returns[b][s] - mean) / (std + EPS) if mask[b][s] else 0.0 for s in range(4)] for b in range(3)]
+    torch.testing.assert_close(out["advantages"], torch.tensor(expected))
+    torch.testing.assert_close(out["returns"], torch.tensor(returns))
+
+
+def test_gae_pipeline_with_adv_norm():
+    mask = [[0, 1, 1], [0, 0, 1]]
+    values = torch.tensor([[0.0, 0.5, 0.25], [0.0, 0.0, 1.0]])
+    batch = _batch([1.0, 3.0], mask, values=values)
+    cfg = AdvantageConfig(adv_estimator="gae", discount=1.0, gae_lambda=1.0, reward_norm=None,
+                          adv_norm=NormConfig(mean_level="batch", std_level="batch"))
+    out = compute_advantages(batch, cfg)
+    # lambda = gamma = 1: A_t = (sum of future rewards) - V_t -> row0: [1 - .5, 1 - .25], row1: [3 - 1]
+    raw = [0.5, 0.75, 2.0]
+    torch.testing.assert_close(out["returns"], torch.tensor([[0.0, 1.0, 1.0], [0.0, 0.0, 3.0]]))
+    mean, std = statistics.mean(raw), statistics.stdev(raw)
+    n = [(x - mean) / (std + EPS) for x in raw]
+    torch.testing.assert_close(out["advantages"], torch.tensor([[0.0, n[0], n[1]], [0.0, 0.0, n[2]]]))
+
+
+def test_pipeline_errors_are_clear():
+    with pytest.raises(ValueError, match="critic 'values'"):
+        compute_advantages(_batch([1.0], [[0, 1]]), AdvantageConfig(adv_estimator="gae", reward_norm=None))
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        compute_advantages(_batch([1.0], [[0, 1]]), AdvantageConfig(kl_ctl=0.1, reward_norm=None))
+    with pytest.raises(ValueError, match="adv_estimator"):
+        AdvantageConfig(adv_estimator="ppo")
+
+
+def test_from_actor_config_reads_archon_config_names():
+    ActorConfig = pytest.importorskip("archon.config").ActorConfig
+
+    actor = ActorConfig(group_size=4, adv_estimator="rloo", kl_ctl=0.2, discount=0.9)
+    cfg = AdvantageConfig.from_actor_config(actor, max_new_tokens=16)
+    assert (cfg.group_size, cfg.adv_estimator, cfg.kl_ctl, cfg.discount, cfg.max_new_tokens) == (4, "rloo", 0.2, 0.9, 16)
+    assert cfg.reward_norm == NormConfig(mean_level="group", std_level="group", group_size=0)
+    assert cfg.adv_norm is None  # both levels 'none' in the config

@@ -1,0 +1,417 @@
+"""PPO losses, KL estimators and aggregation against hand-computed numbers."""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from archon.rl.kl import kl_estimate
+from archon.rl.losses import (
+    AGG_MODES,
+    aggregate,
+    loss_weight,
+    make_actor_loss_fn,
+    make_critic_loss_fn,
+    ppo_actor_loss,
+    ppo_critic_loss,
+)
+
+
+def row(values):
+    return torch.tensor([values], dtype=torch.float32)
+
+
+def logs(ratios):
+    return torch.tensor([[math.log(r) for r in ratios]], dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------------------
+# KL estimators
+# ---------------------------------------------------------------------------------------
+
+
+def test_kl_estimators_hand_values():
+    logp, ref = torch.tensor([-1.0, -2.0]), torch.tensor([-2.0, -1.0])
+    # r = ref - logp = [-1, 1]
+    torch.testing.assert_close(kl_estimate(logp, ref, "k1"), torch.tensor([1.0, -1.0]))
+    torch.testing.assert_close(kl_estimate(logp, ref, "k2"), torch.tensor([0.5, 0.5]))
+    torch.testing.assert_close(kl_estimate(logp, ref, "k3"),
+                               torch.tensor([math.exp(-1) + 1 - 1, math.exp(1) - 1 - 1]))
+    assert kl_estimate(torch.tensor([0.3]), torch.tensor([0.3]), "k3").item() == 0.0
+
+
+def test_kl_clamping_prevents_overflow():
+    logp, ref = torch.tensor([0.0, -120.0]), torch.tensor([-120.0, 0.0])
+    raw = kl_estimate(logp, ref, "k3", log_ratio_clamp=None, value_clamp=None)
+    assert torch.isinf(raw[1])  # exp(120) overflows float32
+    ratio_only = kl_estimate(logp, ref, "k3", value_clamp=None)
+    torch.testing.assert_close(ratio_only, torch.tensor([math.exp(-20) + 20 - 1, math.exp(20) - 20 - 1]))
+    both = kl_estimate(logp, ref, "k3")
+    torch.testing.assert_close(both, torch.tensor([10.0, 10.0]))
+    with pytest.raises(ValueError, match="k1, k2, k3"):
+        kl_estimate(logp, ref, "k4")
+
+
+# ---------------------------------------------------------------------------------------
+# aggregation and weights
+# ---------------------------------------------------------------------------------------
+
+PER_TOKEN = torch.tensor([[1.0, 2.0, 3.0, 0.0], [4.0, 5.0, 0.0, 0.0], [7.0, 0.0, 0.0, 0.0]])
+MASK = torch.tensor([[0, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]])
+
+
+@pytest.mark.parametrize("mode,expected,weight", [
+    ("token-mean", (2 + 3 + 4 + 5) / 4, 4.0),
+    ("seq-mean-token-sum", (5 + 9) / 2, 2.0),
+    ("seq-mean-token-mean", (2.5 + 4.5) / 2, 2.0),
+    ("seq-mean-token-sum-norm", (5 / 10 + 9 / 10) / 2, 2.0),
+])
+def test_aggregate_modes_by_hand(mode, expected, weight):
+    assert aggregate(PER_TOKEN, MASK, mode, max_response_len=10).item() == pytest.approx(expected)
+    assert loss_weight({"loss_mask": MASK}, mode) == weight
+
+
+def test_aggregate_errors_and_empty():
+    with pytest.raises(ValueError, match="max_response_len"):
+        aggregate(PER_TOKEN, MASK, "seq-mean-token-sum-norm")
+    with pytest.raises(ValueError, match="token-mean"):
+        aggregate(PER_TOKEN, MASK, "sum")
+    x = torch.ones(2, 3, requires_grad=True)
+    out = aggregate(x, torch.zeros(2, 3), "token-mean")
+    out.backward()  # an all-masked microbatch still has a graph
+    assert out.item() == 0.0 and x.grad.abs().sum() == 0
+
+
+# ---------------------------------------------------------------------------------------
+# PPO policy loss
+# ---------------------------------------------------------------------------------------
+
+
+def test_clip_both_sides_and_gradient():
+    ratios = [1.5, 0.5, 1.1, 0.7, 1.5]
+    adv = row([1.0, 1.0, -1.0, -1.0, -1.0])
+    old = torch.zeros(1, 5)
+    logp = logs(ratios).requires_grad_()
+    loss, stats = ppo_actor_loss(logp, old, adv, torch.ones(1, 5), eps_clip=0.2)
+    # per token: max(-A r, -A clip(r, .8, 1.2))
+    #  r=1.5 A=+1: max(-1.5, -1.2) = -1.2 (clipped) | r=0.5 A=+1: max(-.5, -.8) = -.5
+    #  r=1.1 A=-1: 1.1                              | r=0.7 A=-1: max(.7, .8) = .8 (clipped)
+    #  r=1.5 A=-1: max(1.5, 1.2) = 1.5
+    assert loss.item() == pytest.approx((-1.2 - 0.5 + 1.1 + 0.8 + 1.5) / 5)
+    assert stats["clip_frac"].item() == pytest.approx(2 / 5)
+    assert stats["ratio_mean"].item() == pytest.approx(sum(ratios) / 5)
+    assert stats["approx_kl"].item() == pytest.approx(sum(0.5 * math.log(r) ** 2 for r in ratios) / 5)
+    loss.backward()
+    # d/dlogp (-A r) = -A r where the unclipped branch is active, 0 where clipped.
+    torch.testing.assert_close(logp.grad, row([0.0, -0.5 / 5, 1.1 / 5, 0.0, 1.5 / 5]))
+
+
+def test_clip_higher():
+    logp = logs([1.5, 0.7])
+    loss, stats = ppo_actor_loss(logp, torch.zeros(1, 2), row([1.0, -1.0]), torch.ones(1, 2), eps_clip=0.2,
+                                 eps_clip_higher=0.6)
+    # upper bound 1.6: r=1.5 is inside -> -1.5 ; lower bound still .8: r=.7 A<0 -> .8
+    assert loss.item() == pytest.approx((-1.5 + 0.8) / 2)
+    assert stats["clip_frac"].item() == pytest.approx(0.5)
+
+
+def test_dual_clip_only_for_negative_advantages():
+    logp = logs([4.0, 4.0, 2.0]).requires_grad_()
+    adv = row([-1.0, 1.0, -1.0])
+    loss, stats = ppo_actor_loss(logp, torch.zeros(1, 3), adv, torch.ones(1, 3), eps_clip=0.2, c_clip=3.0)
+    # r=4 A=-1: max(4, 1.2) = 4 -> capped at c=3 | r=4 A=+1: -1.2 (normal clip) | r=2 A=-1: 2 < 3 kept
+    assert loss.item() == pytest.approx((3.0 - 1.2 + 2.0) / 3)
+    assert stats["dual_clip_frac"].item() == pytest.approx(1 / 3)
+    assert stats["clip_frac"].item() == pytest.approx(1 / 3)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, row([0.0, 0.0, 2.0 / 3]))
+    with pytest.raises(ValueError, match="greater than 1"):
+        ppo_actor_loss(logp, torch.zeros(1, 3), adv, torch.ones(1, 3), eps_clip=0.2, c_clip=0.5)
+
+
+def test_masking_ignores_padding_even_if_it_is_inf():
+    logp = torch.tensor([[float("-inf"), math.log(1.5), 0.0, float("nan")]], requires_grad=True)
+    old = torch.tensor([[0.0, 0.0, 0.0, 5.0]])
+    adv = torch.tensor([[100.0, 1.0, -2.0, float("nan")]])
+    mask = torch.tensor([[0, 1, 1, 0]])
+    loss, stats = ppo_actor_loss(logp, old, adv, mask, eps_clip=0.2)
+    assert loss.item() == pytest.approx((-1.2 + 2.0) / 2)
+    loss.backward()
+    assert torch.isfinite(logp.grad).all()
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, 0.0, 1.0, 0.0]]))
+    logp.grad = None
+    ref = torch.tensor([[float("nan"), math.log(1.5), 0.0, 3.0]])  # kl 0 on both loss tokens
+    loss, stats = ppo_actor_loss(logp, old, adv, mask, eps_clip=0.2, ref_logprobs=ref, kl_loss_coef=1.0)
+    assert loss.item() == pytest.approx((-1.2 + 2.0) / 2) and stats["kl_loss"].item() == 0.0
+    loss.backward()
+    assert torch.isfinite(logp.grad).all()
+
+
+def test_gspo_sequence_ratio():
+    # Row 0: token log-ratios .1 .2 .3 -> s = exp(.2) ; row 1: .5 .5 -> s = exp(.5) = 1.65 > 1.3 (clipped).
+    logp = torch.tensor([[0.0, 0.1, 0.2, 0.3], [0.0, 0.5, 0.5, 0.0]], requires_grad=True)
+    old = torch.zeros(2, 4)
+    mask = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 0]])
+    adv = torch.ones(2, 4)
+    s0 = math.exp(0.2)
+    loss, stats = ppo_actor_loss(logp, old, adv, mask, eps_clip=0.3, importance_sampling_level="sequence")
+    assert loss.item() == pytest.approx((-3 * s0 - 2 * 1.3) / 5, rel=1e-6)
+    assert stats["clip_frac"].item() == pytest.approx(2 / 5)
+    assert stats["ratio_mean"].item() == pytest.approx((3 * s0 + 2 * math.exp(0.5)) / 5, rel=1e-6)
+    loss.backward()
+    # The gradient of every token of row 0 is -A * s / N (GSPO-token); row 1 is clipped.
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, -s0 / 5, -s0 / 5, -s0 / 5], [0.0, 0.0, 0.0, 0.0]]))
+    seq_loss, _ = ppo_actor_loss(logp.detach(), old, adv, mask, eps_clip=0.3, importance_sampling_level="sequence",
+                                 agg_mode="seq-mean-token-mean")
+    assert seq_loss.item() == pytest.approx((-s0 - 1.3) / 2, rel=1e-6)
+
+
+def test_decoupled_truncate_and_mask_token_level():
+    prox = torch.zeros(1, 3)
+    logp = torch.zeros(1, 3)  # ratio to the proximal policy is 1: only the behaviour weight matters
+    behav = -logs([0.5, 2.0, 4.0])  # w = exp(prox - behav) = .5, 2, 4
+    adv = row([1.0, 1.0, -1.0])
+    mask = torch.ones(1, 3)
+    loss, stats = ppo_actor_loss(logp, prox, adv, mask, eps_clip=0.2, behav_logprobs=behav, behav_imp_weight_cap=3.0,
+                                 behav_imp_weight_mode="truncate")
+    assert loss.item() == pytest.approx((-0.5 - 2.0 + 3.0) / 3)
+    assert stats["behav_imp_weight"].item() == pytest.approx((0.5 + 2 + 3) / 3)
+    assert stats["behav_mask_frac"].item() == pytest.approx(1 / 3)
+    loss, stats = ppo_actor_loss(logp, prox, adv, mask, eps_clip=0.2, behav_logprobs=behav, behav_imp_weight_cap=3.0,
+                                 behav_imp_weight_mode="mask")
+    assert loss.item() == pytest.approx((-0.5 - 2.0 + 0.0) / 3)
+    assert stats["behav_imp_weight"].item() == pytest.approx((0.5 + 2) / 3)
+    no_cap, _ = ppo_actor_loss(logp, prox, adv, mask, eps_clip=0.2, behav_logprobs=behav)
+    assert no_cap.item() == pytest.approx((-0.5 - 2.0 + 4.0) / 3)
+
+
+def test_decoupled_weight_multiplies_clipped_surrogate():
+    logp = logs([1.5]).requires_grad_()
+    prox = torch.zeros(1, 1)
+    behav = -logs([2.0])
+    loss, _ = ppo_actor_loss(logp, prox, row([1.0]), torch.ones(1, 1), eps_clip=0.2, behav_logprobs=behav)
+    assert loss.item() == pytest.approx(2.0 * -1.2)  # w * max(-1.5, -1.2)
+    logp2 = logs([0.9]).requires_grad_()
+    loss2, _ = ppo_actor_loss(logp2, prox, row([1.0]), torch.ones(1, 1), eps_clip=0.2, behav_logprobs=behav)
+    loss2.backward()
+    assert logp2.grad.item() == pytest.approx(-2.0 * 0.9)  # unclipped: d(-w r A)/dlogp = -w r A
+
+
+def test_decoupled_sequence_level_weights():
+    logp = torch.zeros(2, 3)
+    prox = torch.zeros(2, 3)
+    # Row 0: w = .5 and 2 -> geometric mean 1. Row 1: w = 4, 4 -> 4 (> cap 3: masked as a whole).
+    behav = torch.stack([-logs([1.0, 0.5, 2.0])[0], -logs([1.0, 4.0, 4.0])[0]])
+    mask = torch.tensor([[0, 1, 1], [0, 1, 1]])
+    adv = torch.ones(2, 3)
+    loss, stats = ppo_actor_loss(logp, prox, adv, mask, eps_clip=0.2, behav_logprobs=behav, behav_imp_weight_cap=3.0,
+                                 behav_imp_weight_mode="mask", behav_imp_weight_level="sequence")
+    assert loss.item() == pytest.approx((-1.0 - 1.0 + 0.0 + 0.0) / 4)
+    assert stats["behav_mask_frac"].item() == pytest.approx(0.5)
+    trunc, _ = ppo_actor_loss(logp, prox, adv, mask, eps_clip=0.2, behav_logprobs=behav, behav_imp_weight_cap=3.0,
+                              behav_imp_weight_mode="truncate", behav_imp_weight_level="sequence")
+    assert trunc.item() == pytest.approx((-1.0 - 1.0 - 3.0 - 3.0) / 4)
+
+
+def test_entropy_bonus_and_kl_loss():
+    logp = torch.tensor([[0.0, -1.0, -2.0]])
+    old = logp.clone()
+    ref = torch.tensor([[0.0, -2.0, -1.0]])
+    adv = row([0.0, 1.0, -1.0])
+    mask = torch.tensor([[0, 1, 1]])
+    entropy = row([9.0, 0.5, 1.5])
+    loss, stats = ppo_actor_loss(logp, old, adv, mask, eps_clip=0.2, entropy=entropy, entropy_coef=0.1,
+                                 ref_logprobs=ref, kl_loss_coef=0.5, kl_estimator="k3")
+    pg = (-1.0 + 1.0) / 2
+    k3 = [math.exp(-1) + 1 - 1, math.exp(1) - 1 - 1]  # r = ref - logp = -1, +1
+    expected = pg - 0.1 * (0.5 + 1.5) / 2 + 0.5 * sum(k3) / 2
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    assert stats["entropy"].item() == pytest.approx(1.0)
+    assert stats["kl_loss"].item() == pytest.approx(sum(k3) / 2, rel=1e-6)
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        ppo_actor_loss(logp, old, adv, mask, eps_clip=0.2, kl_loss_coef=0.5)
+
+
+def test_seq_mean_modes_in_actor_loss():
+    logp = torch.zeros(2, 4)
+    adv = torch.tensor([[0.0, 1.0, 2.0, 3.0], [0.0, 4.0, 0.0, 0.0]])
+    mask = torch.tensor([[0, 1, 1, 1], [0, 1, 0, 0]])
+    # ratio 1 -> per-token loss is -A
+    cases = {
+        "token-mean": -(1 + 2 + 3 + 4) / 4,
+        "seq-mean-token-sum": -(6 + 4) / 2,
+        "seq-mean-token-mean": -(2 + 4) / 2,
+        "seq-mean-token-sum-norm": -(6 / 8 + 4 / 8) / 2,
+    }
+    for mode, expected in cases.items():
+        loss, _ = ppo_actor_loss(logp, logp, adv, mask, eps_clip=0.2, agg_mode=mode, max_response_len=8)
+        assert loss.item() == pytest.approx(expected), mode
+
+
+def test_on_policy_ratio_is_one_and_gradient_is_policy_gradient():
+    torch.manual_seed(0)
+    vocab, hidden, B, S = 7, 5, 3, 6
+    layer = torch.nn.Linear(hidden, vocab)
+    x = torch.randn(B, S, hidden)
+    tokens = torch.randint(0, vocab, (B, S))
+    mask = torch.tensor([[0, 0, 1, 1, 1, 0], [0, 1, 1, 1, 1, 1], [0, 0, 0, 1, 0, 0]])
+    adv = torch.randn(B, S)
+
+    def logprobs():
+        return torch.log_softmax(layer(x), -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+    old = logprobs().detach()
+    logp = logprobs()
+    logp.retain_grad()
+    loss, stats = ppo_actor_loss(logp, old, adv, mask, eps_clip=0.2, eps_clip_higher=0.28, c_clip=3.0)
+    assert stats["ratio_mean"].item() == 1.0
+    assert stats["clip_frac"].item() == 0.0 and stats["dual_clip_frac"].item() == 0.0
+    loss.backward()
+    n = mask.sum()
+    torch.testing.assert_close(logp.grad, -adv * mask / n)
+    grads = [p.grad.clone() for p in layer.parameters()]
+    layer.zero_grad()
+    (-(adv * logprobs() * mask).sum() / n).backward()
+    for g, p in zip(grads, layer.parameters()):
+        torch.testing.assert_close(g, p.grad)
+
+
+# ---------------------------------------------------------------------------------------
+# critic
+# ---------------------------------------------------------------------------------------
+
+
+def test_critic_clipped_value_loss():
+    values = row([1.0, 2.0, 3.0]).requires_grad_()
+    old = row([1.0, 1.5, 3.5])
+    returns = row([2.0, 1.0, 3.0])
+    loss, stats = ppo_critic_loss(values, old, returns, torch.ones(1, 3), value_eps_clip=0.2)
+    # t1: both errors 1 -> .5 | t2: v_clip 1.7: max(1, .49) -> .5 | t3: v_clip 3.3: max(0, .09) -> .045 (clipped)
+    assert loss.item() == pytest.approx((0.5 + 0.5 + 0.045) / 3)
+    assert stats["value_clip_frac"].item() == pytest.approx(1 / 3)
+    assert stats["values_mean"].item() == pytest.approx(2.0)
+    loss.backward()
+    torch.testing.assert_close(values.grad, row([-1.0 / 3, 1.0 / 3, 0.0]))
+    unclipped, _ = ppo_critic_loss(values.detach(), old, returns, torch.ones(1, 3), value_eps_clip=None)
+    assert unclipped.item() == pytest.approx((0.5 + 0.5 + 0.0) / 3)
+
+
+# ---------------------------------------------------------------------------------------
+# the microbatch invariant the engine relies on
+# ---------------------------------------------------------------------------------------
+
+
+def _random_rl_batch(B=6, S=9, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = [9, 5, 7, 3, 8, 6]
+    prompt = [2, 1, 3, 3, 2, 1]
+    attention = torch.zeros(B, S, dtype=torch.long)
+    loss_mask = torch.zeros(B, S, dtype=torch.long)
+    for b in range(B):
+        attention[b, : lengths[b]] = 1
+        if b != 3:  # row 3 has no trained token at all
+            loss_mask[b, prompt[b]: lengths[b]] = 1
+    return {
+        "attention_mask": attention,
+        "loss_mask": loss_mask,
+        "old_logprobs": -torch.rand(B, S, generator=g) * 2,
+        "logprobs": -torch.rand(B, S, generator=g) * 2,
+        "ref_logprobs": -torch.rand(B, S, generator=g) * 2,
+        "advantages": torch.randn(B, S, generator=g),
+        "old_values": torch.randn(B, S, generator=g),
+        "returns": torch.randn(B, S, generator=g),
+    }, {"logprobs": -torch.rand(B, S, generator=g) * 2, "entropy": torch.rand(B, S, generator=g) * 3,
+        "values": torch.randn(B, S, generator=g)}
+
+
+def _rows(tensors, idx):
+    idx_t = torch.tensor(idx, dtype=torch.long)
+    width = int(tensors["attention_mask"][idx_t].sum(-1).max()) if idx else 0
+    return {k: v[idx_t][:, :width] for k, v in tensors.items()}
+
+
+SPLITS = [
+    [[0, 1, 2, 3, 4, 5]],
+    [[0], [1], [2], [3], [4], [5]],
+    [[0, 5], [1, 3], [2, 4]],
+    [[3], [0, 1, 2, 4, 5], []],  # a microbatch with no loss tokens and an empty one
+]
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+@pytest.mark.parametrize("kind", ["actor", "decoupled-gspo", "critic"])
+def test_weighted_microbatch_losses_equal_full_batch(mode, kind):
+    batch, outputs = _random_rl_batch()
+    if kind == "critic":
+        loss_fn = make_critic_loss_fn(value_eps_clip=0.3, agg_mode=mode, max_response_len=9)
+        out_keys = {"attention_mask": batch["attention_mask"], "values": outputs["values"]}
+    else:
+        extra = dict(use_decoupled_loss=True, importance_sampling_level="sequence", behav_imp_weight_cap=1.5,
+                     behav_imp_weight_mode="mask") if kind == "decoupled-gspo" else {}
+        loss_fn = make_actor_loss_fn(eps_clip=0.2, eps_clip_higher=0.3, c_clip=2.0, entropy_coef=0.01,
+                                     kl_loss_coef=0.1, kl_estimator="k3", agg_mode=mode, max_response_len=9, **extra)
+        out_keys = {"attention_mask": batch["attention_mask"], "logprobs": outputs["logprobs"],
+                    "entropy": outputs["entropy"]}
+    leaves = {k: v.clone().requires_grad_() for k, v in out_keys.items() if k != "attention_mask"}
+
+    def run(split):
+        total_w = sum(loss_weight(_rows(batch, mb), mode) for mb in split)
+        total, stats_acc, grads = 0.0, {}, None
+        for k in leaves:
+            leaves[k].grad = None
+        for mb in split:
+            mb_batch = _rows(batch, mb)
+            idx = torch.tensor(mb, dtype=torch.long)
+            width = mb_batch["loss_mask"].shape[1]
+            mb_out = {k: v[idx][:, :width] for k, v in leaves.items()}
+            loss, stats = loss_fn(mb_out, mb_batch)
+            w = loss_weight(mb_batch, mode)
+            (loss * w / total_w).backward()
+            total += loss.item() * w / total_w
+            for k, v in stats.items():
+                stats_acc[k] = stats_acc.get(k, 0.0) + v.item() * w / total_w
+        grads = {k: v.grad.clone() for k, v in leaves.items()}
+        return total, stats_acc, grads
+
+    ref_loss, ref_stats, ref_grads = run(SPLITS[0])
+    for split in SPLITS[1:]:
+        loss, stats, grads = run(split)
+        assert loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-6), split
+        for k in ref_stats:
+            assert stats[k] == pytest.approx(ref_stats[k], rel=1e-5, abs=1e-6), (k, split)
+        for k in ref_grads:
+            torch.testing.assert_close(grads[k], ref_grads[k])
+    # The data really exercises the non-trivial branches.
+    if kind == "critic":
+        assert 0 < ref_stats["value_clip_frac"] < 1
+    elif kind == "actor":
+        assert 0 < ref_stats["clip_frac"] < 1 and 0 < ref_stats["dual_clip_frac"] < 1
+    else:
+        assert 0 < ref_stats["clip_frac"] < 1 and 0 < ref_stats["behav_mask_frac"] < 1
+
+
+def test_loss_weight_counts():
+    m = torch.tensor([[0, 1, 1], [0, 0, 0], [1, 0, 0]])
+    assert loss_weight({"loss_mask": m}, "token-mean") == 3.0
+    for mode in AGG_MODES[1:]:
+        assert loss_weight({"loss_mask": m}, mode) == 2.0
+    assert loss_weight({"loss_mask": m[:0]}, "token-mean") == 0.0
+
+
+def test_make_actor_loss_fn_reads_batch_keys():
+    logp = logs([1.5, 0.5])
+    mb = {"loss_mask": torch.ones(1, 2), "advantages": row([1.0, 1.0]), "logprobs": -logs([2.0, 2.0]),
+          "old_logprobs": torch.zeros(1, 2)}
+    plain = make_actor_loss_fn(eps_clip=0.2)({"logprobs": logp}, mb)[0]
+    assert plain.item() == pytest.approx((-1.2 - 0.5) / 2)  # old_logprobs is the proximal policy
+    decoupled = make_actor_loss_fn(eps_clip=0.2, use_decoupled_loss=True)({"logprobs": logp}, mb)[0]
+    assert decoupled.item() == pytest.approx(2.0 * (-1.2 - 0.5) / 2)  # mb['logprobs'] is the behaviour policy
+    with pytest.raises(ValueError, match="max_response_len"):
+        make_actor_loss_fn(eps_clip=0.2, agg_mode="seq-mean-token-sum-norm")
+
+
+def test_all_splits_cover_rows():
+    # Guard for the invariant test: every split uses every row exactly once.
+    for split in SPLITS:
+        assert sorted(itertools.chain.from_iterable(split)) == list(range(6))
