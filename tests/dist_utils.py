@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import time
 import traceback
@@ -43,10 +44,12 @@ def _child(conn, rank: int, world_size: int, port: int, threads: int, backend: s
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout))
         result = fn(*args, **kwargs)
-        conn.send(("ok", result))
+        # Plain pickle, not multiprocessing's: torch would share tensors through file
+        # descriptors that vanish when this rank exits right after sending.
+        conn.send_bytes(pickle.dumps(("ok", result)))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         try:
-            conn.send(("err", traceback.format_exc()))
+            conn.send_bytes(pickle.dumps(("err", traceback.format_exc())))
         finally:
             os._exit(1)
     try:
@@ -92,7 +95,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
             for conn in ready:
                 rank = conns.index(conn)
                 try:
-                    status, payload = conn.recv()
+                    status, payload = pickle.loads(conn.recv_bytes())
                 except EOFError:
                     procs[rank].join(1)
                     raise DistributedTestError(

@@ -40,6 +40,8 @@ from parallel.grad_clip import clip_grad_norm_
 from parallel.loss_parallel import vocab_parallel_logprobs_entropy
 
 logger = logging.getLogger("archon.engine")
+# FSDP x TP gathers over two mesh dims in sequence; DTensor warns about it on every call.
+logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 LossFn = Callable[[dict[str, torch.Tensor], Batch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 LossWeightFn = Callable[[Batch], float]
@@ -192,12 +194,13 @@ class ArchonEngine:
             values = out.full_tensor() if isinstance(out, DTensor) else out
             values = values.reshape(-1).float()
             aligned = torch.roll(values, 1).index_fill(0, starts, 0.0)
-            return {"values": unpack(aligned, mb)}
+            return {"values": unpack(aligned, mb), "_anchor": values.sum() * 0.0}
         targets = torch.roll(mb.tokens[0], -1)
         lp_next, ent_next = vocab_parallel_logprobs_entropy(out[0], targets, self.temperature)
         logprobs = torch.roll(lp_next, 1).index_fill(0, starts, 0.0)
         entropy = torch.roll(ent_next, 1).index_fill(0, starts, 0.0)
-        return {"logprobs": unpack(logprobs, mb), "entropy": unpack(entropy, mb)}
+        # ``_anchor`` keeps a graph through the model even when the microbatch has no sample.
+        return {"logprobs": unpack(logprobs, mb), "entropy": unpack(entropy, mb), "_anchor": lp_next.sum() * 0.0}
 
     def _plan(self, batch: Batch):
         mb_spec = self.config.mb_spec
@@ -229,13 +232,14 @@ class ArchonEngine:
             self._set_gradient_sync(i == len(my_mbs) - 1)
             packed = self._pack(batch, indices)
             outputs = self._run_model(packed)
+            anchor = outputs.pop("_anchor")
             if indices:
                 mb = rows_of(batch, indices)
                 loss, stats = loss_fn(outputs, mb)
                 weight = float(loss_weight_fn(mb))
             else:
                 # A rank without samples still runs backward so FSDP's collectives line up.
-                loss = sum(v.sum() for v in outputs.values()) * 0.0
+                loss = anchor
                 stats, weight = {}, 0.0
             scaled = loss * (weight / total_weight)
             (scaled * grad_scale).backward()
@@ -280,6 +284,7 @@ class ArchonEngine:
         my_indices: list[int] = []
         for indices in self._plan(batch):
             outputs = self._run_model(self._pack(batch, indices))
+            outputs.pop("_anchor")
             if not indices:
                 continue
             my_indices.extend(indices)

@@ -1,4 +1,4 @@
-"""Parallelization of Qwen2 (applied by the engine)."""
+"""Parallelization of Qwen2: the shared Qwen decoder plan (TP -> EP -> CP -> AC -> compile -> FSDP)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,9 @@ from typing import Any
 
 import torch.nn as nn
 
-from models.infra import require_single_device
+from models.common.parallelize import parallelize_decoder
 
 
 def parallelize_qwen2(model: nn.Module, parallel_dims: Any, config: Any) -> nn.Module:
-    """Apply TP -> CP -> activation checkpointing -> compile -> FSDP2; single device for now."""
-    require_single_device(parallel_dims, "qwen2")
-    return model
+    """Lay a meta-device Qwen2 model over the meshes of ``parallel_dims`` (see ``parallelize_decoder``)."""
+    return parallelize_decoder(model, parallel_dims, config)

@@ -1,0 +1,141 @@
+"""Parallelizing the shared Qwen decoder: TP -> EP -> CP -> AC -> compile -> FSDP.
+
+The plan (which module is split how) lives here because it names this model's modules; the
+techniques themselves live in ``parallel/``.  ``config`` is the engine section of Archon's
+config, used duck-typed (``dtype``, ``grad_reduce_dtype``, ``gradient_checkpointing``,
+``archon.*``) so that models never import ``archon``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn as nn
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+from parallel.activation_checkpoint import apply_ac
+from parallel.compile import apply_compile
+from parallel.fsdp import apply_fsdp
+from parallel.tensor_parallel import (
+    ExpertTensorParallel,
+    ReplicateParallel,
+    apply_tensor_parallel,
+    check_divisible,
+)
+
+
+def _tp_plan_for_block(block: nn.Module) -> dict[str, Any]:
+    attention = block.attention
+    plan: dict[str, Any] = {
+        "attention_norm": SequenceParallel(),
+        # Attention's positional inputs: x, rope (cos, sin), cu_seqlens, cache, max_seqlen.
+        "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None, None, None),
+                                        desired_input_layouts=(Replicate(), None, None, None, None)),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+    }
+    if attention.q_norm is not None:
+        # q/k are [batch, seq, local_heads, head_dim]: the norm acts per head, and the weight's
+        # gradient sums over the heads of every TP rank (Shard(2) input -> Partial grad).
+        plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    if block.moe_enabled:
+        plan.update({
+            # Every TP rank routes all tokens and runs its slice of every expert's hidden dim;
+            # the partial outputs are reduce-scattered back to sequence shards.
+            "moe": PrepareModuleInputOutput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                            use_local_input=True, output_layouts=(Partial(),),
+                                            desired_output_layouts=(Shard(1),)),
+            "moe.router.gate": ReplicateParallel(),
+            "moe.experts": ExpertTensorParallel(),
+        })
+    else:
+        plan.update({
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        })
+    return plan
+
+
+def apply_tp(model: nn.Module, tp_mesh, loss_parallel: bool = True) -> None:
+    """Tensor + sequence parallel for the decoder; the LM head returns vocab-sharded logits."""
+    args = model.args
+    tp = tp_mesh.size()
+    sizes = {"num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads}
+    if any(block.moe_enabled for block in model.layers.values()):
+        sizes["moe_intermediate_size"] = args.moe_hidden_dim
+    if any(not block.moe_enabled for block in model.layers.values()):
+        sizes["intermediate_size"] = args.hidden_dim
+    check_divisible(sizes, tp, type(model).__name__)
+
+    top: dict[str, Any] = {"norm": SequenceParallel()}
+    if model.tok_embeddings is not None:
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if model.output is not None:
+        if args.is_critic:
+            # A 1-wide value head cannot be split: replicate it and keep values sequence-sharded.
+            top["output"] = ReplicateParallel(input_layout=Shard(1), output_layout=Replicate(),
+                                              use_local_output=True)
+        else:
+            top["output"] = ColwiseParallel(input_layouts=Shard(1),
+                                            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                            use_local_output=not loss_parallel)
+    if model.norm is None:
+        top.pop("norm")
+    apply_tensor_parallel(model, tp_mesh, top)
+    for block in model.layers.values():
+        apply_tensor_parallel(block, tp_mesh, _tp_plan_for_block(block))
+    if hasattr(model, "tie_weights"):
+        # The embedding and the LM head were distributed separately; both are Shard(0) over
+        # the vocabulary, so they can share one DTensor parameter again.
+        model.tie_weights()
+
+
+def _fsdp_units(model: nn.Module) -> list[Any]:
+    units: list[Any] = []
+    tied = model.tok_embeddings is not None and model.output is not None \
+        and model.output.weight is model.tok_embeddings.weight
+    if model.tok_embeddings is not None and not tied:
+        units.append(model.tok_embeddings)
+    units.extend(model.layers.values())
+    # Tied embeddings stay with the root so that the one shared parameter is in one group.
+    head = [m for m in (model.norm, None if tied else model.output) if m is not None]
+    if head:
+        units.append(head)
+    return units
+
+
+def parallelize_decoder(model: nn.Module, parallel_dims: Any, config: Any) -> nn.Module:
+    """Apply TP (with SP and loss parallel) -> EP -> CP -> AC -> compile -> FSDP to a meta-device decoder."""
+    archon = config.archon
+    if parallel_dims.tp_enabled:
+        apply_tp(model, parallel_dims.get_mesh("tp"), loss_parallel=parallel_dims.loss_parallel_enabled)
+    if parallel_dims.ep_enabled:
+        raise NotImplementedError("expert parallel (e > 1) lands with the expert-parallel issue; use e1 for now")
+    if parallel_dims.cp_enabled:
+        raise NotImplementedError("context parallel (c > 1) lands with the context-parallel issue; use c1 for now")
+    if config.gradient_checkpointing:
+        apply_ac(model.layers, archon.ac_mode, archon.selective_ac_option, archon.ac_memory_budget,
+                 compile_enabled=archon.enable_compile,
+                 preserve_rng_state=archon.use_deterministic_algorithms, debug=archon.ac_debug)
+    if archon.enable_compile:
+        apply_compile(model.layers)
+    if parallel_dims.fsdp_enabled:
+        mesh = parallel_dims.get_mesh("hsdp") if parallel_dims.dp_replicate_enabled else \
+            parallel_dims.get_mesh("dp_shard_cp")
+        apply_fsdp(model, mesh, _fsdp_units(model), param_dtype=config.dtype, reduce_dtype=config.grad_reduce_dtype,
+                   pp_enabled=parallel_dims.pp_enabled, cpu_offload=archon.offload_params,
+                   reshard_after_forward_policy=archon.reshard_after_forward_policy)
+    return model

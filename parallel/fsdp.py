@@ -1,0 +1,56 @@
+"""FSDP2 (``fully_shard``) over the data-parallel mesh, with mixed precision and CPU offload."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def to_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in _DTYPES:
+        raise ValueError(f"dtype '{name}' is not one of {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def reshard_after_forward(policy: str, pp_enabled: bool) -> bool:
+    """default: reshard unless pipeline parallel (its microbatches would all-gather again each time)."""
+    if policy == "always":
+        return True
+    if policy == "never":
+        return False
+    if policy == "default":
+        return not pp_enabled
+    raise ValueError(f"reshard_after_forward_policy '{policy}' must be default, always or never")
+
+
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    units: Iterable[nn.Module | list[nn.Module]],
+    *,
+    param_dtype: str | torch.dtype = torch.float32,
+    reduce_dtype: str | torch.dtype = torch.float32,
+    pp_enabled: bool = False,
+    cpu_offload: bool = False,
+    reshard_after_forward_policy: str = "default",
+) -> nn.Module:
+    """Shard each unit (a module, or a list of modules sharded as one group), then the root.
+
+    ``dp_mesh`` is 1-D (FSDP over dp_shard*cp) or 2-D ``[dp_replicate, dp_shard_cp]`` (HSDP).
+    The root's reshard flag is False: its parameters are needed again right at backward.
+    """
+    mp = MixedPrecisionPolicy(param_dtype=to_dtype(param_dtype), reduce_dtype=to_dtype(reduce_dtype))
+    offload: OffloadPolicy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    reshard = reshard_after_forward(reshard_after_forward_policy, pp_enabled)
+    for unit in units:
+        fully_shard(unit, mesh=dp_mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=False)
+    return model

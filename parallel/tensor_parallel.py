@@ -1,0 +1,101 @@
+"""Tensor parallel building blocks on top of ``torch.distributed.tensor.parallel``.
+
+A model's parallelize function writes its plan (which module gets which style); the styles
+torch does not ship live here:
+
+* ``ReplicateParallel``: parameters replicated over the TP mesh, input brought to a layout,
+  output handed back local.  For small modules that should not be split (a MoE router, a
+  critic's 1-wide value head) but must hold DTensor parameters like their neighbours, so
+  that FSDP, the optimizer and gradient clipping see one kind of parameter, and so that a
+  parameter used on different tokens per rank gets its gradient summed over TP.
+* ``ExpertTensorParallel``: grouped experts ``w1, w3: [E, hidden, dim]`` split on ``hidden``
+  and ``w2: [E, dim, hidden]`` on ``hidden`` too; each rank's output is a partial sum.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+
+
+def _to_layout(x: Any, mesh: DeviceMesh, layout: Placement | None, desired: Placement | None) -> Any:
+    if layout is None or not hasattr(x, "shape"):
+        return x
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, mesh, (layout,), run_check=False)
+    if desired is not None and x.placements != (desired,):
+        x = x.redistribute(placements=(desired,), async_op=True)
+    return x
+
+
+class ReplicateParallel(ParallelStyle):
+    """Replicate every parameter over the TP mesh; the first input goes ``input_layout -> desired``."""
+
+    def __init__(self, *, input_layout: Placement | None = Replicate(), desired_input_layout: Placement | None = None,
+                 output_layout: Placement | None = None, use_local_output: bool = True):
+        super().__init__()
+        self.input_layout = input_layout
+        self.desired_input_layout = desired_input_layout or input_layout
+        self.output_layout = output_layout
+        self.use_local_output = use_local_output
+
+    def _prepare_input(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        if not inputs:
+            return inputs
+        first = _to_layout(inputs[0], mesh, self.input_layout, self.desired_input_layout)
+        return (first, *inputs[1:])
+
+    def _prepare_output(self, module: nn.Module, output: Any, mesh: DeviceMesh) -> Any:
+        if isinstance(output, DTensor):
+            if self.output_layout is not None and output.placements != (self.output_layout,):
+                output = output.redistribute(placements=(self.output_layout,), async_op=True)
+            return output.to_local() if self.use_local_output else output
+        return output
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            for pname, param in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [Replicate()]),
+                                                           requires_grad=param.requires_grad))
+
+        return distribute_module(
+            module, device_mesh, partition,
+            input_fn=lambda mod, inputs, mesh: self._prepare_input(mod, inputs, mesh),
+            output_fn=lambda mod, output, mesh: self._prepare_output(mod, output, mesh),
+        )
+
+
+class ExpertTensorParallel(ParallelStyle):
+    """Split grouped experts over the hidden dim (w1/w3 dim 1, w2 dim 2); output is a partial sum.
+
+    The module keeps its ``forward(x_sorted, num_tokens_per_expert)`` on local tensors (it
+    calls ``to_local()`` on its weights), so the surrounding MoE module must bring tokens in
+    replicated and reduce the output (see ``PrepareModuleInputOutput`` in the model's plan).
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            dims = {"w1": 1, "w3": 1, "w2": 2}
+            for pname, param in list(mod.named_parameters(recurse=False)):
+                placement = Shard(dims[pname]) if pname in dims else Replicate()
+                mod.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [placement]),
+                                                           requires_grad=param.requires_grad))
+
+        return distribute_module(module, device_mesh, partition)
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyle]) -> nn.Module:
+    """``parallelize_module`` with a plan whose keys are module paths (wildcards allowed)."""
+    return parallelize_module(model, tp_mesh, plan)
+
+
+def check_divisible(sizes: dict[str, int], tp: int, model_name: str) -> None:
+    """Raise a clear error when a head count or hidden size does not split over ``tp`` ranks."""
+    for field_name, value in sizes.items():
+        if value % tp:
+            raise ValueError(f"{model_name}: {field_name}={value} is not divisible by the tensor-parallel size "
+                             f"t{tp}; choose t from the divisors of {value}")
