@@ -48,7 +48,8 @@ def apply_fsdp(
     The root's reshard flag is False: its parameters are needed again right at backward.
     """
     mp = MixedPrecisionPolicy(param_dtype=to_dtype(param_dtype), reduce_dtype=to_dtype(reduce_dtype))
-    offload: OffloadPolicy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    # Pinned host memory needs an accelerator; on a CPU-only machine offload is the identity anyway.
+    offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     reshard = reshard_after_forward(reshard_after_forward_policy, pp_enabled)
     for unit in units:
         fully_shard(unit, mesh=dp_mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)

@@ -10,6 +10,12 @@ torch does not ship live here:
   parameter used on different tokens per rank gets its gradient summed over TP.
 * ``ExpertTensorParallel``: grouped experts ``w1, w3: [E, hidden, dim]`` split on ``hidden``
   and ``w2: [E, dim, hidden]`` on ``hidden`` too; each rank's output is a partial sum.
+
+Modules that compute on local tensors must say where gradients are partial: a rank that
+holds a slice of an expert's hidden dim produces only its share of the gradient of the
+(replicated) tokens it was given, and a router whose scores weight partial expert outputs
+gets a partial gradient too.  ``to_local(grad_placements=(Partial(),))`` marks exactly those
+points, so the gradient is summed over TP once, where it becomes replicated again.
 """
 
 from __future__ import annotations
@@ -18,7 +24,15 @@ from typing import Any
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 
@@ -36,12 +50,16 @@ class ReplicateParallel(ParallelStyle):
     """Replicate every parameter over the TP mesh; the first input goes ``input_layout -> desired``."""
 
     def __init__(self, *, input_layout: Placement | None = Replicate(), desired_input_layout: Placement | None = None,
-                 output_layout: Placement | None = None, use_local_output: bool = True):
+                 output_layout: Placement | None = None, use_local_output: bool = True,
+                 partial_output_grad: bool = False):
         super().__init__()
         self.input_layout = input_layout
         self.desired_input_layout = desired_input_layout or input_layout
         self.output_layout = output_layout
         self.use_local_output = use_local_output
+        # Set when the local output feeds a computation whose gradient differs per TP rank
+        # (e.g. a MoE router whose scores weight partial expert outputs).
+        self.partial_output_grad = partial_output_grad
 
     def _prepare_input(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
         if not inputs:
@@ -53,7 +71,9 @@ class ReplicateParallel(ParallelStyle):
         if isinstance(output, DTensor):
             if self.output_layout is not None and output.placements != (self.output_layout,):
                 output = output.redistribute(placements=(self.output_layout,), async_op=True)
-            return output.to_local() if self.use_local_output else output
+            if not self.use_local_output:
+                return output
+            return output.to_local(grad_placements=(Partial(),) if self.partial_output_grad else None)
         return output
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -85,7 +105,12 @@ class ExpertTensorParallel(ParallelStyle):
                 mod.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [placement]),
                                                            requires_grad=param.requires_grad))
 
-        return distribute_module(module, device_mesh, partition)
+        def input_fn(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+            # Tokens arrive replicated; this rank's gradient for them covers its hidden slice only.
+            x = DTensor.from_local(inputs[0], mesh, (Replicate(),), run_check=False)
+            return (x.to_local(grad_placements=(Partial(),)), *inputs[1:])
+
+        return distribute_module(module, device_mesh, partition, input_fn=input_fn)
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyle]) -> nn.Module:

@@ -140,8 +140,9 @@ class ArchonEngine:
         # Buffers (RoPE tables) and anything a checkpoint lacks (a critic's value head).
         self.model.init_weights(buffer_device=self.device)
         if self.config.path:
-            load_hf_weights(self.model, self.config.path, self.spec.state_dict_adapter_class(self.model_args),
-                            strict=not self.is_critic)
+            result = load_hf_weights(self.model, self.config.path,
+                                     self.spec.state_dict_adapter_class(self.model_args), strict=True)
+            self._init_unloaded(result.initialised)
             return
         # From scratch: initialise the full model identically on every rank from the seed, then
         # shard it, so that the initial weights do not depend on the allocation.
@@ -151,6 +152,21 @@ class ArchonEngine:
         full_sd = dict(full.named_parameters())
         for name, tensor in _named_state(self.model):
             copy_full_into(tensor, full_sd[name])
+
+    @torch.no_grad()
+    def _init_unloaded(self, names: list[str]) -> None:
+        """Seeded init of tensors a checkpoint legitimately lacks (a critic's value head).
+
+        Drawn as full tensors from a generator seeded by the run seed and the name, then
+        sharded, so the values do not depend on the allocation.
+        """
+        params = dict(_named_state(self.model))
+        std = getattr(self.model_args, "initializer_range", 0.02)
+        for name in names:
+            target = params[name]
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + sum(map(ord, name)))
+            full = torch.empty(target.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
+            copy_full_into(target, full)
 
     # ------------------------------------------------------------------ helpers
     @property

@@ -56,7 +56,7 @@ def _tp_plan_for_block(block: nn.Module) -> dict[str, Any]:
             "moe": PrepareModuleInputOutput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
                                             use_local_input=True, output_layouts=(Partial(),),
                                             desired_output_layouts=(Shard(1),)),
-            "moe.router.gate": ReplicateParallel(),
+            "moe.router.gate": ReplicateParallel(partial_output_grad=True),
             "moe.experts": ExpertTensorParallel(),
         })
     else:
