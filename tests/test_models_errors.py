@@ -181,12 +181,3 @@ def test_registering_a_user_model_type():
         unregister_model_spec("my_model")
     assert "my_model" not in models.supported_model_types()
 
-
-def test_placeholder_parallelize():
-    from types import SimpleNamespace
-
-    spec = models.get_model_spec("qwen3")
-    model = torch.nn.Linear(1, 1)
-    assert spec.parallelize_fn(model, SimpleNamespace(dp_shard=1, tp=1, pp=1, cp=1, ep=1), None) is model
-    with pytest.raises(NotImplementedError, match="engine issue"):
-        spec.parallelize_fn(model, SimpleNamespace(dp_shard=2, tp=1), None)
