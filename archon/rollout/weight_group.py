@@ -1,0 +1,59 @@
+"""A process group for weight updates that lives beside (not inside) the default group.
+
+The trainer's rank 0 and every rollout server process join one extra group
+(``init_weights_update_group`` in SGLang's protocol): the trainer is rank 0 and hosts the
+rendezvous store, server process ``i`` is ``rank_offset + i``.  Both sides call
+``init_weight_update_group`` with the same address, port, world size and group name; the
+trainer then broadcasts each tensor from rank 0.
+
+The rendezvous follows what SGLang's own ``init_custom_process_group`` does (a ``tcp://``
+store, a ``PrefixStore`` named after the group, torch's process-group constructor), so the
+trainer side also works against real SGLang servers.  A process may hold several such
+groups (one per trainer it serves) without a default group of its own.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import (
+    PrefixStore,
+    _new_process_group_helper,
+    _world,
+    rendezvous,
+)
+
+
+def init_weight_update_group(
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    backend: str = "gloo",
+    timeout_s: float = 600.0,
+) -> dist.ProcessGroup:
+    """Join (rank 0: host) the group ``group_name``; returns a group usable with ``dist.broadcast``."""
+    timeout = timedelta(seconds=timeout_s)
+    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
+                                              timeout=timeout))
+    store.set_timeout(timeout)
+    pg, _ = _new_process_group_helper(
+        world_size, rank, [], dist.Backend(backend), PrefixStore(group_name, store),
+        group_name=group_name, timeout=timeout,
+    )
+    # Register ranks so that dist.broadcast(..., group=pg) maps group rank == global rank here.
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def destroy_weight_update_group(pg: dist.ProcessGroup) -> None:
+    """Free a group made by ``init_weight_update_group``."""
+    dist.destroy_process_group(pg)
+
+
+def broadcast_tensor(tensor: torch.Tensor, pg: dist.ProcessGroup, src: int = 0) -> None:
+    """In-place broadcast from ``src`` over a weight-update group."""
+    dist.broadcast(tensor, src=src, group=pg)
