@@ -157,3 +157,52 @@ def test_export_hf_from_sharded_equals_single_device(qwen3_path, tmp_path):
     ids = make_batch(1)["input_ids"][:1]
     ours = models.load_hf_model(tmp_path / "d2t2")(ids)
     torch.testing.assert_close(hf(ids).logits, ours, atol=1e-5, rtol=1e-5)
+
+
+def _skip_and_tokens(path: str, backend: str):
+    import logging
+
+    import torch.distributed as dist
+
+    from archon.engine.engine import ArchonEngine
+
+    records: list[str] = []
+
+    class Grab(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logging.getLogger("archon.engine").addHandler(Grab())
+    logging.getLogger("archon.engine").setLevel(logging.INFO)
+    engine = ArchonEngine(engine_config(path, backend, mb_spec={"max_tokens_per_mb": 24}), total_steps=3).initialize()
+    before = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+
+    def nan_loss(outputs, mb):
+        loss, stats = sft_loss(outputs, mb)
+        return loss * float("nan"), stats
+
+    skipped = engine.train_batch(make_batch(0), nan_loss, sft_weight)
+    unchanged = all(torch.equal(before[n], p.detach()) for n, p in engine.model.named_parameters())
+    stats = engine.train_batch(make_batch(1), sft_loss, sft_weight)
+    return (skipped, unchanged, stats, records) if dist.get_rank() == 0 else None
+
+
+def test_non_finite_step_is_skipped_and_token_bound_microbatches_match(qwen3_path):
+    """A NaN gradient skips the update (weights untouched, reported); max_tokens_per_mb gives d1's losses."""
+    skipped, unchanged, stats, records = run_distributed(_skip_and_tokens, 4, qwen3_path, "archon:d2t2")[0]
+    assert skipped["update_skipped"] == 1.0 and not torch.isfinite(torch.tensor(skipped["grad_norm"]))
+    assert unchanged
+    assert stats["update_skipped"] == 0.0
+    assert any("non-finite gradient norm" in r for r in records)
+    assert "Initialized Archon engine with parallel dims: pp=1, dp_shard=2, tp=2, cp=1, ep=1, etp=1" in records
+
+    # The second step saw the same weights as d1's first step, so its loss is d1's step-1 loss
+    # on batch 1: recompute it single-process with plain n_mbs=1.
+    def first_loss_on_batch1(path: str):
+        from archon.engine.engine import ArchonEngine
+
+        engine = ArchonEngine(engine_config(path, "archon:d1"), total_steps=3).initialize()
+        return engine.train_batch(make_batch(1), sft_loss, sft_weight)["loss"]
+
+    ref = run_distributed(first_loss_on_batch1, 1, qwen3_path)[0]
+    assert abs(stats["loss"] - ref) < 1e-5
