@@ -155,8 +155,8 @@ class NormConfig:
 @dataclass
 class ActorConfig(TrainEngineConfig):
     backend: str = "archon:d1"
-    group_size: int = 1
-    """Samples per prompt that form one group for group-normalised advantages."""
+    group_size: int = 0
+    """Rows that form one group for group-normalised advantages; 0 uses gconfig.n_samples (must divide it)."""
     ppo_n_minibatches: int = 1
     """Optimizer steps per rollout batch (the batch is cut into this many minibatches)."""
     recompute_logprob: bool = False
@@ -179,8 +179,8 @@ class ActorConfig(TrainEngineConfig):
     """Decoupled loss: truncate weights above the cap, or mask those tokens out."""
     behav_imp_weight_level: Literal["token", "sequence"] = "token"
     """Decoupled loss: compute the behaviour importance weight per token or per sequence."""
-    temperature: float = 1.0
-    """Sampling temperature of the rollout; the trainer computes logprobs of logits / temperature."""
+    temperature: float = 0.0
+    """Trainer logprobs are of logits / temperature; 0 follows gconfig.temperature (1 when greedy), as the server reports."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus in the actor loss."""
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
@@ -627,7 +627,7 @@ def validate_config(cfg: Config, sources: dict[str, str] | None = None) -> None:
         raise ConfigError(str(exc)) from None
     positive = {
         "total_train_steps": cfg.total_train_steps, "train_dataset.batch_size": cfg.train_dataset.batch_size,
-        "actor.mb_spec.n_mbs": cfg.actor.mb_spec.n_mbs, "actor.group_size": cfg.actor.group_size,
+        "actor.mb_spec.n_mbs": cfg.actor.mb_spec.n_mbs,
         "actor.ppo_n_minibatches": cfg.actor.ppo_n_minibatches, "gconfig.n_samples": cfg.gconfig.n_samples,
         "gconfig.max_new_tokens": cfg.gconfig.max_new_tokens, "cluster.n_nodes": cfg.cluster.n_nodes,
         "cluster.n_gpus_per_node": cfg.cluster.n_gpus_per_node, "actor.archon.dp_replicate": cfg.actor.archon.dp_replicate,
@@ -635,6 +635,13 @@ def validate_config(cfg: Config, sources: dict[str, str] | None = None) -> None:
     for key, value in positive.items():
         if value < 1:
             raise ConfigError(f"{key} = {value} (from {sources.get(key, 'the defaults')}) must be at least 1")
+    group = cfg.actor.group_size
+    if group < 0 or (group and cfg.gconfig.n_samples % group):
+        raise ConfigError(f"actor.group_size = {group} must divide gconfig.n_samples = {cfg.gconfig.n_samples} "
+                          "(the samples of one prompt), or be 0 to use gconfig.n_samples")
+    if cfg.actor.temperature < 0 or cfg.gconfig.temperature < 0:
+        raise ConfigError("actor.temperature and gconfig.temperature must not be negative (0 = greedy / follow "
+                          "gconfig)")
     if cfg.actor.c_clip and cfg.actor.c_clip <= 1.0:
         raise ConfigError(f"actor.c_clip = {cfg.actor.c_clip} must be greater than 1 (dual clip), or 0 to disable it")
     if cfg.actor.archon.ac_mode == "memory_budget" and cfg.actor.gradient_checkpointing \

@@ -20,14 +20,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    ok = False
     try:
         cfg = load_config(args.config, args.overrides)
         run_sft(cfg)
+        ok = True
     except (ConfigError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     finally:
-        shutdown_distributed()
+        shutdown_distributed(barrier=ok)
     return 0
 
 

@@ -47,7 +47,9 @@ def init_distributed(device_type: str, timeout_s: float = 1800.0) -> None:
                                 world_size=1, timeout=timeout)
 
 
-def shutdown_distributed() -> None:
+def shutdown_distributed(barrier: bool = True) -> None:
+    """Leave the process group; skip the barrier after a failure (the other ranks may be gone)."""
     if dist.is_initialized():
-        dist.barrier()
+        if barrier:
+            dist.barrier()
         dist.destroy_process_group()

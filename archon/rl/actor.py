@@ -1,0 +1,95 @@
+"""The PPO/GRPO actor (and the reference model) on an ArchonEngine.
+
+Every rank holds the whole rollout batch; the engine takes its data-parallel share and
+returns results in the original sample order, so actor, critic and reference may have
+different allocations over the same ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from archon.engine.engine import ArchonEngine
+from archon.rl.losses import aggregate, loss_weight, make_actor_loss_fn
+from archon.rl.rollout_batch import split_minibatches
+
+Batch = dict[str, torch.Tensor]
+
+
+def mean_stats(per_step: list[dict[str, float]], prefix: str) -> dict[str, float]:
+    """Average each statistic over the optimizer steps of one RL step, under ``prefix``."""
+    keys = sorted({k for stats in per_step for k in stats})
+    out = {}
+    for key in keys:
+        values = [s[key] for s in per_step if key in s and s[key] is not None]
+        if values:
+            out[f"{prefix}/{key}"] = sum(values) / len(values)
+    return out
+
+
+class PPOActor:
+    """Policy updates with PPO-family losses; ``compute_logprobs`` for old/proximal logprobs."""
+
+    def __init__(self, engine: ArchonEngine, cfg: Any, *, max_new_tokens: int):
+        self.engine = engine
+        self.cfg = cfg
+        self.agg_mode = cfg.loss_agg_mode
+        self.loss_fn = make_actor_loss_fn(
+            use_decoupled_loss=cfg.use_decoupled_loss,
+            eps_clip=cfg.eps_clip,
+            eps_clip_higher=cfg.eps_clip_higher or None,
+            c_clip=cfg.c_clip or None,
+            behav_imp_weight_cap=cfg.behav_imp_weight_cap or None,
+            behav_imp_weight_mode=cfg.behav_imp_weight_mode,
+            behav_imp_weight_level=cfg.behav_imp_weight_level,
+            importance_sampling_level=cfg.importance_sampling_level,
+            entropy_coef=cfg.entropy_coef,
+            kl_loss_coef=cfg.kl_loss_coef,
+            kl_estimator=cfg.kl_estimator,
+            agg_mode=cfg.loss_agg_mode,
+            max_response_len=max_new_tokens,
+        )
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: Batch) -> torch.Tensor:
+        """Per-token logprobs of the current policy ``[B, S]`` (0 at each row's first token)."""
+        return self.engine.forward(batch)["logprobs"]
+
+    def _loss_with_mismatch(self, outputs: Batch, mb: Batch) -> tuple[torch.Tensor, Batch]:
+        loss, stats = self.loss_fn(outputs, mb)
+        # The training/inference mismatch before this update: |trainer - rollout server| logprob.
+        diff = (outputs["logprobs"].detach() - mb["logprobs"]).abs()
+        stats["behav_logprob_diff"] = aggregate(diff, mb["loss_mask"], "token-mean"
+                                                if self.agg_mode == "token-mean" else "seq-mean-token-mean")
+        return loss, stats
+
+    def ppo_update(self, batch: Batch) -> dict[str, float]:
+        """``ppo_n_minibatches`` optimizer steps over the batch; mean statistics under ``actor/``.
+
+        The batch needs ``advantages``, ``loss_mask``, ``logprobs`` (behaviour) and, when the
+        proximal policy was recomputed, ``old_logprobs``; ``ref_logprobs`` for the KL loss.
+        """
+        per_step = []
+        first_diff = None
+        for i, mb in enumerate(split_minibatches(batch, self.cfg.ppo_n_minibatches)):
+            stats = self.engine.train_batch(mb, self._loss_with_mismatch, lambda m: loss_weight(m, self.agg_mode))
+            if i == 0:
+                first_diff = stats.get("behav_logprob_diff")
+            stats.pop("behav_logprob_diff", None)
+            per_step.append(stats)
+        out = mean_stats(per_step, "actor")
+        out["actor/behav_logprob_diff_first_mb"] = first_diff
+        return out
+
+
+class ReferenceModel:
+    """A frozen copy of the initial policy for KL terms (its own engine and allocation)."""
+
+    def __init__(self, engine: ArchonEngine):
+        self.engine = engine
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: Batch) -> torch.Tensor:
+        return self.engine.forward(batch)["logprobs"]

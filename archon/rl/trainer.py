@@ -1,0 +1,285 @@
+"""The RL loop: rollout -> rewards -> ref/old logprobs and values -> advantages -> updates -> weight sync.
+
+Every training rank runs this loop.  Rank 0 talks to the rollout servers and the reward
+workers and broadcasts what it got; then every rank holds the whole rollout batch and each
+engine (actor, critic, reference; each with its own allocation over the same ranks) takes
+its data-parallel share of it.  Sampling seeds depend only on ``seed``, the step and the
+sample's index, so a run does not depend on the allocation and a resumed run repeats an
+uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from archon.config import Config, ConfigError
+from archon.engine.engine import ArchonEngine
+from archon.rl.actor import PPOActor, ReferenceModel
+from archon.rl.advantages import AdvantageConfig, compute_advantages
+from archon.rl.critic import PPOCritic
+from archon.rl.kl import kl_estimate
+from archon.rl.losses import aggregate
+from archon.rl.rollout_batch import Completion, build_rollout_batch
+
+logger = logging.getLogger("archon.rl")
+
+_SEED_MOD = 2**31 - 1
+
+
+def rollout_seed(seed: int, step: int, index: int) -> int:
+    """The sampling seed of sample ``index`` of RL step ``step``: a function of these only."""
+    return (seed * 1_000_003 + step * 65_537 + index * 7_919 + 12_345) % _SEED_MOD
+
+
+def resolved_group_size(cfg: Config) -> int:
+    """Rows per normalisation group: ``actor.group_size``, or ``gconfig.n_samples`` when 0."""
+    return cfg.actor.group_size or cfg.gconfig.n_samples
+
+
+def policy_temperature(cfg: Config) -> float:
+    """What the trainer divides logits by, matching what the server reports (1 when greedy)."""
+    t = cfg.actor.temperature or cfg.gconfig.temperature
+    return t if t > 0 else 1.0
+
+
+def sampling_params(cfg: Config, extra_stop_ids: list[int]) -> dict[str, Any]:
+    """SGLang ``sampling_params`` from ``gconfig`` (seed added per sample)."""
+    g = cfg.gconfig
+    stop = sorted(set(g.stop_token_ids) | set(extra_stop_ids))
+    return {"max_new_tokens": g.max_new_tokens, "min_new_tokens": g.min_new_tokens, "temperature": g.temperature,
+            "top_p": g.top_p, "top_k": g.top_k, "min_p": g.min_p, "stop_token_ids": stop,
+            "ignore_eos": g.ignore_eos}
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+    m = mask > 0
+    return float(x[m].float().mean()) if bool(m.any()) else 0.0
+
+
+class RLTrainer:
+    """One RL run: ``RLTrainer(cfg).run()`` on every training rank (torchrun)."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        if not cfg.actor.path:
+            raise ConfigError("actor.path is empty; RL starts from a Hugging Face model folder (weights and tokenizer)")
+        if not cfg.train_dataset.path:
+            raise ConfigError("train_dataset.path is empty; point it at a jsonl of {\"prompt\", \"answer\"} rows")
+        self.group_size = resolved_group_size(cfg)
+        self.temperature = policy_temperature(cfg)
+        self.use_ref = bool(cfg.actor.kl_ctl or cfg.actor.kl_loss_coef)
+        self.use_critic = cfg.actor.adv_estimator == "gae"
+        self.adv_cfg = AdvantageConfig.from_actor_config(
+            dataclasses.replace(cfg.actor, group_size=self.group_size), max_new_tokens=cfg.gconfig.max_new_tokens)
+
+    # ------------------------------------------------------------------ setup
+    def _build_engines(self) -> None:
+        cfg = self.cfg
+        common = dict(seed=cfg.seed, device=cfg.device, temperature=self.temperature)
+        actor_steps = cfg.total_train_steps * cfg.actor.ppo_n_minibatches
+        self.actor_engine = ArchonEngine(cfg.actor, name="actor", total_steps=actor_steps, **common).initialize()
+        self.actor = PPOActor(self.actor_engine, cfg.actor, max_new_tokens=cfg.gconfig.max_new_tokens)
+        self.engines: dict[str, ArchonEngine] = {"actor": self.actor_engine}
+        self.ref = None
+        if self.use_ref:
+            ref_engine = ArchonEngine(cfg.ref, name="ref", trainable=False, **common).initialize()
+            self.ref = ReferenceModel(ref_engine)
+        self.critic = None
+        if self.use_critic:
+            critic_steps = cfg.total_train_steps * cfg.critic.ppo_n_minibatches
+            critic_engine = ArchonEngine(cfg.critic, name="critic", is_critic=True, total_steps=critic_steps,
+                                         **common).initialize()
+            self.critic = PPOCritic(critic_engine, cfg.critic, agg_mode=cfg.actor.loss_agg_mode,
+                                    max_new_tokens=cfg.gconfig.max_new_tokens)
+            self.engines["critic"] = critic_engine
+
+    def _build_data(self) -> None:
+        from transformers import AutoTokenizer
+
+        from archon.data.rl_dataset import PromptLoader, RLPromptDataset
+
+        cfg = self.cfg
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.actor.path)
+        dataset = RLPromptDataset(cfg.train_dataset.path, self.tokenizer, max_prompt_length=cfg.train_dataset.max_length)
+        if self.rank0:
+            logger.info("RL data: %d prompts from %s (%d dropped as longer than train_dataset.max_length=%d)",
+                        len(dataset), cfg.train_dataset.path, dataset.n_dropped, cfg.train_dataset.max_length)
+        self.loader = PromptLoader(dataset, cfg.train_dataset.batch_size, seed=cfg.seed,
+                                   shuffle=cfg.train_dataset.shuffle, drop_last=cfg.train_dataset.drop_last,
+                                   group_size=cfg.gconfig.n_samples)
+        pad = self.tokenizer.pad_token_id
+        self.pad_token_id = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
+        eos = self.tokenizer.eos_token_id
+        self.sampling = sampling_params(cfg, [eos] if eos is not None else [])
+
+    def _build_rollout(self) -> None:
+        """Rank 0 launches (or connects to) the servers; every rank joins the weight sync."""
+        from archon.rollout.client import RolloutClient
+        from archon.rollout.launcher import RolloutLauncher
+        from archon.rollout.weight_sync import build_weight_sync
+
+        cfg = self.cfg
+        self.launcher = None
+        self.client = None
+        if self.rank0:
+            self.launcher = RolloutLauncher(cfg)
+            addrs = self.launcher.start()
+            self.client = RolloutClient(addrs, request_timeout=cfg.rollout.request_timeout,
+                                        retries=cfg.rollout.request_retries, setup_timeout=cfg.rollout.setup_timeout)
+            self.client.wait_healthy(cfg.rollout.setup_timeout)
+        self.weight_sync = build_weight_sync(cfg, self.actor_engine, self.client)
+
+    def _build_rewards(self) -> None:
+        from archon.rl.rewards import RewardComputer
+
+        self.rewards = None
+        if self.rank0:
+            r = self.cfg.reward
+            self.rewards = RewardComputer(r.fn, n_workers=r.n_workers, timeout_s=r.timeout_s)
+
+    # ------------------------------------------------------------------ one step
+    def _rollout(self, step: int) -> tuple[list[Completion], list[float], list[Any], dict[str, float]]:
+        """Rank 0 generates and scores; every rank gets the same completions and rewards."""
+        prompts = self.loader.next_rollout_batch()
+        payload: list[Any] = [None]
+        if self.rank0:
+            t0 = time.perf_counter()
+            params = [{**self.sampling, "sampling_seed": rollout_seed(self.cfg.seed, step, i)}
+                      for i in range(len(prompts))]
+            results = self.client.generate_many([p.input_ids for p in prompts], params,
+                                                max_concurrency=self.cfg.rollout.max_concurrent_rollouts)
+            completions = [Completion(p.input_ids, list(r.output_ids), list(r.output_logprobs), dict(r.finish_reason),
+                                      str(r.weight_version)) for p, r in zip(prompts, results)]
+            t1 = time.perf_counter()
+            texts = [self.tokenizer.decode(c.output_ids, skip_special_tokens=True) for c in completions]
+            extra_keys = sorted({k for p in prompts for k in p.extra})
+            extra = {k: [p.extra.get(k) for p in prompts] for k in extra_keys}
+            rewards = self.rewards.compute([p.prompt for p in prompts], texts, [p.answer for p in prompts], **extra)
+            timing = {"rollout_time_s": t1 - t0, "reward_time_s": time.perf_counter() - t1}
+            payload = [(completions, rewards, timing)]
+        dist.broadcast_object_list(payload, src=0)
+        completions, rewards, timing = payload[0]
+        return completions, rewards, prompts, timing
+
+    def _prepare(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Reference/proximal logprobs, values and advantages, added to ``batch``; returns metrics."""
+        metrics: dict[str, float] = {}
+        mask = batch["loss_mask"]
+        if self.ref is not None:
+            batch["ref_logprobs"] = self.ref.compute_logprobs(batch)
+        if self.cfg.actor.recompute_logprob or self.cfg.actor.use_decoupled_loss:
+            batch["old_logprobs"] = self.actor.compute_logprobs(batch)
+            metrics["behav_prox_logprob_diff"] = _masked_mean((batch["old_logprobs"] - batch["logprobs"]).abs(), mask)
+        if self.ref is not None:
+            policy = batch.get("old_logprobs", batch["logprobs"])
+            metrics["kl_ref"] = float(aggregate(kl_estimate(policy, batch["ref_logprobs"], "k1"), mask, "token-mean"))
+        if self.critic is not None:
+            batch["values"] = self.critic.compute_values(batch)
+        adv = compute_advantages(batch, self.adv_cfg)
+        batch["advantages"] = adv["advantages"]
+        batch["returns"] = adv["returns"]
+        if self.critic is not None:
+            batch["old_values"] = batch["values"]
+        metrics["advantages_abs_mean"] = _masked_mean(batch["advantages"].abs(), mask)
+        return metrics
+
+    def _step(self, step: int) -> dict[str, Any]:
+        t_start = time.perf_counter()
+        completions, rewards, prompts, timing = self._rollout(step)
+        batch = build_rollout_batch(completions, rewards, pad_token_id=self.pad_token_id)
+        t_train = time.perf_counter()
+        record: dict[str, Any] = {"step": step, "epoch": self.loader.epoch, "kl_ref": None,
+                                  "behav_prox_logprob_diff": None}
+        record.update(self._prepare(batch))
+        actor_stats = self.actor.ppo_update(batch)
+        if record["behav_prox_logprob_diff"] is None:
+            record["behav_prox_logprob_diff"] = actor_stats.get("actor/behav_logprob_diff_first_mb")
+        actor_stats.pop("actor/behav_logprob_diff_first_mb", None)
+        record.update(actor_stats)
+        if self.critic is not None:
+            record.update(self.critic.ppo_update(batch))
+        train_time = time.perf_counter() - t_train
+        sync = self.weight_sync.sync(str(step))
+
+        r = torch.tensor(rewards, dtype=torch.float64)
+        lengths = torch.tensor([len(c.output_ids) for c in completions], dtype=torch.float64)
+        record.update({
+            "reward_mean": float(r.mean()), "reward_std": float(r.std()) if len(r) > 1 else 0.0,
+            "response_len_mean": float(lengths.mean()), "response_len_max": float(lengths.max()),
+            "no_eos_frac": float(batch["seq_no_eos_mask"].float().mean()),
+            "n_samples": len(completions), **timing, "train_time_s": train_time, **sync,
+            "step_time_s": time.perf_counter() - t_start,
+        })
+        from archon.metrics import peak_memory_gb
+
+        record["peak_mem_gb"] = peak_memory_gb(self.actor_engine.device_type)
+        if self.rank0 and self.rewards is not None:
+            record.update(self.rewards.metrics())
+        return record
+
+    # ------------------------------------------------------------------ run
+    def run(self) -> list[dict[str, Any]]:
+        from archon.engine.checkpoint import CheckpointManager
+        from archon.engine.dist import init_distributed, resolve_device_type
+        from archon.metrics import MetricsLogger
+
+        cfg = self.cfg
+        init_distributed(resolve_device_type(cfg.device))
+        self.rank0 = dist.get_rank() == 0
+        self._build_data()
+        self._build_engines()
+        ckpt = CheckpointManager(cfg.run_dir, cfg.saver.keep_last)
+        extra = ckpt.load(self.engines)
+        start = 0
+        if extra is not None:
+            self.loader.load_state_dict(extra["loader"])
+            start = int(extra["step"])
+            if self.rank0:
+                logger.info("resumed from %s at RL step %d", ckpt.latest(), start)
+        history: list[dict[str, Any]] = []
+        self.launcher = None
+        self.rewards = None
+        try:
+            self._build_rollout()
+            self._build_rewards()
+            self.weight_sync.setup()
+            if start > 0:
+                # The servers started from actor.path; give them the resumed policy.
+                self.weight_sync.sync(str(start))
+            metrics_log = MetricsLogger(cfg.run_dir, cfg.total_train_steps, enabled=self.rank0,
+                                        headline=("reward_mean", "response_len_mean", "actor/loss"),
+                                        start_step=start)
+            try:
+                for step in range(start + 1, cfg.total_train_steps + 1):
+                    record = self._step(step)
+                    history.append(record)
+                    metrics_log.log(record)
+                    freq = cfg.saver.freq_steps
+                    if (freq and step % freq == 0) or step == cfg.total_train_steps:
+                        ckpt.save(step, self.engines, {"loader": self.loader.state_dict(), "step": step})
+            finally:
+                metrics_log.close()
+            if cfg.saver.export_hf:
+                self.actor_engine.export_hf(cfg.run_dir / "hf")
+                if self.rank0:
+                    self.tokenizer.save_pretrained(cfg.run_dir / "hf")
+        finally:
+            self.close()
+        return history
+
+    def close(self) -> None:
+        if getattr(self, "rewards", None) is not None:
+            self.rewards.close()
+            self.rewards = None
+        if getattr(self, "client", None) is not None:
+            self.client.close()
+            self.client = None
+        if getattr(self, "launcher", None) is not None:
+            self.launcher.stop()
+            self.launcher = None
