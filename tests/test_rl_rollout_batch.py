@@ -11,9 +11,9 @@ from archon.rl.trainer import rollout_seed
 
 def _completions() -> list[Completion]:
     return [
-        Completion([5, 6, 7], [8, 2], [-0.5, -0.25], {"type": "stop", "matched": 2}),
-        Completion([9], [10, 11, 12], [-1.0, -2.0, -3.0], {"type": "length", "length": 3}),
-        Completion([3, 4], [], [], {"type": "abort", "message": "server paused"}),
+        Completion([5, 6, 7], [8, 2], [-0.5, -0.25], "stop"),
+        Completion([9], [10, 11, 12], [-1.0, -2.0, -3.0], "length"),
+        Completion([3, 4], [], [], "abort"),
     ]
 
 
@@ -29,7 +29,7 @@ def test_batch_is_token_aligned_with_behaviour_logprobs_on_completion_tokens():
 
 
 def test_bad_completions_are_reported():
-    bad = [Completion([1], [2, 3], [-1.0], {"type": "stop", "matched": 3})]
+    bad = [Completion([1], [2, 3], [-1.0], "stop")]
     with pytest.raises(ValueError, match="2 tokens but 1 logprobs"):
         build_rollout_batch(bad, [0.0])
     with pytest.raises(ValueError, match="one reward per completion"):

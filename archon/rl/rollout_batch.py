@@ -27,8 +27,8 @@ class Completion:
     """Generated token ids (including a final EOS/stop token when it stopped on one)."""
     output_logprobs: list[float]
     """Behaviour logprob of each generated token: log_softmax(logits / T) before top-k/top-p."""
-    finish_reason: dict[str, Any]
-    """SGLang finish reason: type 'stop' (matched id), 'length' or 'abort'."""
+    finish_reason: str
+    """'stop' (EOS or a stop token), 'length' (token budget or context) or 'abort'."""
     weight_version: str = ""
     """Weight version the server generated with."""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -37,7 +37,7 @@ class Completion:
     @property
     def truncated(self) -> bool:
         """True when the completion was cut off without a stop token (length limit or abort)."""
-        return self.finish_reason.get("type") != "stop"
+        return self.finish_reason != "stop"
 
 
 def build_rollout_batch(completions: Sequence[Completion], rewards: Sequence[float],

@@ -48,15 +48,6 @@ def policy_temperature(cfg: Config) -> float:
     return t if t > 0 else 1.0
 
 
-def sampling_params(cfg: Config, extra_stop_ids: list[int]) -> dict[str, Any]:
-    """SGLang ``sampling_params`` from ``gconfig`` (seed added per sample)."""
-    g = cfg.gconfig
-    stop = sorted(set(g.stop_token_ids) | set(extra_stop_ids))
-    return {"max_new_tokens": g.max_new_tokens, "min_new_tokens": g.min_new_tokens, "temperature": g.temperature,
-            "top_p": g.top_p, "top_k": g.top_k, "min_p": g.min_p, "stop_token_ids": stop,
-            "ignore_eos": g.ignore_eos}
-
-
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
     m = mask > 0
     return float(x[m].float().mean()) if bool(m.any()) else 0.0
@@ -115,25 +106,32 @@ class RLTrainer:
                                    group_size=cfg.gconfig.n_samples)
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
+        from archon.rollout.client import sampling_params
+
+        # The tokenizer's EOS may differ from config.json's eos_token_id (which the server stops on).
         eos = self.tokenizer.eos_token_id
-        self.sampling = sampling_params(cfg, [eos] if eos is not None else [])
+        stop = sorted(set(cfg.gconfig.stop_token_ids) | ({eos} if eos is not None else set()))
+        self.sampling = sampling_params(cfg.gconfig, stop_token_ids=stop)
 
     def _build_rollout(self) -> None:
         """Rank 0 launches (or connects to) the servers; every rank joins the weight sync."""
         from archon.rollout.client import RolloutClient
-        from archon.rollout.launcher import RolloutLauncher
+        from archon.rollout.launcher import RolloutLauncher, ranks_per_server
         from archon.rollout.weight_sync import build_weight_sync
+        from parallel.fsdp import to_dtype
 
         cfg = self.cfg
-        self.launcher = None
-        self.client = None
+        rollout_alloc = cfg.allocations()["rollout"]
         if self.rank0:
-            self.launcher = RolloutLauncher(cfg)
+            self.launcher = RolloutLauncher.from_config(cfg, cfg.run_dir)
             addrs = self.launcher.start()
-            self.client = RolloutClient(addrs, request_timeout=cfg.rollout.request_timeout,
-                                        retries=cfg.rollout.request_retries, setup_timeout=cfg.rollout.setup_timeout)
+            self.client = RolloutClient.from_config(cfg.rollout, addrs)
             self.client.wait_healthy(cfg.rollout.setup_timeout)
-        self.weight_sync = build_weight_sync(cfg, self.actor_engine, self.client)
+        # SGLang serves in its own dtype; the built-in server in the actor's.
+        dtype = to_dtype(cfg.sglang.dtype) if rollout_alloc.backend == "sglang" else to_dtype(cfg.actor.dtype)
+        self.weight_sync = build_weight_sync(
+            cfg.rollout.weight_sync, self.actor_engine, self.client, folder=cfg.run_dir / "weights",
+            chunk_mb=cfg.rollout.weight_chunk_mb, ranks_per_server=ranks_per_server(rollout_alloc), dtype=dtype)
 
     def _build_rewards(self) -> None:
         from archon.rl.rewards import RewardComputer
@@ -154,7 +152,7 @@ class RLTrainer:
                       for i in range(len(prompts))]
             results = self.client.generate_many([p.input_ids for p in prompts], params,
                                                 max_concurrency=self.cfg.rollout.max_concurrent_rollouts)
-            completions = [Completion(p.input_ids, list(r.output_ids), list(r.output_logprobs), dict(r.finish_reason),
+            completions = [Completion(p.input_ids, list(r.output_ids), list(r.output_logprobs), r.finish_reason,
                                       str(r.weight_version)) for p, r in zip(prompts, results)]
             t1 = time.perf_counter()
             texts = [self.tokenizer.decode(c.output_ids, skip_special_tokens=True) for c in completions]
@@ -243,8 +241,7 @@ class RLTrainer:
             if self.rank0:
                 logger.info("resumed from %s at RL step %d", ckpt.latest(), start)
         history: list[dict[str, Any]] = []
-        self.launcher = None
-        self.rewards = None
+        self.launcher = self.client = self.rewards = self.weight_sync = None
         try:
             self._build_rollout()
             self._build_rewards()
@@ -274,6 +271,9 @@ class RLTrainer:
         return history
 
     def close(self) -> None:
+        if getattr(self, "weight_sync", None) is not None:
+            self.weight_sync.close()
+            self.weight_sync = None
         if getattr(self, "rewards", None) is not None:
             self.rewards.close()
             self.rewards = None

@@ -6,9 +6,9 @@ rendezvous store, server process ``i`` is ``rank_offset + i``.  Both sides call
 ``init_weight_update_group`` with the same address, port, world size and group name; the
 trainer then broadcasts each tensor from rank 0.
 
-The rendezvous follows what SGLang's own ``init_custom_process_group`` does (a ``tcp://``
-store, a ``PrefixStore`` named after the group, torch's process-group constructor), so the
-trainer side also works against real SGLang servers.  A process may hold several such
+The rendezvous matches what SGLang's own ``init_custom_process_group`` does (a TCP store
+hosted by rank 0, a ``PrefixStore`` named after the group, torch's process-group
+constructor), so the trainer side also works against real SGLang servers.  A process may hold several such
 groups (one per trainer it serves) without a default group of its own.
 """
 
@@ -22,7 +22,6 @@ from torch.distributed.distributed_c10d import (
     PrefixStore,
     _new_process_group_helper,
     _world,
-    rendezvous,
 )
 
 
@@ -37,9 +36,11 @@ def init_weight_update_group(
 ) -> dist.ProcessGroup:
     """Join (rank 0: host) the group ``group_name``; returns a group usable with ``dist.broadcast``."""
     timeout = timedelta(seconds=timeout_s)
-    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
-                                              timeout=timeout))
-    store.set_timeout(timeout)
+    # The store is built directly rather than through ``rendezvous("tcp://...")``: under torchrun
+    # (TORCHELASTIC_USE_AGENT_STORE=True) that helper makes even rank 0 a client of the agent's
+    # store, so nobody would host this group's rendezvous and every rank would wait forever.
+    store = dist.TCPStore(master_address, master_port, world_size, is_master=(rank == 0), timeout=timeout,
+                          wait_for_workers=False)
     pg, _ = _new_process_group_helper(
         world_size, rank, [], dist.Backend(backend), PrefixStore(group_name, store),
         group_name=group_name, timeout=timeout,

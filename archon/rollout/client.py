@@ -1,0 +1,573 @@
+"""The trainer's client of rollout servers that speak SGLang's HTTP protocol.
+
+The trainer is synchronous, but a batch of rollouts is many requests in flight at once, and
+the weight broadcast must overlap with an HTTP call that only returns once it is done.  So
+the client owns an asyncio event loop on a background thread: every public method has an
+async core (``a...``), a blocking wrapper, and ``submit(coro)`` hands back a
+``concurrent.futures.Future`` for calls that must run while the caller does other work.
+
+Requests go to the up server with the fewest requests in flight (ties: fewest requests
+sent so far, then the lowest index, so the spread is deterministic).  A connection error,
+a timeout or an HTTP 5xx is retried with exponential backoff, preferring servers the request
+has not failed on yet; a 4xx is the caller's mistake and is raised at once with the
+server's message.  A server that refuses connections, or fails ``down_after`` times in a
+row, is marked down for the rest of the client's life: it would miss weight updates, so it
+must never silently come back with stale weights.
+
+Control calls (pause, flush, weight updates) fan out to every server that is up, and any
+server that fails or answers ``success: false`` is an error that names it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Coroutine, Sequence, TypeVar
+
+import aiohttp
+
+from archon.config import GenerationConfig, RolloutConfig
+
+logger = logging.getLogger("archon.rollout.client")
+
+T = TypeVar("T")
+
+_HEALTH_PROBE_TIMEOUT_S = 5.0
+_MAX_BACKOFF_S = 30.0
+
+
+class RolloutError(RuntimeError):
+    """A rollout server failed, refused a request, or cannot be reached; the message names it."""
+
+
+class RolloutRequestError(RolloutError):
+    """A server rejected a request with an HTTP 4xx; retrying the same request would not help."""
+
+    def __init__(self, server: str, status: int, message: str):
+        super().__init__(f"rollout server {server} rejected the request with HTTP {status}: {message}")
+        self.server = server
+        self.status = status
+        self.message = message
+
+
+class _ServerFailure(Exception):
+    """A failure worth retrying elsewhere: connection error, timeout or 5xx."""
+
+    def __init__(self, message: str, *, refused: bool = False, timed_out: bool = False):
+        super().__init__(message)
+        self.refused = refused
+        self.timed_out = timed_out
+
+
+@dataclass
+class GenerateResult:
+    """One completion and its behaviour-policy logprobs."""
+
+    output_ids: list[int]
+    """Generated token ids (prompt excluded)."""
+    output_logprobs: list[float]
+    """Logprob of each generated token under the server's weights; empty if logprobs were not asked for."""
+    finish_reason: str
+    """'stop' (EOS or a stop token), 'length' (max_new_tokens or context) or 'abort'."""
+    prompt_tokens: int
+    """Prompt length as the server counted it."""
+    weight_version: str
+    """Version of the weights that produced the completion."""
+    server: str
+    """Address of the server that answered."""
+    matched_stop: int | None = None
+    """Token id that ended the completion when finish_reason is 'stop' (None if unknown)."""
+
+
+@dataclass
+class _Server:
+    """Load and health of one server, touched only on the client's event loop."""
+
+    index: int
+    """Position in the client's address list (tie-breaker)."""
+    url: str
+    """Base URL, e.g. http://127.0.0.1:30000."""
+    in_flight: int = 0
+    """Generate requests currently waiting on this server."""
+    sent: int = 0
+    """Generate requests sent so far."""
+    consecutive_failures: int = 0
+    """Failures since the last success."""
+    down: bool = False
+    """Marked down: receives no more requests."""
+    last_error: str = ""
+    """Most recent failure, for error messages."""
+
+
+def normalize_addr(addr: str) -> str:
+    """'host:port' or 'http://host:port[/]' -> 'http://host:port'."""
+    addr = addr.strip().rstrip("/")
+    if not addr:
+        raise ValueError("a rollout server address is empty; write it as host:port, e.g. 127.0.0.1:30000")
+    return addr if "://" in addr else f"http://{addr}"
+
+
+def sampling_params(gconfig: GenerationConfig, **overrides: Any) -> dict[str, Any]:
+    """SGLang ``sampling_params`` from the run's generation config (overrides win)."""
+    params: dict[str, Any] = {
+        "max_new_tokens": gconfig.max_new_tokens,
+        "min_new_tokens": gconfig.min_new_tokens,
+        "temperature": gconfig.temperature,
+        "top_p": gconfig.top_p,
+        "top_k": gconfig.top_k,
+        "min_p": gconfig.min_p,
+        "stop_token_ids": list(gconfig.stop_token_ids),
+        "ignore_eos": gconfig.ignore_eos,
+    }
+    params.update(overrides)
+    return params
+
+
+def _error_message(body: Any, text: str) -> str:
+    """The human part of an error body: SGLang answers {'error': {'message'}}, {'message'} or plain text."""
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])
+        if isinstance(err, str) and err:
+            return err
+        for key in ("message", "detail"):
+            if body.get(key):
+                return str(body[key])
+    return text.strip()[:2000] or "(empty body)"
+
+
+def _parse_generate(body: Any, server: str, return_logprob: bool) -> GenerateResult:
+    if not isinstance(body, dict) or "output_ids" not in body or "meta_info" not in body:
+        raise RolloutError(f"rollout server {server} answered /generate without output_ids/meta_info "
+                           f"(got {str(body)[:200]!r}); is it an SGLang-protocol server started with "
+                           "--skip-tokenizer-init?")
+    meta = body["meta_info"]
+    output_ids = [int(t) for t in body["output_ids"]]
+    logprobs: list[float] = []
+    if return_logprob:
+        entries = meta.get("output_token_logprobs") or []
+        logprobs = [float(e[0]) for e in entries]
+        if len(logprobs) != len(output_ids):
+            raise RolloutError(f"rollout server {server} returned {len(output_ids)} tokens but {len(logprobs)} "
+                               "logprobs; the completion cannot be trained on")
+    finish = meta.get("finish_reason")
+    matched = None
+    if isinstance(finish, dict):
+        reason = str(finish.get("type", ""))
+        if isinstance(finish.get("matched"), int):
+            matched = finish["matched"]
+    else:
+        reason = str(finish or "")
+    return GenerateResult(output_ids=output_ids, output_logprobs=logprobs, finish_reason=reason,
+                          prompt_tokens=int(meta.get("prompt_tokens", 0)),
+                          weight_version=str(meta.get("weight_version", "")), server=server,
+                          matched_stop=matched)
+
+
+class RolloutClient:
+    """Sends generate and control requests to a fixed set of rollout servers."""
+
+    def __init__(self, addrs: Sequence[str], *, request_timeout: float = 3600.0, retries: int = 3,
+                 backoff_s: float = 0.5, setup_timeout: float = 300.0, down_after: int = 3):
+        if not addrs:
+            raise ValueError("RolloutClient needs at least one server address (host:port); launch servers with "
+                             "RolloutLauncher or set rollout.server_addrs")
+        if retries < 0:
+            raise ValueError(f"rollout.request_retries = {retries} must be 0 or more")
+        urls = [normalize_addr(a) for a in addrs]
+        dupes = sorted({u for u in urls if urls.count(u) > 1})
+        if dupes:
+            raise ValueError(f"rollout server address(es) {', '.join(dupes)} listed more than once; list each "
+                             "server once")
+        self._servers = [_Server(i, u) for i, u in enumerate(urls)]
+        self.request_timeout = request_timeout
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.setup_timeout = setup_timeout
+        self.down_after = max(1, down_after)
+        self._healthy = False
+        self._group_members: dict[str, list[_Server]] = {}
+        self._counters = {"requests": 0, "retries": 0}
+
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run_loop, name="archon-rollout-client", daemon=True)
+        self._thread.start()
+        self._session: aiohttp.ClientSession | None = None
+        self._health_lock: asyncio.Lock | None = None
+        self._closed = False
+        self.submit(self._open()).result()
+
+    @classmethod
+    def from_config(cls, cfg: RolloutConfig, addrs: Sequence[str]) -> "RolloutClient":
+        return cls(addrs, request_timeout=cfg.request_timeout, retries=cfg.request_retries,
+                   setup_timeout=cfg.setup_timeout)
+
+    # ------------------------------------------------------------------ loop plumbing
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_forever()
+
+    async def _open(self) -> None:
+        # limit=0: concurrency is bounded by the caller (max_concurrency), not by the pool.
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        self._health_lock = asyncio.Lock()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> "concurrent.futures.Future[T]":
+        """Run a coroutine (e.g. ``client.ainit_weights_update_group(...)``) on the client's loop."""
+        if self._closed:
+            coro.close()
+            raise RuntimeError("this RolloutClient is closed; create a new one")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def _wait(self, coro: Coroutine[Any, Any, T]) -> T:
+        if threading.current_thread() is self._thread:
+            coro.close()
+            raise RuntimeError("a blocking RolloutClient method was called on the client's own event loop; "
+                               "await the async variant (a...) instead")
+        return self.submit(coro).result()
+
+    def close(self) -> None:
+        """Close connections and stop the loop thread (idempotent)."""
+        if getattr(self, "_closed", True):
+            return
+        if self._session is not None:
+            asyncio.run_coroutine_threadsafe(self._session.close(), self._loop).result()
+        self._closed = True
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
+
+    def __enter__(self) -> "RolloutClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def addrs(self) -> list[str]:
+        """Every server's base URL, in the order given."""
+        return [s.url for s in self._servers]
+
+    @property
+    def up_addrs(self) -> list[str]:
+        """Servers not marked down."""
+        return [s.url for s in self._servers if not s.down]
+
+    def stats(self) -> dict[str, float]:
+        """Counters for metrics: requests sent, retries, servers down."""
+        return {"rollout_requests": float(self._counters["requests"]),
+                "rollout_retries": float(self._counters["retries"]),
+                "rollout_servers_down": float(sum(s.down for s in self._servers))}
+
+    # ------------------------------------------------------------------ HTTP
+    async def _http(self, server: _Server, method: str, path: str, payload: Any = None,
+                    timeout: float | None = None) -> Any:
+        """One HTTP call; 4xx -> RolloutRequestError, retryable failures -> _ServerFailure."""
+        assert self._session is not None
+        timeout_s = self.request_timeout if timeout is None else timeout
+        try:
+            async with self._session.request(method, server.url + path, json=payload,
+                                             timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                text = await resp.text()
+                status = resp.status
+        except asyncio.TimeoutError:
+            raise _ServerFailure(f"no answer to {path} within {timeout_s:g} s", timed_out=True) from None
+        except aiohttp.ClientConnectorError as exc:
+            raise _ServerFailure(f"cannot connect ({exc.os_error or exc})", refused=True) from None
+        except aiohttp.ClientError as exc:
+            raise _ServerFailure(f"{type(exc).__name__}: {exc or 'connection lost'}") from None
+        try:
+            body: Any = json.loads(text) if text else None
+        except ValueError:
+            body = text
+        if status >= 500:
+            raise _ServerFailure(f"HTTP {status} on {path}: {_error_message(body, text)}")
+        if status >= 400:
+            raise RolloutRequestError(server.url, status, _error_message(body, text))
+        return body
+
+    def _record_failure(self, server: _Server, exc: _ServerFailure) -> None:
+        server.consecutive_failures += 1
+        server.last_error = str(exc)
+        if not server.down and (exc.refused or server.consecutive_failures >= self.down_after):
+            server.down = True
+            left = sum(not s.down for s in self._servers)
+            logger.warning("rollout server %s marked down after %d failure(s) (last: %s); %d server(s) left",
+                           server.url, server.consecutive_failures, exc, left)
+
+    def _all_down_error(self) -> RolloutError:
+        detail = "; ".join(f"{s.url} (last error: {s.last_error or 'unknown'})" for s in self._servers)
+        return RolloutError(f"all rollout servers are down: {detail}; check their logs, restart them and the run")
+
+    def _pick(self, avoid: set[str]) -> _Server:
+        up = [s for s in self._servers if not s.down]
+        if not up:
+            raise self._all_down_error()
+        fresh = [s for s in up if s.url not in avoid]
+        return min(fresh or up, key=lambda s: (s.in_flight, s.sent, s.index))
+
+    def _backoff(self, attempt: int) -> float:
+        return min(self.backoff_s * (2 ** attempt), _MAX_BACKOFF_S)
+
+    # ------------------------------------------------------------------ health
+    async def _probe(self, server: _Server) -> str | None:
+        """None if /health answers 200, else why not."""
+        try:
+            await self._http(server, "GET", "/health", timeout=_HEALTH_PROBE_TIMEOUT_S)
+            return None
+        except (_ServerFailure, RolloutRequestError) as exc:
+            return str(exc)
+
+    async def await_healthy(self, timeout: float | None = None) -> None:
+        timeout = self.setup_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        pending = [s for s in self._servers if not s.down]
+        delay = 0.05
+        while True:
+            reasons = await asyncio.gather(*(self._probe(s) for s in pending))
+            pending, why = ([s for s, r in zip(pending, reasons) if r is not None],
+                            [r for r in reasons if r is not None])
+            if not pending:
+                self._healthy = True
+                return
+            if time.monotonic() + delay > deadline:
+                detail = "; ".join(f"{s.url} ({r})" for s, r in zip(pending, why))
+                raise RolloutError(f"rollout server(s) not healthy after {timeout:g} s: {detail}; check that they "
+                                   "are running and reachable (logs under <run_dir>/rollout/ for launched servers), "
+                                   "fix rollout.server_addrs, or raise rollout.setup_timeout")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    def wait_healthy(self, timeout: float | None = None) -> None:
+        """Block until every server answers /health (default: setup_timeout); raise naming the ones that don't."""
+        self._wait(self.await_healthy(timeout))
+
+    async def _ensure_healthy(self) -> None:
+        if self._healthy:
+            return
+        assert self._health_lock is not None
+        async with self._health_lock:
+            if not self._healthy:
+                await self.await_healthy()
+
+    # ------------------------------------------------------------------ generate
+    async def agenerate(self, input_ids: Sequence[int], sampling_params: dict[str, Any], *,
+                        return_logprob: bool = True) -> GenerateResult:
+        """One completion; retried on other servers after connection errors, timeouts and 5xx."""
+        await self._ensure_healthy()
+        payload = {"input_ids": [int(t) for t in input_ids], "sampling_params": dict(sampling_params),
+                   "return_logprob": return_logprob}
+        tried: set[str] = set()
+        last = ""
+        attempts = self.retries + 1
+        for attempt in range(attempts):
+            server = self._pick(tried)
+            payload["rid"] = uuid.uuid4().hex
+            server.in_flight += 1
+            server.sent += 1
+            self._counters["requests"] += 1
+            if attempt:
+                self._counters["retries"] += 1
+            try:
+                body = await self._http(server, "POST", "/generate", payload)
+            except _ServerFailure as exc:
+                self._record_failure(server, exc)
+                if exc.timed_out:
+                    # The server may still be working on it; free its slot (best effort).
+                    self._loop.create_task(self._abort_quietly(server, payload["rid"]))
+                tried.add(server.url)
+                last = f"{server.url}: {exc}"
+                logger.debug("generate attempt %d/%d failed on %s: %s", attempt + 1, attempts, server.url, exc)
+                if attempt + 1 < attempts:
+                    await asyncio.sleep(self._backoff(attempt))
+                continue
+            finally:
+                server.in_flight -= 1
+            server.consecutive_failures = 0
+            return _parse_generate(body, server.url, return_logprob)
+        if all(s.down for s in self._servers):
+            raise self._all_down_error()
+        raise RolloutError(f"generate request failed after {attempts} attempt(s) on {', '.join(sorted(tried))}; "
+                           f"last error from {last}; check the server logs or raise rollout.request_retries")
+
+    async def _abort_quietly(self, server: _Server, rid: str) -> None:
+        try:
+            await self._http(server, "POST", "/abort_request", {"rid": rid}, timeout=_HEALTH_PROBE_TIMEOUT_S)
+        except (RolloutError, _ServerFailure):
+            pass
+
+    async def agenerate_many(self, prompts: Sequence[Sequence[int]],
+                             sampling_params: dict[str, Any] | Sequence[dict[str, Any]], *,
+                             max_concurrency: int = 0, return_logprob: bool = True) -> list[GenerateResult]:
+        if isinstance(sampling_params, dict):
+            per_prompt = [sampling_params] * len(prompts)
+        else:
+            per_prompt = list(sampling_params)
+            if len(per_prompt) != len(prompts):
+                raise ValueError(f"generate_many got {len(prompts)} prompts but {len(per_prompt)} sampling_params; "
+                                 "pass one dict for all prompts or one per prompt")
+        if not prompts:
+            return []
+        await self._ensure_healthy()
+        limit = asyncio.Semaphore(max_concurrency) if max_concurrency > 0 else None
+
+        async def one(ids: Sequence[int], params: dict[str, Any]) -> GenerateResult:
+            if limit is None:
+                return await self.agenerate(ids, params, return_logprob=return_logprob)
+            async with limit:
+                return await self.agenerate(ids, params, return_logprob=return_logprob)
+
+        tasks = [self._loop.create_task(one(p, sp)) for p, sp in zip(prompts, per_prompt)]
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        failed = next((t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None), None)
+        if failed is not None:
+            # One request is lost for good: stop the others rather than finish a batch nobody will use.
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            raise failed.exception()  # type: ignore[misc]
+        return [t.result() for t in tasks]
+
+    def generate(self, input_ids: Sequence[int], sampling_params: dict[str, Any], *,
+                 return_logprob: bool = True) -> GenerateResult:
+        """One completion (blocking)."""
+        return self._wait(self.agenerate(input_ids, sampling_params, return_logprob=return_logprob))
+
+    def generate_many(self, prompts: Sequence[Sequence[int]],
+                      sampling_params: dict[str, Any] | Sequence[dict[str, Any]], *,
+                      max_concurrency: int = 0, return_logprob: bool = True) -> list[GenerateResult]:
+        """Completions of many prompts, in input order; at most ``max_concurrency`` in flight (0: all)."""
+        return self._wait(self.agenerate_many(prompts, sampling_params, max_concurrency=max_concurrency,
+                                              return_logprob=return_logprob))
+
+    # ------------------------------------------------------------------ control fan-out
+    async def _control_one(self, server: _Server, method: str, path: str, payload: Any, retry: bool,
+                           timeout: float | None) -> Any:
+        attempts = self.retries + 1 if retry else 1
+        for attempt in range(attempts):
+            try:
+                body = await self._http(server, method, path, payload, timeout)
+                break
+            except _ServerFailure as exc:
+                if attempt + 1 == attempts:
+                    raise RolloutError(f"rollout server {server.url} failed {path}: {exc}") from None
+                await asyncio.sleep(self._backoff(attempt))
+        if isinstance(body, dict) and body.get("success") is False:
+            raise RolloutError(f"rollout server {server.url} answered {path} with success=false: "
+                               f"{body.get('message', '(no message)')}")
+        return body
+
+    async def _fan_out(self, method: str, path: str, payload: Any = None, *, retry: bool = False,
+                       servers: Sequence[_Server] | None = None, per_server: Sequence[Any] | None = None,
+                       timeout: float | None = None) -> dict[str, Any]:
+        targets = list(servers) if servers is not None else [s for s in self._servers if not s.down]
+        if not targets:
+            raise self._all_down_error()
+        bodies = per_server if per_server is not None else [payload] * len(targets)
+        tasks = [self._loop.create_task(self._control_one(s, method, path, b, retry, timeout))
+                 for s, b in zip(targets, bodies)]
+        # Fail fast: during a weight update the other servers may wait forever for a broadcast
+        # that the trainer abandons because of this failure.
+        _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        errors = [t.exception() for t in tasks if t.done() and t.exception() is not None]
+        if errors:
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            if len(errors) == 1:
+                raise errors[0]  # type: ignore[misc]
+            raise RolloutError(f"{len(errors)} rollout servers failed {path}: " + "; ".join(map(str, errors)))
+        return {s.url: t.result() for s, t in zip(targets, tasks)}
+
+    async def apause_generation(self) -> dict[str, Any]:
+        return await self._fan_out("POST", "/pause_generation", {}, retry=True)
+
+    async def acontinue_generation(self) -> dict[str, Any]:
+        return await self._fan_out("POST", "/continue_generation", {}, retry=True)
+
+    async def aflush_cache(self) -> dict[str, Any]:
+        return await self._fan_out("POST", "/flush_cache", None, retry=True)
+
+    async def aabort_all(self) -> dict[str, Any]:
+        return await self._fan_out("POST", "/abort_request", {"rid": "", "abort_all": True}, retry=True)
+
+    async def amodel_info(self) -> dict[str, Any]:
+        return await self._fan_out("GET", "/get_model_info", None, retry=True)
+
+    async def aupdate_weights_from_disk(self, path: str, version: int | str, *,
+                                       abort_all_requests: bool = False) -> dict[str, Any]:
+        return await self._fan_out("POST", "/update_weights_from_disk",
+                                   {"model_path": str(path), "weight_version": str(version),
+                                    "abort_all_requests": abort_all_requests})
+
+    def weight_group_layout(self, ranks_per_server: int) -> tuple[int, list[int]]:
+        """(world size, rank offset of each up server) of a weight-update group; the trainer is rank 0."""
+        if ranks_per_server < 1:
+            raise ValueError(f"ranks_per_server = {ranks_per_server} must be at least 1 (a server's tp size)")
+        n = sum(not s.down for s in self._servers)
+        return 1 + n * ranks_per_server, [1 + i * ranks_per_server for i in range(n)]
+
+    async def ainit_weights_update_group(self, master_address: str, master_port: int, group_name: str,
+                                         backend: str, ranks_per_server: int = 1) -> dict[str, Any]:
+        """Ask every up server to join ``group_name``; server i's processes are ranks 1+i*t .. t+i*t."""
+        members = [s for s in self._servers if not s.down]
+        world_size, offsets = self.weight_group_layout(ranks_per_server)
+        bodies = [{"master_address": master_address, "master_port": int(master_port), "rank_offset": off,
+                   "world_size": world_size, "group_name": group_name, "backend": backend} for off in offsets]
+        result = await self._fan_out("POST", "/init_weights_update_group", servers=members, per_server=bodies)
+        self._group_members[group_name] = members
+        return result
+
+    async def aupdate_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[str],
+                                               shapes: Sequence[Sequence[int]], group_name: str,
+                                               version: int | str, *, flush_cache: bool = True) -> dict[str, Any]:
+        """Tell the group's servers to receive these tensors; the trainer broadcasts them meanwhile."""
+        members = self._group_members.get(group_name)
+        if members is None:
+            raise RolloutError(f"weight-update group '{group_name}' was not initialised by this client; call "
+                               "init_weights_update_group first")
+        down = [s.url for s in members if s.down]
+        if down:
+            raise RolloutError(f"rollout server(s) {', '.join(down)} of weight-update group '{group_name}' are down, "
+                               "so the broadcast cannot complete; restart the servers and the run")
+        payload = {"names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
+                   "group_name": group_name, "weight_version": str(version), "flush_cache": flush_cache}
+        return await self._fan_out("POST", "/update_weights_from_distributed", payload, servers=members)
+
+    def pause_generation(self) -> dict[str, Any]:
+        return self._wait(self.apause_generation())
+
+    def continue_generation(self) -> dict[str, Any]:
+        return self._wait(self.acontinue_generation())
+
+    def flush_cache(self) -> dict[str, Any]:
+        return self._wait(self.aflush_cache())
+
+    def abort_all(self) -> dict[str, Any]:
+        return self._wait(self.aabort_all())
+
+    def model_info(self) -> dict[str, Any]:
+        return self._wait(self.amodel_info())
+
+    def update_weights_from_disk(self, path: str, version: int | str, *,
+                                 abort_all_requests: bool = False) -> dict[str, Any]:
+        return self._wait(self.aupdate_weights_from_disk(path, version, abort_all_requests=abort_all_requests))
+
+    def init_weights_update_group(self, master_address: str, master_port: int, group_name: str, backend: str,
+                                  ranks_per_server: int = 1) -> dict[str, Any]:
+        return self._wait(self.ainit_weights_update_group(master_address, master_port, group_name, backend,
+                                                          ranks_per_server))
+
+    def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[str],
+                                        shapes: Sequence[Sequence[int]], group_name: str, version: int | str, *,
+                                        flush_cache: bool = True) -> dict[str, Any]:
+        return self._wait(self.aupdate_weights_from_distributed(names, dtypes, shapes, group_name, version,
+                                                                flush_cache=flush_cache))

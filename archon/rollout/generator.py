@@ -1,0 +1,691 @@
+"""The generation engine of the built-in rollout server: continuous batching in one thread.
+
+One thread owns the model.  Callers (HTTP handlers, tests, scripts) ``submit`` requests and
+get ``concurrent.futures.Future`` objects back (``asyncio.wrap_future`` makes them awaitable).
+Between two decode steps the engine thread admits queued requests (one batched, right-padded
+prefill), then runs one decode forward over every running row, samples, and retires the rows
+that finished; the KV cache (``kv_cache.BatchedKVCache``) keeps one row per running request.
+
+Logprobs follow the contract in ``archon.rollout.sampling``: ``log_softmax(logits / T)`` of
+the sampled token, in float32, from the raw logits (before stop-token suppression and before
+top-k / top-p / min-p), with T = 1 for greedy requests.
+
+Control semantics (the server's endpoints map onto these one to one):
+
+* ``pause()``: running requests finish at once with reason ``abort``; queued and new requests
+  wait (are not admitted) until ``resume()``.  Weight updates still run while paused.
+* ``abort(rid)`` / ``abort_all()``: the matching queued or running requests finish with
+  reason ``abort`` and the tokens generated so far.
+* Weight updates (``run_exclusive`` and the ``update_weights_*`` helpers): admission stops,
+  running requests finish normally (or are aborted when ``abort_running``), then the update
+  runs on the engine thread, ``weight_version`` changes, and admission resumes.  So no
+  request ever mixes two weight versions, and every result reports the version it used.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import models
+from archon.rollout.kv_cache import BatchedKVCache
+from archon.rollout.sampling import SamplingParams, sample_tokens, suppress_tokens, token_logprobs
+from archon.rollout.weight_group import broadcast_tensor
+from models.state_dict_adapter import UnknownKeyError
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+# ---- requests and results -----------------------------------------------------------------
+
+@dataclass
+class GenerationRequest:
+    """One prompt to complete."""
+
+    input_ids: list[int]
+    """Prompt token ids."""
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    """How to sample and when to stop."""
+    return_logprob: bool = False
+    """Report the logprob of every generated token."""
+    rid: str | None = None
+    """Request id (for ``abort``); a random one is assigned when None."""
+
+
+@dataclass
+class GenerationResult:
+    """A finished (or aborted) request."""
+
+    rid: str
+    """Request id."""
+    output_ids: list[int]
+    """Generated token ids (a matched EOS or stop token included)."""
+    output_logprobs: list[float] | None
+    """Logprob of every generated token (see the module docstring), or None if not requested."""
+    finish_reason: dict[str, Any]
+    """SGLang's form: ``{"type": "stop", "matched": id}``, ``{"type": "length", "length": n}``
+    or ``{"type": "abort", "message": str}``."""
+    prompt_tokens: int
+    """Prompt length."""
+    weight_version: str
+    """Version of the weights every generated token was produced with."""
+    e2e_latency: float
+    """Seconds from submission to finish."""
+
+    @property
+    def completion_tokens(self) -> int:
+        """Number of generated tokens."""
+        return len(self.output_ids)
+
+
+def read_eos_token_ids(folder: str | Path) -> list[int]:
+    """EOS ids of a Hugging Face folder: ``eos_token_id`` of config.json and generation_config.json."""
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        path = Path(folder) / name
+        if not path.is_file():
+            continue
+        with open(path) as f:
+            value = json.load(f).get("eos_token_id")
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(int(v) for v in value)
+    return sorted(ids)
+
+
+# ---- engine-internal state ----------------------------------------------------------------
+
+@dataclass
+class _Sequence:
+    """A request being served: its future, random generator and tokens so far."""
+
+    request: GenerationRequest
+    """The request as submitted (rid filled in)."""
+    future: Future
+    """Resolved with a ``GenerationResult``."""
+    rng: torch.Generator
+    """The request's own generator (one uniform draw per sampled token)."""
+    stop_ids: frozenset[int]
+    """Tokens that finish the request: EOS and stop_token_ids (none with ignore_eos)."""
+    submitted: float
+    """``time.perf_counter()`` at submission."""
+    output_ids: list[int] = field(default_factory=list)
+    """Generated tokens."""
+    logprobs: list[float] = field(default_factory=list)
+    """Their logprobs (only filled when requested)."""
+    weight_version: str | None = None
+    """Version of the weights at admission."""
+
+
+@dataclass
+class _Exclusive:
+    """A function to run on the engine thread with no request running (a weight update)."""
+
+    fn: Callable[[nn.Module], Any]
+    """Called with the model."""
+    future: Future
+    """Resolved with ``fn``'s return value."""
+    weight_version: str | None
+    """New ``weight_version`` once ``fn`` succeeded (None keeps the current one)."""
+    abort_running: bool
+    """Abort running requests instead of waiting for them."""
+
+
+class Generator:
+    """Serves generation requests on ``model`` from a dedicated thread (started on construction).
+
+    Args:
+        model: an Archon causal LM taking ``(tokens, positions=, cache=)``; its ``args`` give
+            the layer count, KV heads, head dim, vocab size and default context length.
+        eos_token_ids: tokens that finish a request unless it sets ``ignore_eos``.
+        context_length: longest ``prompt + max_new_tokens``; default the model's ``max_seq_len``.
+        max_running_requests: rows decoded together at most.
+        random_seed: seeds requests without ``sampling_seed`` (with a request counter).
+        weight_version: initial version string reported in results.
+        max_prefill_tokens: padded prompt tokens per prefill forward (at least one request).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        eos_token_ids: Sequence[int] = (),
+        context_length: int | None = None,
+        max_running_requests: int = 64,
+        random_seed: int = 0,
+        weight_version: str = "default",
+        max_prefill_tokens: int = 8192,
+    ) -> None:
+        args = getattr(model, "args", None)
+        missing = [a for a in ("n_layers", "n_kv_heads", "head_dim", "vocab_size") if not hasattr(args, a)]
+        if missing:
+            raise ValueError(
+                f"{type(model).__name__}.args lacks {missing}; the generator sizes its KV cache from "
+                "them (use a model built by models.load_hf_model)."
+            )
+        if max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}.")
+        self.model = model.eval().requires_grad_(False)
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.vocab_size = int(args.vocab_size)
+        self.context_length = int(context_length if context_length is not None else getattr(args, "max_seq_len"))
+        self.max_running_requests = max_running_requests
+        self.random_seed = int(random_seed)
+        self.max_prefill_tokens = max_prefill_tokens
+        param = next(model.parameters())
+        self.device = param.device
+        self.cache = BatchedKVCache(
+            int(args.n_layers), int(args.n_kv_heads), int(args.head_dim), dtype=param.dtype,
+            device=param.device, initial_rows=min(8, max_running_requests), max_rows=max_running_requests,
+            max_length=self.context_length,
+        )
+        self._weight_version = weight_version
+        self._request_counter = 0
+
+        # Shared with caller threads, guarded by _cond's lock.
+        self._cond = threading.Condition()
+        self._inbox: list[_Sequence] = []
+        self._abort_rids: set[str] = set()
+        self._abort_everything = False
+        self._pause_waiters: list[Future] = []
+        self._paused = False
+        self._exclusive: deque[_Exclusive] = deque()
+        self._stopping = False
+
+        # Owned by the engine thread.
+        self._waiting: deque[_Sequence] = deque()
+        self._running: list[_Sequence] = []
+
+        self._thread = threading.Thread(target=self._loop, name="archon-generator", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_hf(cls, path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                **kwargs: Any) -> "Generator":
+        """Load the Hugging Face folder ``path`` and serve it (EOS ids read from the folder)."""
+        model = models.load_hf_model(path, dtype=dtype, device=device)
+        kwargs.setdefault("eos_token_ids", read_eos_token_ids(path))
+        return cls(model, **kwargs)
+
+    # ---- public API (any thread) ------------------------------------------------------
+    @property
+    def weight_version(self) -> str:
+        """Version of the weights new requests will be generated with."""
+        return self._weight_version
+
+    @property
+    def paused(self) -> bool:
+        """True between ``pause()`` and ``resume()``."""
+        return self._paused
+
+    def stats(self) -> dict[str, int]:
+        """Requests running (decoding) and queued right now (a snapshot, for monitoring and tests)."""
+        with self._cond:
+            queued = len(self._inbox) + len(self._waiting)
+            return {"num_running_reqs": len(self._running), "num_queued_reqs": queued}
+
+    def check_request(self, request: GenerationRequest) -> None:
+        """Raise ``ValueError`` (one sentence: what and how to fix) if the request cannot be served."""
+        ids = request.input_ids
+        if not isinstance(ids, list) or not ids:
+            raise ValueError("input_ids must be a non-empty list of token ids.")
+        for i, t in enumerate(ids):
+            if type(t) is not int:
+                raise ValueError(f"input_ids[{i}] is {t!r}; token ids must be integers.")
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(f"input_ids[{i}] = {t} is outside the vocabulary [0, {self.vocab_size}).")
+        params = request.sampling_params
+        params.validate()
+        if len(ids) + params.max_new_tokens > self.context_length:
+            raise ValueError(
+                f"the prompt ({len(ids)} tokens) plus max_new_tokens ({params.max_new_tokens}) exceeds the "
+                f"context length {self.context_length}; shorten the prompt or lower max_new_tokens."
+            )
+
+    def submit(self, request: GenerationRequest) -> Future:
+        """Queue ``request``; the future resolves to a ``GenerationResult``.
+
+        Raises ``ValueError`` for an invalid request and ``RuntimeError`` after ``close()``.
+        """
+        self.check_request(request)
+        if request.rid is None:
+            request.rid = uuid.uuid4().hex
+        params = request.sampling_params
+        # As in SGLang, ignore_eos switches off stop_token_ids too.
+        stop_ids = set() if params.ignore_eos else set(params.stop_token_ids) | self.eos_token_ids
+        future: Future = Future()
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("the generator is closed; create a new one.")
+            seed = params.sampling_seed
+            if seed is None:
+                seed = (self.random_seed * 1_000_003 + self._request_counter) % (2**63)
+            self._request_counter += 1
+            # Any JSON integer is a valid seed; torch takes 64 bits.
+            rng = torch.Generator(device="cpu").manual_seed(int(seed) % 2**64)
+            self._inbox.append(_Sequence(request, future, rng, frozenset(stop_ids), time.perf_counter()))
+            self._cond.notify()
+        return future
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        """Submit ``requests`` together and wait for all of them (results in the same order)."""
+        futures = [self.submit(r) for r in requests]
+        return [f.result() for f in futures]
+
+    def abort(self, rid: str) -> None:
+        """Finish the queued or running requests with id ``rid`` (reason ``abort``); unknown ids are ignored."""
+        with self._cond:
+            self._abort_rids.add(rid)
+            self._cond.notify()
+
+    def abort_all(self) -> None:
+        """Finish every queued and running request with reason ``abort``."""
+        with self._cond:
+            self._abort_everything = True
+            self._cond.notify()
+
+    def pause(self) -> Future:
+        """Abort running requests and hold queued and new ones until ``resume()``.
+
+        The future resolves once the running requests have been aborted.
+        """
+        future: Future = Future()
+        with self._cond:
+            self._paused = True
+            self._pause_waiters.append(future)
+            self._cond.notify()
+        return future
+
+    def resume(self) -> None:
+        """Admit requests again after ``pause()``."""
+        with self._cond:
+            self._paused = False
+            self._cond.notify()
+
+    def run_exclusive(
+        self,
+        fn: Callable[[nn.Module], T],
+        weight_version: str | None = None,
+        abort_running: bool = False,
+    ) -> Future:
+        """Run ``fn(model)`` on the engine thread once no request is running (see module docstring).
+
+        On success ``weight_version`` (if given) becomes the reported version; the future
+        resolves to ``fn``'s return value or its exception.
+        """
+        future: Future = Future()
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("the generator is closed; create a new one.")
+            self._exclusive.append(_Exclusive(fn, future, weight_version, abort_running))
+            self._cond.notify()
+        return future
+
+    def update_weights_from_disk(
+        self, path: str | Path, weight_version: str | None = None, abort_running: bool = False
+    ) -> Future:
+        """Load the Hugging Face folder ``path`` into the model (same architecture and shapes)."""
+        return self.run_exclusive(lambda model: load_weights_from_disk(model, path), weight_version, abort_running)
+
+    def update_weights_from_group(
+        self,
+        group: dist.ProcessGroup,
+        names: Sequence[str],
+        dtypes: Sequence[torch.dtype],
+        shapes: Sequence[Sequence[int]],
+        weight_version: str | None = None,
+        abort_running: bool = False,
+    ) -> Future:
+        """Receive HF-named tensors broadcast from rank 0 of ``group`` (in order) into the model."""
+        return self.run_exclusive(
+            lambda model: receive_weights(model, group, names, dtypes, shapes), weight_version, abort_running
+        )
+
+    def close(self) -> None:
+        """Abort everything still queued or running and stop the engine thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join()
+
+    def __enter__(self) -> "Generator":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ---- engine thread ----------------------------------------------------------------
+    def _has_work(self) -> bool:
+        return bool(
+            self._stopping or self._inbox or self._abort_rids or self._abort_everything or self._pause_waiters
+            or self._exclusive or self._running or (self._waiting and not self._paused)
+        )
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._has_work():
+                    self._cond.wait()
+                if self._stopping:
+                    break
+                self._waiting.extend(self._inbox)
+                self._inbox = []
+                abort_rids, self._abort_rids = self._abort_rids, set()
+                abort_everything, self._abort_everything = self._abort_everything, False
+                pause_waiters, self._pause_waiters = self._pause_waiters, []
+                paused = self._paused
+                exclusive = self._exclusive[0] if self._exclusive else None
+
+            self._drop_cancelled()
+            if abort_everything:
+                self._abort_where(lambda s: True, "aborted by abort_all")
+            elif abort_rids:
+                self._abort_where(lambda s: s.request.rid in abort_rids, "aborted by abort_request")
+            if pause_waiters:
+                self._abort_running("aborted by pause_generation")
+                for f in pause_waiters:
+                    _resolve(f, None)
+            if exclusive is not None:
+                if exclusive.abort_running:
+                    self._abort_running("aborted for a weight update")
+                if not self._running:
+                    self._run_exclusive(exclusive)
+                    continue
+            elif not paused:
+                self._admit()
+            if self._running:
+                self._step(self._decode)
+        self._abort_where(lambda s: True, "the server is shutting down")
+        with self._cond:
+            for s in self._inbox:
+                self._finish(s, {"type": "abort", "message": "the server is shutting down"})
+            self._inbox = []
+            for f in self._pause_waiters:
+                _resolve(f, None)
+            for op in self._exclusive:
+                _fail(op.future, RuntimeError("the generator was closed before the weight update ran."))
+            self._exclusive.clear()
+
+    def _run_exclusive(self, op: _Exclusive) -> None:
+        try:
+            with torch.no_grad():
+                value = op.fn(self.model)
+        except BaseException as e:  # noqa: BLE001  reported to the caller, the engine keeps serving
+            logger.warning("weight update failed: %s", e)
+            _fail(op.future, e)
+        else:
+            if op.weight_version is not None:
+                self._weight_version = op.weight_version
+            _resolve(op.future, value)
+        with self._cond:
+            self._exclusive.popleft()
+
+    def _finish(self, seq: _Sequence, reason: dict[str, Any]) -> None:
+        req = seq.request
+        result = GenerationResult(
+            rid=req.rid,
+            output_ids=list(seq.output_ids),
+            output_logprobs=list(seq.logprobs) if req.return_logprob else None,
+            finish_reason=reason,
+            prompt_tokens=len(req.input_ids),
+            weight_version=seq.weight_version if seq.weight_version is not None else self._weight_version,
+            e2e_latency=time.perf_counter() - seq.submitted,
+        )
+        _resolve(seq.future, result)
+
+    def _retire(self, keep: list[int]) -> None:
+        """Keep running rows ``keep`` (ascending) and compact the cache."""
+        if len(keep) != len(self._running):
+            self._running = [self._running[i] for i in keep]
+            self.cache.keep_rows(keep)
+
+    def _abort_running(self, message: str) -> None:
+        for s in self._running:
+            self._finish(s, {"type": "abort", "message": message})
+        self._running = []
+        self.cache.clear()
+
+    def _abort_where(self, pred: Callable[[_Sequence], bool], message: str) -> None:
+        reason = {"type": "abort", "message": message}
+        kept_waiting: deque[_Sequence] = deque()
+        for s in self._waiting:
+            if pred(s):
+                self._finish(s, reason)
+            else:
+                kept_waiting.append(s)
+        self._waiting = kept_waiting
+        keep = []
+        for i, s in enumerate(self._running):
+            if pred(s):
+                self._finish(s, reason)
+            else:
+                keep.append(i)
+        self._retire(keep)
+
+    def _drop_cancelled(self) -> None:
+        # A caller that cancelled its future (e.g. a disconnected HTTP client) frees its row.
+        if any(s.future.cancelled() for s in self._waiting):
+            self._waiting = deque(s for s in self._waiting if not s.future.cancelled())
+        self._retire([i for i, s in enumerate(self._running) if not s.future.cancelled()])
+
+    def _admit(self) -> None:
+        """Prefill as many queued requests as fit (running rows, padded prefill tokens)."""
+        batch: list[_Sequence] = []
+        longest = 0
+        while self._waiting and len(self._running) + len(batch) < self.max_running_requests:
+            seq = self._waiting[0]
+            if seq.request.sampling_params.max_new_tokens == 0:
+                self._waiting.popleft()
+                seq.weight_version = self._weight_version
+                self._finish(seq, {"type": "length", "length": 0})
+                continue
+            n = len(seq.request.input_ids)
+            if batch and (len(batch) + 1) * max(longest, n) > self.max_prefill_tokens:
+                break
+            batch.append(self._waiting.popleft())
+            longest = max(longest, n)
+        if batch:
+            self._step(lambda: self._prefill(batch), batch)
+
+    def _step(self, fn: Callable[[], None], new: list[_Sequence] | None = None) -> None:
+        """Run one forward; on an error fail the requests involved and keep serving."""
+        try:
+            with torch.inference_mode():
+                fn()
+        except Exception as e:  # noqa: BLE001  a model error must not kill the server
+            logger.exception("generation step failed")
+            # The cache may be half-written; every request in it starts over, so fail them all.
+            error = RuntimeError(f"generation failed: {e}")
+            for s in {id(s): s for s in self._running + (new or [])}.values():
+                _fail(s.future, error)
+            self._running = []
+            self.cache.abort_forward()
+            self.cache.clear()
+
+    def _prefill(self, batch: list[_Sequence]) -> None:
+        lengths = [len(s.request.input_ids) for s in batch]
+        longest = max(lengths)
+        tokens = torch.zeros(len(batch), longest, dtype=torch.long)
+        for i, s in enumerate(batch):
+            tokens[i, : lengths[i]] = torch.tensor(s.request.input_ids)
+        start = self.cache.add_rows(len(batch))
+        self.cache.begin_forward(start, start + len(batch), longest, valid=lengths)
+        logits = self.model(tokens.to(self.device), positions=self.cache.positions(), cache=self.cache)
+        self.cache.end_forward()
+        last = torch.tensor(lengths, device=logits.device) - 1
+        logits = logits[torch.arange(len(batch), device=logits.device), last]
+        for s in batch:
+            s.weight_version = self._weight_version
+        self._running.extend(batch)
+        self._sample_and_retire(logits, first_row=start)
+
+    def _decode(self) -> None:
+        n = len(self._running)
+        tokens = torch.tensor([s.output_ids[-1] for s in self._running], dtype=torch.long)[:, None]
+        self.cache.begin_forward(0, n, 1)
+        logits = self.model(tokens.to(self.device), positions=self.cache.positions(), cache=self.cache)
+        self.cache.end_forward()
+        self._sample_and_retire(logits[:, -1], first_row=0)
+
+    def _sample_and_retire(self, logits: torch.Tensor, first_row: int) -> None:
+        """Sample one token for running rows ``first_row..`` from ``logits [b, V]``; retire finished rows."""
+        seqs = self._running[first_row:]
+        logits = logits.float()
+        params = [s.request.sampling_params for s in seqs]
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=logits.device)
+        sample_logits = logits
+        suppress_rows = [i for i, (s, p) in enumerate(zip(seqs, params))
+                         if len(s.output_ids) < p.min_new_tokens and s.stop_ids]
+        if suppress_rows:
+            mask = torch.zeros_like(logits, dtype=torch.bool)
+            for i in suppress_rows:
+                ids = [t for t in seqs[i].stop_ids if 0 <= t < logits.shape[-1]]
+                mask[i, ids] = True
+            sample_logits = suppress_tokens(logits, mask)
+        tokens = sample_tokens(
+            sample_logits,
+            temperature,
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=logits.device),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=logits.device),
+            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=logits.device),
+            uniforms=torch.cat([torch.rand(1, generator=s.rng) for s in seqs]).to(logits.device),
+        )
+        logprobs = None
+        if any(s.request.return_logprob for s in seqs):
+            logprobs = token_logprobs(logits, temperature, tokens).tolist()
+        keep = list(range(first_row))
+        for i, (s, p, tok) in enumerate(zip(seqs, params, tokens.tolist())):
+            s.output_ids.append(tok)
+            if logprobs is not None and s.request.return_logprob:
+                s.logprobs.append(logprobs[i])
+            # Length is checked before stop tokens, as SGLang does.
+            if len(s.output_ids) >= p.max_new_tokens:
+                self._finish(s, {"type": "length", "length": p.max_new_tokens})
+            elif tok in s.stop_ids:
+                self._finish(s, {"type": "stop", "matched": tok})
+            else:
+                keep.append(first_row + i)
+        self._retire(keep)
+
+
+def _resolve(future: Future, value: Any) -> None:
+    try:
+        future.set_result(value)
+    except InvalidStateError:  # cancelled by the caller meanwhile
+        pass
+
+
+def _fail(future: Future, error: BaseException) -> None:
+    try:
+        future.set_exception(error)
+    except InvalidStateError:
+        pass
+
+
+# ---- weight updates (run on the engine thread through run_exclusive) ----------------------
+
+def _adapter(model: nn.Module) -> models.BaseStateDictAdapter:
+    return models.spec_for_model(model).state_dict_adapter_class(model.args)
+
+
+def load_weights_from_disk(model: nn.Module, path: str | Path) -> None:
+    """Load the Hugging Face folder ``path`` into ``model`` in place.
+
+    The folder's config must describe the same architecture with the same tensor shapes;
+    this is checked before any weight is touched, so a mismatch leaves the model unchanged.
+    """
+    cfg = models.read_hf_config(path)
+    spec = models.spec_for_model(model)
+    if cfg.get("model_type") not in spec.supported_model_types:
+        raise ValueError(
+            f"{path} holds a {cfg.get('model_type')!r} model but the server runs {spec.name!r}; "
+            "weights can only be updated within one architecture (restart the server for another model)."
+        )
+    new = models.build_model(cfg)  # meta device: shapes only
+    have = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    want = {n: tuple(t.shape) for n, t in new.state_dict().items()}
+    if have != want:
+        diff = sorted(n for n in have.keys() | want.keys() if have.get(n) != want.get(n))
+        raise ValueError(
+            f"{path} has a different model shape than the served model (first differences: {diff[:3]}); "
+            "weights can only be updated for the same config."
+        )
+    models.load_hf_weights(model, path, _adapter(model), strict=True)
+
+
+def _plan_received(
+    model: nn.Module, names: Sequence[str], shapes: Sequence[Sequence[int]]
+) -> list[str]:
+    """Problems with applying HF tensors ``names`` of ``shapes`` to ``model`` (empty if none)."""
+    adapter = _adapter(model)
+    targets = model.state_dict(keep_vars=True)
+    problems = []
+    for name, shape in zip(names, shapes):
+        try:
+            items = adapter.from_hf_tensor(name, torch.empty(tuple(shape), device="meta"))
+        except (UnknownKeyError, ValueError, RuntimeError) as e:
+            problems.append(f"{name!r}: {e}")
+            continue
+        for archon_name, expert, t in items:
+            dst = targets.get(archon_name)
+            if dst is None:
+                problems.append(f"{name!r} maps to {archon_name!r}, which the model does not have")
+                continue
+            if expert is not None and not 0 <= expert < dst.shape[0]:
+                problems.append(f"{name!r} is expert {expert}, but {archon_name!r} holds {dst.shape[0]} experts")
+                continue
+            want = tuple(dst.shape[1:] if expert is not None else dst.shape)
+            if tuple(t.shape) != want:
+                problems.append(f"{name!r} has shape {tuple(shape)}, the model expects {want} for {archon_name!r}")
+    return problems
+
+
+def receive_weights(
+    model: nn.Module,
+    group: dist.ProcessGroup,
+    names: Sequence[str],
+    dtypes: Sequence[torch.dtype],
+    shapes: Sequence[Sequence[int]],
+) -> None:
+    """Receive each tensor by broadcast from rank 0 of ``group``, in order, and copy it into ``model``.
+
+    Names are Hugging Face names; a per-expert tensor fills one slice of a grouped expert
+    tensor.  Every tensor is received even when the names do not fit the model (so the
+    sender, which broadcasts regardless, does not hang); then nothing is applied and a
+    ``ValueError`` lists the problems.
+    """
+    if not len(names) == len(dtypes) == len(shapes):
+        raise ValueError(
+            f"names, dtypes and shapes must have one entry per tensor, got {len(names)}, {len(dtypes)}, {len(shapes)}."
+        )
+    problems = _plan_received(model, names, shapes)
+    adapter = _adapter(model)
+    targets = model.state_dict(keep_vars=True)
+    device = next(model.parameters()).device
+    for name, dtype, shape in zip(names, dtypes, shapes):
+        tensor = torch.empty(tuple(shape), dtype=dtype, device=device)
+        broadcast_tensor(tensor, group, src=0)
+        if problems:
+            continue
+        for archon_name, expert, value in adapter.from_hf_tensor(name, tensor):
+            dst = targets[archon_name]
+            (dst if expert is None else dst[expert]).copy_(value)
+    if problems:
+        raise ValueError(
+            f"{len(problems)} received tensor(s) do not fit the served model, so none was applied: "
+            + "; ".join(problems[:5]) + (" ..." if len(problems) > 5 else "")
+        )

@@ -1,0 +1,405 @@
+"""SGLang's HTTP protocol: validate request bodies, build response bodies.
+
+The server parses raw JSON itself, so a bad request gets SGLang's answer (HTTP 400 with
+``{"error": {"message": reason}}``), never FastAPI's 422.  Known fields are type-checked;
+SGLang fields this server does not implement are accepted only with their neutral value
+(``"n": 1``, ``"repetition_penalty": 1.0``, ...) and rejected otherwise, so a client never
+silently gets something other than what it asked for.  Control endpoints (weight updates,
+abort) ignore fields they do not know, as SGLang grows them release by release.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any, Callable
+
+import torch
+
+from archon.rollout.generator import GenerationRequest, GenerationResult
+from archon.rollout.sampling import SamplingParams
+
+DEFAULT_GROUP_NAME = "weight_update_group"
+
+
+class ProtocolError(ValueError):
+    """A request body the server rejects with HTTP 400."""
+
+
+# SGLang fields without an implementation here: value -> accepted only when neutral.
+_ANY = object()
+_NEUTRAL_SAMPLING: dict[str, tuple[Any, ...]] = {
+    "n": (1,),
+    "frequency_penalty": (0, 0.0),
+    "presence_penalty": (0, 0.0),
+    "repetition_penalty": (1, 1.0),
+    "stop": (None, []),
+    "json_schema": (None,),
+    "regex": (None,),
+    "ebnf": (None,),
+    "structural_tag": (None,),
+    "custom_params": (None,),
+    "logit_bias": (None, {}),
+    "skip_special_tokens": (_ANY,),
+    "spaces_between_special_tokens": (_ANY,),
+    "no_stop_trim": (_ANY,),
+    "stream_interval": (_ANY,),
+}
+_NEUTRAL_GENERATE: dict[str, tuple[Any, ...]] = {
+    "text": (None,),
+    "input_embeds": (None,),
+    "image_data": (None,),
+    "audio_data": (None,),
+    "video_data": (None,),
+    "stream": (False, None),
+    "logprob_start_len": (-1, None),
+    "top_logprobs_num": (0, None),
+    "token_ids_logprob": (None,),
+    "return_hidden_states": (False, None),
+    "lora_path": (None,),
+    "custom_logit_processor": (None,),
+    "session_params": (None,),
+    "modalities": (None,),
+    "return_text_in_logprobs": (_ANY,),
+    "log_metrics": (_ANY,),
+    "data_parallel_rank": (_ANY,),
+    "priority": (_ANY,),
+}
+_SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
+_GENERATE_FIELDS = {"input_ids", "sampling_params", "return_logprob", "rid"}
+
+
+def error_body(message: str) -> dict[str, Any]:
+    """The body of an HTTP 400 answer to ``/generate``."""
+    return {"error": {"message": message}}
+
+
+def parse_json(body: bytes) -> Any:
+    """The decoded JSON body; ``ProtocolError`` if it is not JSON."""
+    try:
+        return json.loads(body or b"null")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ProtocolError(f"the request body is not valid JSON ({e}).") from None
+
+
+def _is_int(x: Any) -> bool:
+    return type(x) is int  # bool is an int subclass; JSON true is not a token id
+
+
+def _is_number(x: Any) -> bool:
+    return type(x) in (int, float)
+
+
+def _check_unsupported(obj: dict[str, Any], known: set[str], neutral: dict[str, tuple[Any, ...]], where: str) -> None:
+    for key, value in obj.items():
+        if key in known:
+            continue
+        if key not in neutral:
+            raise ProtocolError(f"{where} has an unknown field {key!r}; remove it.")
+        allowed = neutral[key]
+        if _ANY not in allowed and not any(value == a and type(value) is type(a) or value is a for a in allowed):
+            raise ProtocolError(
+                f"{where}.{key} = {value!r} is not supported by Archon's built-in server "
+                f"(only {allowed[0]!r}); remove it or use an SGLang server."
+            )
+
+
+def parse_sampling_params(obj: Any, where: str = "sampling_params") -> SamplingParams:
+    """``SamplingParams`` from a JSON object (None: all defaults); ``ProtocolError`` on a bad value."""
+    if obj is None:
+        return SamplingParams()
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"{where} must be a JSON object, got {type(obj).__name__}.")
+    _check_unsupported(obj, _SAMPLING_FIELDS, _NEUTRAL_SAMPLING, where)
+    obj = {k: v for k, v in obj.items() if v is not None}  # JSON null means "default"
+    values: dict[str, Any] = {}
+    for name in ("max_new_tokens", "min_new_tokens", "top_k"):
+        if name in obj:
+            if not _is_int(obj[name]):
+                raise ProtocolError(f"{where}.{name} must be an integer, got {obj[name]!r}.")
+            values[name] = obj[name]
+    for name in ("temperature", "top_p", "min_p"):
+        if name in obj:
+            if not _is_number(obj[name]):
+                raise ProtocolError(f"{where}.{name} must be a number, got {obj[name]!r}.")
+            values[name] = float(obj[name])
+    if "ignore_eos" in obj:
+        if not isinstance(obj["ignore_eos"], bool):
+            raise ProtocolError(f"{where}.ignore_eos must be true or false, got {obj['ignore_eos']!r}.")
+        values["ignore_eos"] = obj["ignore_eos"]
+    stop = obj.get("stop_token_ids")
+    if stop is not None:
+        if not isinstance(stop, list) or not all(_is_int(t) for t in stop):
+            raise ProtocolError(f"{where}.stop_token_ids must be a list of integers, got {stop!r}.")
+        values["stop_token_ids"] = list(stop)
+    seed = obj.get("sampling_seed")
+    if seed is not None:
+        if not _is_int(seed):
+            raise ProtocolError(f"{where}.sampling_seed must be an integer or null, got {seed!r}.")
+        values["sampling_seed"] = seed
+    params = SamplingParams(**values)
+    try:
+        params.validate()
+    except ValueError as e:
+        raise ProtocolError(str(e).replace("sampling_params", where, 1)) from None
+    return params
+
+
+@dataclass
+class GenerateCall:
+    """A parsed ``/generate`` body."""
+
+    requests: list[GenerationRequest]
+    """One request, or the batch in order."""
+    is_batch: bool
+    """``input_ids`` was a list of lists: answer with a JSON list."""
+
+
+def _per_item(value: Any, n: int, is_batch: bool, name: str) -> list[Any]:
+    """Broadcast a single value over a batch, or check a per-item list's length."""
+    if is_batch and isinstance(value, list):
+        if len(value) != n:
+            raise ProtocolError(f"{name} has {len(value)} entries for a batch of {n} prompts; give one per prompt.")
+        return value
+    return [value] * n
+
+
+def parse_generate(
+    payload: Any, check: Callable[[GenerationRequest], None], context_length: int | None = None
+) -> GenerateCall:
+    """Parse a ``/generate`` body; ``check`` (``Generator.check_request``) validates each request.
+
+    ``"max_new_tokens": null`` means "up to the context length", as in SGLang (needs ``context_length``).
+    """
+    if not isinstance(payload, dict):
+        raise ProtocolError("the /generate body must be a JSON object with input_ids.")
+    if payload.get("text") is not None:
+        raise ProtocolError("text prompts need a tokenizer, which this server does not load; send input_ids.")
+    _check_unsupported(payload, _GENERATE_FIELDS, _NEUTRAL_GENERATE, "the request")
+    ids = payload.get("input_ids")
+    if ids is None:
+        raise ProtocolError("input_ids is missing; send the prompt as a list of token ids.")
+    if not isinstance(ids, list) or not ids:
+        raise ProtocolError("input_ids must be a non-empty list of token ids (or a list of such lists).")
+    is_batch = isinstance(ids[0], list)
+    prompts = ids if is_batch else [ids]
+    if is_batch and not all(isinstance(p, list) for p in prompts):
+        raise ProtocolError("input_ids mixes lists and single ids; send one list of ids or a list of lists.")
+    n = len(prompts)
+
+    sampling = payload.get("sampling_params")
+    if not is_batch and isinstance(sampling, list):
+        raise ProtocolError("sampling_params is a list, but input_ids is a single prompt; send one object.")
+    return_logprob = payload.get("return_logprob", False)
+    rid = payload.get("rid")
+    if not is_batch and isinstance(rid, list):
+        raise ProtocolError("rid is a list, but input_ids is a single prompt; send one string.")
+
+    if is_batch and rid is not None and not isinstance(rid, list):
+        raise ProtocolError("rid must be a list with one id per prompt for a batch.")
+    samplings = _per_item(sampling, n, is_batch, "sampling_params")
+    logprob_flags = _per_item(return_logprob, n, is_batch, "return_logprob")
+    rids = _per_item(rid, n, is_batch, "rid")
+    requests = []
+    for i, prompt in enumerate(prompts):
+        where = f"request {i}: " if is_batch else ""
+        per_prompt = is_batch and isinstance(sampling, list)
+        params = parse_sampling_params(samplings[i], f"sampling_params[{i}]" if per_prompt else "sampling_params")
+        unbounded = isinstance(samplings[i], dict) and "max_new_tokens" in samplings[i] \
+            and samplings[i]["max_new_tokens"] is None
+        if unbounded and context_length is not None and isinstance(prompt, list):
+            params.max_new_tokens = max(context_length - len(prompt), params.min_new_tokens)
+        flag = logprob_flags[i]
+        if flag is None:
+            flag = False
+        if not isinstance(flag, bool):
+            raise ProtocolError(f"{where}return_logprob must be true or false, got {flag!r}.")
+        if rids[i] is not None and not isinstance(rids[i], str):
+            raise ProtocolError(f"{where}rid must be a string, got {rids[i]!r}.")
+        request = GenerationRequest(list(prompt), params, flag, rids[i])
+        try:
+            check(request)
+        except ValueError as e:
+            raise ProtocolError(f"{where}{e}") from None
+        requests.append(request)
+    return GenerateCall(requests, is_batch)
+
+
+def generate_response(result: GenerationResult) -> dict[str, Any]:
+    """SGLang's ``/generate`` answer for one request (``text`` is empty: no tokenizer)."""
+    meta: dict[str, Any] = {
+        "id": result.rid,
+        "finish_reason": result.finish_reason,
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": result.completion_tokens,
+    }
+    if result.output_logprobs is not None:
+        meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(result.output_logprobs, result.output_ids)]
+    meta["weight_version"] = result.weight_version
+    meta["e2e_latency"] = result.e2e_latency
+    return {"text": "", "output_ids": result.output_ids, "meta_info": meta}
+
+
+# ---- control endpoints -------------------------------------------------------------------
+
+def _object(payload: Any, endpoint: str) -> dict[str, Any]:
+    if payload is None:
+        return {}
+    if not isinstance(payload, dict):
+        raise ProtocolError(f"the {endpoint} body must be a JSON object.")
+    return payload
+
+
+def _field(obj: dict[str, Any], name: str, kind: type | tuple[type, ...], endpoint: str, default: Any = ...) -> Any:
+    if name not in obj or obj[name] is None:
+        if default is ...:
+            raise ProtocolError(f"{endpoint} needs the field {name!r}.")
+        return default
+    value = obj[name]
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if not any(type(value) is k for k in kinds):
+        names = " or ".join(k.__name__ for k in kinds)
+        raise ProtocolError(f"{endpoint}: {name} must be {names}, got {value!r}.")
+    return value
+
+
+@dataclass
+class AbortArgs:
+    """A parsed ``/abort_request`` body."""
+
+    rids: list[str]
+    """Request ids to abort."""
+    abort_all: bool
+    """Abort every queued and running request."""
+
+
+def parse_abort(payload: Any) -> AbortArgs:
+    obj = _object(payload, "/abort_request")
+    abort_all = _field(obj, "abort_all", bool, "/abort_request", False)
+    rid = obj.get("rid")
+    if rid is None or rid == "":
+        rids = []
+    elif isinstance(rid, str):
+        rids = [rid]
+    elif isinstance(rid, list) and all(isinstance(r, str) for r in rid):
+        rids = list(rid)
+    else:
+        raise ProtocolError(f"/abort_request: rid must be a string or a list of strings, got {rid!r}.")
+    if not rids and not abort_all:
+        raise ProtocolError("/abort_request needs a rid or abort_all: true.")
+    return AbortArgs(rids, abort_all)
+
+
+@dataclass
+class UpdateFromDiskArgs:
+    """A parsed ``/update_weights_from_disk`` body."""
+
+    model_path: str
+    """Hugging Face folder with the new weights."""
+    weight_version: str | None
+    """Version reported after the update (None keeps the current one)."""
+    abort_all_requests: bool
+    """Abort running requests instead of waiting for them."""
+
+
+def parse_update_from_disk(payload: Any) -> UpdateFromDiskArgs:
+    ep = "/update_weights_from_disk"
+    obj = _object(payload, ep)
+    return UpdateFromDiskArgs(
+        model_path=_field(obj, "model_path", str, ep),
+        weight_version=_field(obj, "weight_version", str, ep, None),
+        abort_all_requests=_field(obj, "abort_all_requests", bool, ep, False),
+    )
+
+
+@dataclass
+class InitGroupArgs:
+    """A parsed ``/init_weights_update_group`` body."""
+
+    master_address: str
+    """Host of the trainer's rendezvous store."""
+    master_port: int
+    """Its port."""
+    rank_offset: int
+    """This server's rank in the group (the trainer is rank 0)."""
+    world_size: int
+    """Trainer plus every server process in the group."""
+    group_name: str
+    """Name both sides use for the group."""
+    backend: str
+    """``gloo`` (CPU) or ``nccl`` (GPU)."""
+
+
+def parse_init_group(payload: Any) -> InitGroupArgs:
+    ep = "/init_weights_update_group"
+    obj = _object(payload, ep)
+    args = InitGroupArgs(
+        master_address=_field(obj, "master_address", str, ep),
+        master_port=_field(obj, "master_port", int, ep),
+        rank_offset=_field(obj, "rank_offset", int, ep),
+        world_size=_field(obj, "world_size", int, ep),
+        group_name=_field(obj, "group_name", str, ep, DEFAULT_GROUP_NAME),
+        backend=_field(obj, "backend", str, ep, "gloo"),
+    )
+    if not 0 < args.rank_offset < args.world_size:
+        raise ProtocolError(
+            f"{ep}: rank_offset {args.rank_offset} must be in [1, world_size={args.world_size}) "
+            "(rank 0 is the trainer)."
+        )
+    return args
+
+
+def parse_dtype(name: Any, where: str) -> torch.dtype:
+    """``"float32"`` / ``"torch.bfloat16"`` -> ``torch.dtype``."""
+    dtype = getattr(torch, name.removeprefix("torch."), None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise ProtocolError(f"{where}: {name!r} is not a torch dtype name (e.g. 'float32', 'bfloat16').")
+    return dtype
+
+
+@dataclass
+class UpdateFromDistributedArgs:
+    """A parsed ``/update_weights_from_distributed`` body."""
+
+    names: list[str]
+    """Hugging Face tensor names, in broadcast order."""
+    dtypes: list[torch.dtype]
+    """Dtype of each broadcast tensor."""
+    shapes: list[list[int]]
+    """Shape of each broadcast tensor."""
+    group_name: str
+    """Group made by ``/init_weights_update_group``."""
+    weight_version: str | None
+    """Version reported after the update (None keeps the current one)."""
+    abort_all_requests: bool
+    """Abort running requests instead of waiting for them."""
+
+
+def parse_update_from_distributed(payload: Any) -> UpdateFromDistributedArgs:
+    ep = "/update_weights_from_distributed"
+    obj = _object(payload, ep)
+    names = _field(obj, "names", list, ep)
+    raw_dtypes = _field(obj, "dtypes", list, ep)
+    shapes = _field(obj, "shapes", list, ep)
+    if not all(isinstance(n, str) for n in names):
+        raise ProtocolError(f"{ep}: names must be a list of strings.")
+    if not all(isinstance(s, list) and all(_is_int(d) and d >= 0 for d in s) for s in shapes):
+        raise ProtocolError(f"{ep}: shapes must be a list of lists of non-negative integers.")
+    if not len(names) == len(raw_dtypes) == len(shapes):
+        raise ProtocolError(
+            f"{ep}: names, dtypes and shapes have {len(names)}, {len(raw_dtypes)} and {len(shapes)} entries; "
+            "give one of each per tensor."
+        )
+    return UpdateFromDistributedArgs(
+        names=list(names),
+        dtypes=[parse_dtype(d, f"{ep} dtypes[{i}]") for i, d in enumerate(raw_dtypes)],
+        shapes=[list(s) for s in shapes],
+        group_name=_field(obj, "group_name", str, ep, DEFAULT_GROUP_NAME),
+        weight_version=_field(obj, "weight_version", str, ep, None),
+        abort_all_requests=_field(obj, "abort_all_requests", bool, ep, False),
+    )
+
+
+def parse_group_name(payload: Any, endpoint: str) -> str:
+    """``group_name`` of a body (default ``weight_update_group``)."""
+    return _field(_object(payload, endpoint), "group_name", str, endpoint, DEFAULT_GROUP_NAME)

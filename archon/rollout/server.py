@@ -1,0 +1,358 @@
+"""Archon's built-in rollout server: any Archon model, served over SGLang's HTTP protocol.
+
+SGLang does not run on CPU; this server does, and speaks the same protocol, so one rollout
+client drives either (inference backend ``local``)::
+
+    python -m archon.rollout.server --model-path /path/to/hf_folder --host 127.0.0.1 --port 30000
+
+Endpoints: ``/generate``, ``/health``, ``/health_generate``, ``/get_model_info``,
+``/get_server_info``, ``/flush_cache``, ``/pause_generation``, ``/continue_generation``,
+``/abort_request``, ``/update_weights_from_disk``, ``/init_weights_update_group``,
+``/update_weights_from_distributed``, ``/destroy_weights_update_group``.  Generation runs in
+the ``Generator`` thread (see ``archon.rollout.generator`` for the exact semantics of pause,
+abort and weight updates); handlers only parse, enqueue and await, so the event loop stays
+free.  ``serve_in_thread`` runs the whole server inside the calling process (tests, notebooks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import random
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from archon.rollout import protocol
+from archon.rollout.generator import GenerationRequest, Generator
+from archon.rollout.protocol import ProtocolError
+from archon.rollout.sampling import SamplingParams
+from archon.rollout.weight_group import destroy_weight_update_group, init_weight_update_group
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ServerArgs:
+    """Command-line options (SGLang's flag names)."""
+
+    model_path: str
+    """Hugging Face folder of the model to serve."""
+    host: str = "127.0.0.1"
+    """Interface to listen on."""
+    port: int = 30000
+    """Port to listen on (0: any free port)."""
+    dtype: str = "auto"
+    """Weight dtype: float32, bfloat16, float16, or auto (float32 on CPU, bfloat16 on GPU)."""
+    device: str = "cpu"
+    """Device to run the model on."""
+    random_seed: int | None = None
+    """Seeds requests without sampling_seed; None picks one at random."""
+    context_length: int | None = None
+    """Longest prompt + max_new_tokens; default the model's max_position_embeddings."""
+    max_running_requests: int = 64
+    """Requests decoded together at most."""
+    log_level: str = "info"
+    """Python and uvicorn log level."""
+    weight_version: str = "default"
+    """Initial weight version reported in responses."""
+    skip_tokenizer_init: bool = False
+    """Accepted for SGLang compatibility; this server never loads a tokenizer."""
+    tp_size: int = 1
+    """Accepted for SGLang compatibility; the built-in server runs one device per process."""
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if torch.device(self.device).type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
+    """``ServerArgs`` from the command line."""
+    p = argparse.ArgumentParser(prog="python -m archon.rollout.server", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-path", required=True, help="Hugging Face folder (config.json + safetensors).")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--dtype", default="auto", choices=["auto", *_DTYPES])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--random-seed", type=int, default=None)
+    p.add_argument("--context-length", type=int, default=None)
+    p.add_argument("--max-running-requests", type=int, default=64)
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
+    p.add_argument("--weight-version", default="default")
+    p.add_argument("--skip-tokenizer-init", action="store_true", help="ignored: no tokenizer is ever loaded")
+    p.add_argument("--tp-size", type=int, default=1, help="ignored: one device per server process")
+    ns = p.parse_args(argv)
+    return ServerArgs(**vars(ns))
+
+
+def build_generator(args: ServerArgs) -> Generator:
+    """Load the model of ``args`` and start its generation thread."""
+    if args.tp_size != 1:
+        logger.warning("--tp-size %d is ignored: the built-in server runs one device per process "
+                       "(start several servers for data parallel).", args.tp_size)
+    seed = args.random_seed if args.random_seed is not None else random.randrange(2**31)
+    generator = Generator.from_hf(
+        args.model_path, dtype=args.torch_dtype(), device=args.device, context_length=args.context_length,
+        max_running_requests=args.max_running_requests, random_seed=seed, weight_version=args.weight_version,
+    )
+    trained = getattr(generator.model.args, "max_seq_len", None)
+    if trained is not None and generator.context_length > trained:
+        logger.warning("--context-length %d exceeds the model's max_position_embeddings %d; quality past it is "
+                       "not guaranteed.", generator.context_length, trained)
+    logger.info("serving %s (%s, %s) with random seed %d, context length %d",
+                args.model_path, args.torch_dtype(), args.device, seed, generator.context_length)
+    return generator
+
+
+class RolloutServer:
+    """The state behind the HTTP endpoints: the generator and the weight-update groups."""
+
+    def __init__(self, generator: Generator, args: ServerArgs) -> None:
+        self.generator = generator
+        self.args = args
+        self.groups: dict[str, dist.ProcessGroup] = {}
+        self.app = create_app(self)
+
+
+def _error(message: str, status: int = 400) -> JSONResponse:
+    return JSONResponse(protocol.error_body(message), status_code=status)
+
+
+def _outcome(success: bool, message: str) -> JSONResponse:
+    # SGLang answers a failed control request with 400 and the same body shape.
+    return JSONResponse({"success": success, "message": message}, status_code=200 if success else 400)
+
+
+async def _body(request: Request) -> Any:
+    return protocol.parse_json(await request.body())
+
+
+def create_app(server: RolloutServer) -> FastAPI:
+    """The FastAPI app serving SGLang's endpoints for ``server``."""
+    app = FastAPI(title="Archon rollout server")
+    gen = server.generator
+
+    @app.get("/health")
+    async def health() -> PlainTextResponse:
+        return PlainTextResponse("ok")
+
+    @app.get("/health_generate")
+    async def health_generate() -> PlainTextResponse:
+        # Bypasses a pause: health checks must not hang while the trainer holds generation.
+        request = GenerationRequest([0], SamplingParams(max_new_tokens=1, temperature=0.0))
+        if gen.paused:
+            return PlainTextResponse("ok (paused)")
+        await asyncio.wrap_future(gen.submit(request))
+        return PlainTextResponse("ok")
+
+    @app.get("/get_model_info")
+    async def get_model_info() -> dict[str, Any]:
+        return {
+            "model_path": server.args.model_path,
+            "tokenizer_path": server.args.model_path,
+            "is_generation": True,
+            "weight_version": gen.weight_version,
+            "max_context_length": gen.context_length,
+            "vocab_size": gen.vocab_size,
+            "max_running_requests": gen.max_running_requests,
+            "eos_token_ids": sorted(gen.eos_token_ids),
+            "preferred_sampling_params": None,
+        }
+
+    @app.get("/get_server_info")
+    async def get_server_info() -> dict[str, Any]:
+        return {**asdict(server.args), "weight_version": gen.weight_version, "paused": gen.paused,
+                "max_context_length": gen.context_length, "random_seed": gen.random_seed, **gen.stats()}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> PlainTextResponse:
+        # No prefix cache is kept across requests, so there is nothing to flush.
+        return PlainTextResponse("Cache flushed.")
+
+    @app.post("/generate")
+    async def generate(request: Request) -> JSONResponse:
+        try:
+            call = protocol.parse_generate(await _body(request), gen.check_request, gen.context_length)
+            futures = [gen.submit(r) for r in call.requests]
+        except ValueError as e:  # ProtocolError, or a request the generator refuses
+            return _error(str(e))
+        try:
+            results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        except Exception as e:  # noqa: BLE001  a failed forward; the server keeps serving
+            return _error(str(e), status=500)
+        bodies = [protocol.generate_response(r) for r in results]
+        return JSONResponse(bodies if call.is_batch else bodies[0])
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request) -> JSONResponse:
+        try:
+            body = await _body(request) or {}
+            mode = body.get("mode", "abort") if isinstance(body, dict) else None
+        except ProtocolError as e:
+            return _error(str(e))
+        if mode != "abort":
+            return _error(f"pause_generation mode {mode!r} is not supported; the built-in server aborts "
+                          "running requests (mode 'abort').")
+        await asyncio.wrap_future(gen.pause())
+        return JSONResponse({"success": True, "message": "Generation paused; running requests were aborted."})
+
+    @app.post("/continue_generation")
+    async def continue_generation() -> JSONResponse:
+        gen.resume()
+        return JSONResponse({"success": True, "message": "Generation continued."})
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> JSONResponse:
+        try:
+            args = protocol.parse_abort(await _body(request))
+        except ProtocolError as e:
+            return _error(str(e))
+        if args.abort_all:
+            gen.abort_all()
+        for rid in args.rids:
+            gen.abort(rid)
+        return JSONResponse({"success": True, "message": "Abort requested."})
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request) -> JSONResponse:
+        try:
+            args = protocol.parse_update_from_disk(await _body(request))
+        except ProtocolError as e:
+            return _outcome(False, str(e))
+        try:
+            await asyncio.wrap_future(
+                gen.update_weights_from_disk(args.model_path, args.weight_version, args.abort_all_requests)
+            )
+        except Exception as e:  # noqa: BLE001  reported to the trainer, the server keeps serving
+            return _outcome(False, f"loading weights from {args.model_path} failed: {e}")
+        return _outcome(True, f"loaded weights from {args.model_path}; weight_version {gen.weight_version}.")
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(request: Request) -> JSONResponse:
+        try:
+            args = protocol.parse_init_group(await _body(request))
+        except ProtocolError as e:
+            return _outcome(False, str(e))
+        if args.group_name in server.groups:
+            return _outcome(False, f"a weight update group named {args.group_name!r} already exists; destroy it "
+                                   "first or pick another name.")
+        try:
+            # The rendezvous blocks until the trainer joins too: never on the event loop.
+            group = await asyncio.to_thread(
+                init_weight_update_group, args.master_address, args.master_port, args.rank_offset,
+                args.world_size, args.group_name, args.backend,
+            )
+        except Exception as e:  # noqa: BLE001
+            return _outcome(False, f"joining weight update group {args.group_name!r} at "
+                                   f"{args.master_address}:{args.master_port} failed: {e}")
+        server.groups[args.group_name] = group
+        return _outcome(True, f"joined weight update group {args.group_name!r} as rank {args.rank_offset}.")
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: Request) -> JSONResponse:
+        try:
+            args = protocol.parse_update_from_distributed(await _body(request))
+        except ProtocolError as e:
+            return _outcome(False, str(e))
+        group = server.groups.get(args.group_name)
+        if group is None:
+            return _outcome(False, f"no weight update group named {args.group_name!r}; call "
+                                   "/init_weights_update_group first.")
+        try:
+            await asyncio.wrap_future(gen.update_weights_from_group(
+                group, args.names, args.dtypes, args.shapes, args.weight_version, args.abort_all_requests,
+            ))
+        except Exception as e:  # noqa: BLE001
+            return _outcome(False, f"updating weights from group {args.group_name!r} failed: {e}")
+        return _outcome(True, f"updated {len(args.names)} tensor(s); weight_version {gen.weight_version}.")
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(request: Request) -> JSONResponse:
+        try:
+            name = protocol.parse_group_name(await _body(request), "/destroy_weights_update_group")
+        except ProtocolError as e:
+            return _outcome(False, str(e))
+        group = server.groups.pop(name, None)
+        if group is None:
+            return _outcome(False, f"no weight update group named {name!r}.")
+        await asyncio.to_thread(destroy_weight_update_group, group)
+        return _outcome(True, f"destroyed weight update group {name!r}.")
+
+    return app
+
+
+@dataclass
+class RunningServer:
+    """A server running in a background thread of this process."""
+
+    url: str
+    """Base URL, e.g. ``http://127.0.0.1:41234``."""
+    server: RolloutServer
+    """Its state (``server.generator`` is the engine)."""
+    _uvicorn: uvicorn.Server
+    _thread: threading.Thread
+
+    def stop(self, close_generator: bool = True) -> None:
+        """Stop serving HTTP (and the generator thread unless ``close_generator`` is False)."""
+        self._uvicorn.should_exit = True
+        self._thread.join(timeout=30)
+        if close_generator:
+            self.server.generator.close()
+
+
+def serve_in_thread(generator: Generator, model_path: str = "", host: str = "127.0.0.1", port: int = 0,
+                    startup_timeout_s: float = 30.0) -> RunningServer:
+    """Serve ``generator`` over HTTP from a background thread; ``port=0`` picks a free port.
+
+    ``model_path`` is what ``/get_model_info`` reports.
+    """
+    args = ServerArgs(model_path=str(model_path), host=host, port=port,
+                      max_running_requests=generator.max_running_requests,
+                      context_length=generator.context_length, random_seed=generator.random_seed,
+                      weight_version=generator.weight_version)
+    state = RolloutServer(generator, args)
+    config = uvicorn.Config(state.app, host=host, port=port, log_level="warning", lifespan="off")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="archon-rollout-http", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + startup_timeout_s
+    while not server.started and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if not server.started:
+        server.should_exit = True
+        raise RuntimeError(f"the rollout server did not start on {host}:{port} within {startup_timeout_s} s.")
+    bound = server.servers[0].sockets[0].getsockname()[1]
+    return RunningServer(f"http://{host}:{bound}", state, server, thread)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of ``python -m archon.rollout.server``."""
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        generator = build_generator(args)
+    except ValueError as e:  # a bad folder, config or option: one line, not a traceback
+        raise SystemExit(f"archon.rollout.server: cannot serve {args.model_path}: {e}") from None
+    state = RolloutServer(generator, args)
+    try:
+        logger.info("starting the HTTP server on http://%s:%d", args.host, args.port)
+        # Requests held by a pause would keep a graceful shutdown waiting forever: bound it.
+        uvicorn.run(state.app, host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=5)
+    finally:
+        generator.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,363 @@
+"""Trainer side of weight sync: new actor weights reach every rollout server.
+
+Two ways, chosen by ``rollout.weight_sync``:
+
+- ``distributed``: the trainer's rank 0 and every server process form a weight-update group
+  (``weight_group.py``).  Per sync, all trainer ranks iterate ``engine.named_full_tensors()``
+  (a collective that gathers one full tensor at a time); rank 0 packs them into buckets of at
+  most ``chunk_mb`` MiB, and for each bucket tells the servers the names, dtypes and shapes
+  (``/update_weights_from_distributed``) while it broadcasts the bucket's tensors in that order.
+  Only one bucket is ever held in memory.
+- ``disk``: the engine exports an HF folder (a collective; rank 0 writes) into a fresh temp
+  dir, rank 0 renames it atomically to ``<folder>/v<version>`` and asks the servers to load it
+  (``/update_weights_from_disk``).  The folder must be visible to the servers.
+
+The engine is duck-typed (``named_full_tensors(dtype=None)``, ``export_hf(path, dtype=None)``),
+so this module does not import ``archon.engine``.  ``torch.distributed`` must be initialised
+on the trainer ranks (a single process without it acts as rank 0 of one).  Errors on rank 0
+are broadcast so that every rank raises instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator, Literal, Protocol
+from urllib.parse import urlsplit
+
+import torch
+import torch.distributed as dist
+
+from archon.rollout.weight_group import destroy_weight_update_group, init_weight_update_group
+
+logger = logging.getLogger("archon.rollout.weight_sync")
+
+_MIB = 1 << 20
+_POLL_S = 0.002
+
+
+class WeightSyncEngine(Protocol):
+    """What weight sync needs from a training engine."""
+
+    def named_full_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+    def export_hf(self, path: str | Path, dtype: torch.dtype | None = None) -> None: ...
+
+
+class WeightSyncError(RuntimeError):
+    """New weights did not reach the rollout servers; the message says where it failed."""
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _broadcast_object(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank (identity without a process group)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _raise_if_failed(error: str | None) -> None:
+    """Collective: every rank raises rank 0's error (None: success)."""
+    error = _broadcast_object(error)
+    if error is not None:
+        raise WeightSyncError(error if _rank() == 0 else f"weight sync failed on trainer rank 0: {error}")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> 'bfloat16' (what SGLang's update_weights_from_distributed expects)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def reachable_address(server_url: str) -> str:
+    """This host's address as seen from ``server_url`` (loopback for local servers)."""
+    host = urlsplit(server_url if "://" in server_url else f"http://{server_url}").hostname or "127.0.0.1"
+    if host in ("localhost", "127.0.0.1", "::1"):
+        return "127.0.0.1"
+    # Connecting a UDP socket sends nothing; it only asks the kernel which interface routes there.
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((host, 9))
+            return s.getsockname()[0]
+        except OSError:
+            return socket.gethostbyname(socket.gethostname())
+
+
+def _log_stats(kind: str, version: str, stats: dict[str, float]) -> None:
+    if _rank() == 0:
+        logger.info("%s weight sync to version %s: %.1f MiB in %.2f s", kind, version,
+                    stats["weight_sync_bytes"] / _MIB, stats["weight_sync_time_s"])
+
+
+class DiskWeightSync:
+    """Weights through an HF folder on a disk the servers can read."""
+
+    def __init__(self, engine: WeightSyncEngine, client: Any, folder: str | Path, *, dtype: torch.dtype | None = None,
+                 keep_last: int = 1):
+        self.engine = engine
+        self.client = client
+        self.folder = Path(folder)
+        self.dtype = dtype
+        self.keep_last = max(1, keep_last)
+
+    def setup(self) -> None:
+        """Nothing to prepare beyond the folder (collective, for symmetry with DistributedWeightSync)."""
+        error = None
+        if _rank() == 0:
+            try:
+                self.folder.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                error = f"cannot create weight folder {self.folder}: {exc}; set a writable folder"
+        _raise_if_failed(error)
+
+    def sync(self, version: int | str) -> dict[str, float]:
+        """Collective: export, publish as ``<folder>/v<version>``, make every server load it."""
+        version = str(version)
+        t0 = time.perf_counter()
+        tmp, error = None, None
+        if _rank() == 0:
+            try:
+                self.folder.mkdir(parents=True, exist_ok=True)
+                # Inside the target folder, so the final rename stays on one filesystem (atomic).
+                tmp = tempfile.mkdtemp(prefix=f".v{version}.tmp-", dir=self.folder)
+            except OSError as exc:
+                error = f"cannot create a temp dir in weight folder {self.folder}: {exc}; set a writable folder"
+        _raise_if_failed(error)
+        tmp = _broadcast_object(tmp)
+        self.engine.export_hf(tmp, dtype=self.dtype)
+        nbytes = 0
+        if _rank() == 0:
+            final = self.folder / f"v{version}"
+            try:
+                nbytes = sum(f.stat().st_size for f in Path(tmp).glob("*.safetensors"))
+                if final.exists():
+                    shutil.rmtree(final)  # re-syncing a version replaces it
+                os.rename(tmp, final)
+                self.client.update_weights_from_disk(str(final), version)
+                self._remove_old(keep=final)
+            except Exception as exc:  # noqa: BLE001 - reported on every rank below
+                error = f"disk weight sync of version {version} via {final} failed: {exc}"
+            finally:
+                if os.path.isdir(tmp):
+                    shutil.rmtree(tmp, ignore_errors=True)
+        _raise_if_failed(error)
+        stats = {"weight_sync_time_s": time.perf_counter() - t0, "weight_sync_bytes": float(_broadcast_object(nbytes))}
+        _log_stats("disk", version, stats)
+        return stats
+
+    def _remove_old(self, keep: Path) -> None:
+        versions = sorted((p for p in self.folder.glob("v*") if p.is_dir() and p != keep),
+                          key=lambda p: p.stat().st_mtime)
+        for old in versions[: max(0, len(versions) - (self.keep_last - 1))]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def close(self) -> None:
+        pass
+
+
+class DistributedWeightSync:
+    """Weights through a broadcast group shared by trainer rank 0 and every server process."""
+
+    def __init__(self, engine: WeightSyncEngine, client: Any, *, chunk_mb: float = 512, backend: str | None = None,
+                 master_address: str | None = None, ranks_per_server: int = 1,
+                 group_name: str = "archon_weight_update", dtype: torch.dtype | None = None,
+                 timeout_s: float = 600.0):
+        if chunk_mb <= 0:
+            raise ValueError(f"rollout.weight_chunk_mb = {chunk_mb} must be positive")
+        self.engine = engine
+        self.client = client
+        self.chunk_bytes = int(chunk_mb * _MIB)
+        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.master_address = master_address
+        self.ranks_per_server = ranks_per_server
+        self.group_name = group_name
+        self.dtype = dtype
+        self.timeout_s = timeout_s
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" \
+            else torch.device("cpu")
+        self._pg: dist.ProcessGroup | None = None
+
+    def setup(self) -> None:
+        """Collective: rank 0 creates the group with every server (both sides join concurrently)."""
+        error = None
+        if _rank() == 0:
+            try:
+                self._setup_rank0()
+            except Exception as exc:  # noqa: BLE001 - reported on every rank below
+                error = str(exc)
+        _raise_if_failed(error)
+
+    def _setup_rank0(self) -> None:
+        addr = self.master_address or reachable_address(self.client.up_addrs[0])
+        port = _free_port()
+        world_size, _ = self.client.weight_group_layout(self.ranks_per_server)
+        # The servers' HTTP call only returns once everybody joined, so it must be in flight while we join.
+        request = self.client.submit(self.client.ainit_weights_update_group(
+            addr, port, self.group_name, self.backend, self.ranks_per_server))
+        joined: dict[str, Any] = {}
+
+        def join() -> None:
+            try:
+                joined["pg"] = init_weight_update_group(addr, port, 0, world_size, self.group_name, self.backend,
+                                                        self.timeout_s)
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                joined["error"] = exc
+
+        # Joining in a daemon thread lets a server's early refusal surface now instead of after the timeout.
+        thread = threading.Thread(target=join, name="archon-weight-group-join", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            if request.done() and request.exception() is not None:
+                raise WeightSyncError(f"rollout servers did not join weight-update group '{self.group_name}' at "
+                                      f"{addr}:{port}: {request.exception()}")
+            thread.join(0.05)
+        if "error" in joined:
+            cause = request.exception() if request.done() else None
+            raise WeightSyncError(f"trainer rank 0 could not form weight-update group '{self.group_name}' at "
+                                  f"{addr}:{port} (world size {world_size}): {cause or joined['error']}; check that "
+                                  "the servers can reach this address (set master_address) and the port is open")
+        request.result(timeout=self.timeout_s)
+        self._pg = joined["pg"]
+        logger.info("weight-update group '%s' formed at %s:%d with %d ranks (%s)", self.group_name, addr, port,
+                    world_size, self.backend)
+
+    def sync(self, version: int | str) -> dict[str, float]:
+        """Collective: stream every full tensor to the servers in buckets of at most chunk_mb MiB."""
+        version = str(version)
+        t0 = time.perf_counter()
+        rank0 = _rank() == 0
+        error: str | None = None
+        if rank0 and self._pg is None:
+            error = ("DistributedWeightSync.sync() without a weight-update group; call setup() first (again after "
+                     "a failed sync)")
+        bucket: list[tuple[str, torch.Tensor]] = []
+        bucket_bytes = 0
+        total = 0
+        n_buckets = 0
+        paused = False
+        if rank0 and error is None:
+            # Each bucket is applied on its own: without a pause, a request admitted between two
+            # buckets would run on half-updated weights.
+            try:
+                self.client.pause_generation()
+                paused = True
+            except Exception as exc:  # noqa: BLE001 - reported on every rank below
+                error = f"could not pause the rollout servers before weight sync {version}: {exc}"
+        # Every rank walks the whole generator (it is collective) even if rank 0 already failed.
+        for name, tensor in self.engine.named_full_tensors(self.dtype):
+            size = _nbytes(tensor)
+            total += size
+            if not rank0 or error is not None:
+                continue
+            if bucket and bucket_bytes + size > self.chunk_bytes:
+                error = self._send_safely(bucket, version, flush=False)
+                n_buckets += 1
+                bucket, bucket_bytes = [], 0
+            bucket.append((name, tensor.detach().to(self.device).contiguous()))
+            bucket_bytes += size
+        if rank0 and error is None:
+            if not bucket:
+                error = "the engine yielded no tensors, so there was nothing to send"
+            else:
+                error = self._send_safely(bucket, version, flush=True)
+                n_buckets += 1
+        if paused:
+            try:
+                self.client.continue_generation()
+            except Exception as exc:  # noqa: BLE001 - reported on every rank below
+                error = error or f"could not resume the rollout servers after weight sync {version}: {exc}"
+        _raise_if_failed(error)
+        stats = {"weight_sync_time_s": time.perf_counter() - t0, "weight_sync_bytes": float(total),
+                 "weight_sync_buckets": float(_broadcast_object(n_buckets))}
+        _log_stats("distributed", version, stats)
+        return stats
+
+    def _send_safely(self, bucket: list[tuple[str, torch.Tensor]], version: str, flush: bool) -> str | None:
+        try:
+            self._send_bucket(bucket, version, flush)
+            return None
+        except Exception as exc:  # noqa: BLE001 - reported on every rank by sync()
+            self._abandon_group()
+            return (f"distributed weight sync of version {version} failed: {exc}; the weight-update group was "
+                    "abandoned, so call setup() again (after fixing the servers) before the next sync")
+
+    def _abandon_group(self) -> None:
+        from torch.distributed.distributed_c10d import _abort_process_group
+
+        pg, self._pg = self._pg, None
+        if pg is None:
+            return
+        try:
+            _abort_process_group(pg)
+        except Exception as exc:  # noqa: BLE001 - best effort; the sync error is what matters
+            logger.warning("could not abort weight-update group '%s': %s", self.group_name, exc)
+        # Broadcasts that a failed server never receives stay pending until the group timeout, and
+        # a gloo group's destructor joins its worker threads, so freeing it would block here (or at
+        # interpreter exit) for up to timeout_s.  The aborted group is deliberately never freed.
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(pg))
+
+    def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], version: str, flush: bool) -> None:
+        names = [n for n, _ in bucket]
+        request = self.client.submit(self.client.aupdate_weights_from_distributed(
+            names, [dtype_name(t.dtype) for _, t in bucket], [list(t.shape) for _, t in bucket], self.group_name,
+            version, flush_cache=flush))
+        works = [dist.broadcast(t, src=0, group=self._pg, async_op=True) for _, t in bucket]
+        # Poll instead of blocking in wait(): a server that refuses the bucket never receives, and its
+        # HTTP error must not be hidden behind a broadcast that waits for the group timeout.
+        deadline = time.monotonic() + self.timeout_s
+        while not all(w.is_completed() for w in works):
+            if request.done() and request.exception() is not None:
+                raise WeightSyncError(f"a rollout server failed while receiving {names[0]}..: "
+                                      f"{request.exception()}")
+            if time.monotonic() > deadline:
+                raise WeightSyncError(f"broadcast of {len(names)} tensor(s) starting at {names[0]} did not finish "
+                                      f"within {self.timeout_s:g} s")
+            time.sleep(_POLL_S)
+        for w in works:
+            w.wait()  # surfaces a failed collective as an exception
+        request.result(timeout=self.timeout_s)
+
+    def close(self) -> None:
+        if self._pg is not None:
+            destroy_weight_update_group(self._pg)
+            self._pg = None
+
+
+WeightSync = DiskWeightSync | DistributedWeightSync
+
+
+def build_weight_sync(mode: Literal["distributed", "disk"], engine: WeightSyncEngine, client: Any, *,
+                      folder: str | Path | None = None, chunk_mb: float = 512, backend: str | None = None,
+                      master_address: str | None = None, ranks_per_server: int = 1,
+                      dtype: torch.dtype | None = None) -> WeightSync:
+    """The weight sync for ``rollout.weight_sync`` (call ``.setup()`` once, then ``.sync(version)`` per step)."""
+    if mode == "distributed":
+        return DistributedWeightSync(engine, client, chunk_mb=chunk_mb, backend=backend,
+                                     master_address=master_address, ranks_per_server=ranks_per_server, dtype=dtype)
+    if mode == "disk":
+        if folder is None:
+            raise ValueError("rollout.weight_sync = 'disk' needs a folder the servers can read (e.g. "
+                             "<run_dir>/weights)")
+        return DiskWeightSync(engine, client, folder, dtype=dtype)
+    raise ValueError(f"rollout.weight_sync = '{mode}' must be 'distributed' or 'disk'")

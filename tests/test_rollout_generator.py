@@ -1,0 +1,305 @@
+"""The rollout generation engine (``archon.rollout.generator``) against independent references.
+
+References never use the KV cache or the engine: greedy tokens come from re-running the whole
+sequence through the model at every step, logprobs from one full forward over
+``prompt + completion``.  Everything runs in float32 on tiny models.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Callable
+
+import pytest
+import torch
+import torch.nn as nn
+
+import models
+from archon.rollout.generator import GenerationRequest, Generator, read_eos_token_ids
+from archon.rollout.kv_cache import BatchedKVCache
+from archon.rollout.sampling import SamplingParams
+from hf_fixtures import save_tiny_hf
+
+ATOL = 1e-5
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    # The engine thread and the test's reference forwards would fight over the cores.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gen")
+    out = {}
+    for model_type in ("qwen3", "qwen3_moe"):
+        save_tiny_hf(root / model_type, model_type, seed=21)
+        out[model_type] = root / model_type
+    return out
+
+
+@pytest.fixture(scope="module")
+def qwen3(folders):
+    return models.load_hf_model(folders["qwen3"])
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@torch.no_grad()
+def greedy_reference(model: nn.Module, prompt: list[int], n: int, banned: tuple[set[int], int] = (set(), 0),
+                     stop: set[int] = frozenset()) -> list[int]:
+    """Argmax decoding with full recomputation; ``banned = (ids, until)`` masks ids before ``until`` tokens."""
+    tokens = list(prompt)
+    out: list[int] = []
+    while len(out) < n:
+        logits = model(torch.tensor([tokens]))[0, -1].clone()
+        if len(out) < banned[1]:
+            logits[list(banned[0])] = float("-inf")
+        tok = int(logits.argmax())
+        out.append(tok)
+        tokens.append(tok)
+        if tok in stop:
+            break
+    return out
+
+
+@torch.no_grad()
+def logprob_reference(model: nn.Module, prompt: list[int], completion: list[int], temperature: float) -> torch.Tensor:
+    logits = model(torch.tensor([prompt + completion]))[0].float()
+    lp = torch.log_softmax(logits / temperature, dim=-1)
+    return lp[len(prompt) - 1:-1].gather(1, torch.tensor(completion)[:, None]).squeeze(1)
+
+
+def _greedy(prompt: list[int], n: int, **kw) -> GenerationRequest:
+    return GenerationRequest(prompt, SamplingParams(max_new_tokens=n, temperature=0.0, **kw), return_logprob=True)
+
+
+# ---- KV cache ---------------------------------------------------------------------------------
+
+@torch.no_grad()
+def test_kv_cache_padding_growth_and_compaction_match_full_forward(qwen3):
+    args = qwen3.args
+    cache = BatchedKVCache(args.n_layers, args.n_kv_heads, args.head_dim, initial_rows=1, initial_length=2)
+    seqs = [_prompt(3, 1), _prompt(6, 2)]
+
+    def prefill(new: list[list[int]]) -> None:
+        start = cache.add_rows(len(new))
+        longest = max(map(len, new))
+        tokens = torch.zeros(len(new), longest, dtype=torch.long)
+        for i, s in enumerate(new):
+            tokens[i, :len(s)] = torch.tensor(s)
+        cache.begin_forward(start, start + len(new), longest, valid=[len(s) for s in new])
+        logits = qwen3(tokens, positions=cache.positions(), cache=cache)
+        cache.end_forward()
+        for i, s in enumerate(new):
+            full = qwen3(torch.tensor([s]))[0, -1]
+            assert (logits[i, len(s) - 1] - full).abs().max() < ATOL
+
+    def decode(step: int) -> None:
+        tokens = torch.tensor([[(7 * step + 3 * i) % 128] for i in range(len(seqs))])
+        cache.begin_forward(0, len(seqs), 1)
+        logits = qwen3(tokens, positions=cache.positions(), cache=cache)
+        cache.end_forward()
+        for i, s in enumerate(seqs):
+            s.append(int(tokens[i, 0]))
+            assert (logits[i, 0] - qwen3(torch.tensor([s]))[0, -1]).abs().max() < ATOL
+
+    prefill(seqs)
+    for step in range(3):
+        decode(step)
+    assert cache.lengths == [len(s) for s in seqs] and cache.capacity >= 9 and cache.row_capacity >= 2
+    cache.keep_rows([1])  # the first sequence finished: the second moves to row 0
+    seqs = seqs[1:]
+    new = [_prompt(4, 3), _prompt(9, 4)]
+    prefill(new)
+    seqs += new
+    for step in range(3, 6):
+        decode(step)
+    cache.keep_rows([0, 2])
+    seqs = [seqs[0], seqs[2]]
+    decode(6)
+
+
+# ---- greedy decoding and logprobs ---------------------------------------------------------------
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe"])
+def test_greedy_equals_full_recomputation(folders, model_type):
+    model = models.load_hf_model(folders[model_type])
+    prompts = [_prompt(5, 10), _prompt(11, 11), _prompt(2, 12)]
+    with Generator(model) as gen:
+        results = gen.generate([_greedy(p, 12) for p in prompts])
+    for p, r in zip(prompts, results):
+        assert r.output_ids == greedy_reference(model, p, 12)
+        assert r.finish_reason == {"type": "length", "length": 12}
+        assert r.prompt_tokens == len(p) and r.completion_tokens == 12
+        ref = logprob_reference(model, p, r.output_ids, 1.0)  # greedy reports T = 1
+        assert (torch.tensor(r.output_logprobs) - ref).abs().max() < ATOL
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 5, 0.9), (0.7, 3, 0.8)])
+def test_logprobs_equal_recomputation_before_filtering(qwen3, temperature, top_k, top_p):
+    prompts = [_prompt(6, 20), _prompt(3, 21)]
+    params = dict(max_new_tokens=16, temperature=temperature, top_k=top_k, top_p=top_p)
+    with Generator(qwen3) as gen:
+        results = gen.generate([GenerationRequest(p, SamplingParams(**params, sampling_seed=i), return_logprob=True)
+                                for i, p in enumerate(prompts)])
+    filtered_mass = []
+    for p, r in zip(prompts, results):
+        ref = logprob_reference(qwen3, p, r.output_ids, temperature)
+        assert (torch.tensor(r.output_logprobs) - ref).abs().max() < ATOL
+        with torch.no_grad():
+            logits = qwen3(torch.tensor([p + r.output_ids]))[0, len(p) - 1:-1]
+        # Sampling did filter: every token is in the top_k of its step ...
+        ranks = (logits > logits.gather(1, torch.tensor(r.output_ids)[:, None])).sum(-1)
+        assert (ranks < top_k).all()
+        filtered_mass.append(ref.exp())
+    # ... yet the reported probabilities are not renormalised over the kept tokens.
+    assert torch.cat(filtered_mass).max() < 0.999
+
+
+# ---- continuous batching ------------------------------------------------------------------------
+
+class _Triggered(nn.Module):
+    """The model, plus callbacks fired after given forward calls (to inject arrivals mid-decode)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.inner = model
+        self.args = model.args
+        self.calls: list[tuple[int, int]] = []
+        self.triggers: dict[int, Callable[[], None]] = {}
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        out = self.inner(tokens, positions=positions, cache=cache)
+        self.calls.append(tuple(tokens.shape))
+        trigger = self.triggers.pop(len(self.calls), None)
+        if trigger is not None:
+            trigger()
+        return out
+
+
+def test_continuous_batching_equals_one_at_a_time(qwen3):
+    specs = [(3, 10), (7, 4), (12, 15), (5, 6), (9, 8), (4, 12)]  # (prompt length, max_new_tokens)
+    requests = [_greedy(_prompt(n, 30 + i), m, ignore_eos=True) for i, (n, m) in enumerate(specs)]
+    model = _Triggered(qwen3)
+    with Generator(model, max_running_requests=3) as gen:
+        futures = [gen.submit(r) for r in requests[:2]]
+        # Later arrivals join while earlier requests are decoding.
+        model.triggers[3] = lambda: futures.extend(gen.submit(r) for r in requests[2:4])
+        model.triggers[7] = lambda: futures.extend(gen.submit(r) for r in requests[4:])
+        batched = [f.result(timeout=60) for f in futures]
+        calls = list(model.calls)
+        alone = [gen.generate([r])[0] for r in requests]
+    decode_batches = [b for b, s in calls if s == 1]
+    prefills = [b for b, s in calls if s > 1]
+    assert max(decode_batches) == 3 and len(prefills) >= 3  # rows were shared and arrivals staggered
+    for b, a, (n, m) in zip(batched, alone, specs):
+        assert b.output_ids == a.output_ids and len(b.output_ids) == m
+        assert max(abs(x - y) for x, y in zip(b.output_logprobs, a.output_logprobs)) < ATOL
+    assert [b.output_ids for b in batched[:2]] == [greedy_reference(qwen3, r.input_ids, m)
+                                                  for r, (_, m) in zip(requests[:2], specs[:2])]
+
+
+# ---- seeds ---------------------------------------------------------------------------------------
+
+def _sampled(prompt: list[int], seed: int | None, n: int = 16, **kw) -> GenerationRequest:
+    return GenerationRequest(prompt, SamplingParams(max_new_tokens=n, temperature=1.0, sampling_seed=seed, **kw))
+
+
+def test_seeded_sampling_is_reproducible(qwen3):
+    p, q = _prompt(5, 40), _prompt(8, 41)
+    with Generator(qwen3, random_seed=3) as gen:
+        first = gen.generate([_sampled(p, 7)])[0].output_ids
+        # Same seed in a different batch composition: same tokens.
+        again = gen.generate([_sampled(q, 1), _sampled(p, 7), _sampled(q, 2, top_k=4)])[1].output_ids
+        other = gen.generate([_sampled(p, 8)])[0].output_ids
+        unseeded = [r.output_ids for r in gen.generate([_sampled(p, None), _sampled(p, None)])]
+        top1 = gen.generate([_sampled(q, 9, top_k=1, top_p=0.5)])[0].output_ids
+        greedy = gen.generate([_greedy(q, 16)])[0].output_ids
+    assert first == again
+    assert first != other
+    assert unseeded[0] != unseeded[1]  # null seeds come from a request counter
+    assert top1 == greedy == greedy_reference(qwen3, q, 16)
+    with Generator(qwen3, random_seed=3) as gen:  # the same server seed replays null-seed requests
+        gen.generate([_sampled(p, 7)])
+        gen.generate([_sampled(q, 1), _sampled(p, 7), _sampled(q, 2, top_k=4)])
+        gen.generate([_sampled(p, 8)])
+        assert [r.output_ids for r in gen.generate([_sampled(p, None), _sampled(p, None)])] == unseeded
+
+
+def test_top_k_restricts_the_support(qwen3):
+    p = _prompt(4, 50)
+    with Generator(qwen3) as gen:
+        results = gen.generate([_sampled(p, s, n=6, top_k=2) for s in range(12)])
+    seen = set()
+    for r in results:
+        with torch.no_grad():
+            logits = qwen3(torch.tensor([p + r.output_ids]))[0, len(p) - 1:-1]
+        top2 = logits.topk(2, dim=-1).indices
+        assert (top2 == torch.tensor(r.output_ids)[:, None]).any(-1).all()
+        seen.add(r.output_ids[0])
+    assert len(seen) == 2  # both allowed first tokens do occur: it samples, it is not greedy
+
+
+# ---- stop conditions -------------------------------------------------------------------------------
+
+def _first_new_token(tokens: list[int], at_least: int) -> tuple[int, int]:
+    """A token whose first occurrence is at index >= ``at_least``: ``(token, index)``."""
+    for i, t in enumerate(tokens):
+        if i >= at_least and t not in tokens[:i]:
+            return t, i
+    raise AssertionError(f"no fresh token after index {at_least} in {tokens}")
+
+
+def test_stop_tokens_eos_min_new_tokens_and_length(qwen3):
+    p = _prompt(6, 60)
+    full = greedy_reference(qwen3, p, 24)
+    stop, at = _first_new_token(full, 3)
+    eos, eos_at = _first_new_token(full, at + 1)
+    with Generator(qwen3, eos_token_ids=[eos]) as gen:
+        by_stop, by_eos, ignored, held, length, zero = gen.generate([
+            _greedy(p, 24, stop_token_ids=[stop]),
+            _greedy(p, 24),
+            _greedy(p, 24, ignore_eos=True, stop_token_ids=[stop]),  # SGLang: ignore_eos ignores both
+            _greedy(p, 24, stop_token_ids=[stop], min_new_tokens=eos_at + 2),
+            _greedy(p, 2),
+            _greedy(p, 0),
+        ])
+    assert by_stop.output_ids == full[:at + 1] and by_stop.finish_reason == {"type": "stop", "matched": stop}
+    assert by_eos.output_ids == full[:eos_at + 1] and by_eos.finish_reason == {"type": "stop", "matched": eos}
+    assert ignored.output_ids == full and ignored.finish_reason == {"type": "length", "length": 24}
+    # min_new_tokens: neither stop nor EOS can be chosen before eos_at + 2 tokens exist.
+    expected = greedy_reference(qwen3, p, 24, banned=({stop, eos}, eos_at + 2), stop={stop, eos})
+    assert held.output_ids == expected and not {stop, eos} & set(held.output_ids[:eos_at + 2])
+    matched = expected[-1] in (stop, eos) and len(expected) < 24  # at 24 tokens length wins
+    assert held.finish_reason == ({"type": "stop", "matched": expected[-1]} if matched
+                                  else {"type": "length", "length": 24})
+    assert length.output_ids == full[:2] and length.finish_reason == {"type": "length", "length": 2}
+    assert zero.output_ids == [] and zero.finish_reason == {"type": "length", "length": 0}
+
+
+def test_eos_ids_come_from_config_and_generation_config(tmp_path):
+    save_tiny_hf(tmp_path, "qwen3", seed=1, eos_token_id=5)
+    assert read_eos_token_ids(tmp_path) == [5]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 5]}))
+    assert read_eos_token_ids(tmp_path) == [5, 7]
+
+
+def test_invalid_requests_are_refused(qwen3):
+    with Generator(qwen3, context_length=32) as gen:
+        for ids, params, match in [
+            ([], SamplingParams(), "non-empty"),
+            ([1, 128], SamplingParams(), "outside the vocabulary"),
+            ([1, 2.0], SamplingParams(), "integers"),
+            ([1] * 20, SamplingParams(max_new_tokens=13), "context length 32"),
+            ([1], SamplingParams(top_p=0.0), "top_p"),
+        ]:
+            with pytest.raises(ValueError, match=match):
+                gen.submit(GenerationRequest(ids, params))
+        assert gen.generate([_greedy([1] * 20, 12)])[0].completion_tokens == 12

@@ -1,0 +1,233 @@
+"""Weight sync from 2 trainer ranks (forked, gloo) to 2 fake SGLang servers (subprocesses, really joining the group)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from archon.rollout.client import RolloutClient
+from archon.rollout.launcher import LaunchSpec, RolloutLauncher, free_ports
+from archon.rollout.weight_sync import (
+    DiskWeightSync,
+    DistributedWeightSync,
+    WeightSyncError,
+    build_weight_sync,
+    dtype_name,
+)
+from dist_utils import run_distributed
+from fake_sglang import configure, fake_command, fetch_state, fetch_weights
+
+# HF-style names and full shapes; at 1 MiB buckets in float32 they pack as [[q, k], [v], [embed], [norm, bias]].
+SHAPES = {
+    "model.layers.0.self_attn.q_proj.weight": (64, 1024),     # 256 KiB
+    "model.layers.0.self_attn.k_proj.weight": (128, 1024),    # 512 KiB
+    "model.layers.0.self_attn.v_proj.weight": (96, 1024),     # 384 KiB
+    "model.embed_tokens.weight": (640, 1024),                 # 2.5 MiB: larger than a bucket
+    "model.norm.weight": (32, 1024),                          # 128 KiB
+    "lm_head.bias": (16,),                                    # 64 B
+}
+NAMES = list(SHAPES)
+
+
+def full_tensor(name: str, step: int) -> torch.Tensor:
+    """The full parameter at a training step, computed independently on every process."""
+    gen = torch.Generator().manual_seed(NAMES.index(name) + 1)
+    return torch.randn(SHAPES[name], generator=gen) * (step + 1) + step
+
+
+class ShardedEngine:
+    """Holds a dim-0 shard per rank; named_full_tensors all-gathers each one (a real collective)."""
+
+    def __init__(self, step: int = 0):
+        self.step = step
+
+    def _shard(self, name: str) -> torch.Tensor:
+        full = full_tensor(name, self.step)
+        return full.chunk(dist.get_world_size())[dist.get_rank()].clone()
+
+    def named_full_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in NAMES:
+            shard = self._shard(name)
+            parts = [torch.empty_like(shard) for _ in range(dist.get_world_size())]
+            dist.all_gather(parts, shard)
+            full = torch.cat(parts)
+            yield name, full.to(dtype) if dtype is not None else full
+
+    def export_hf(self, path: str | Path, dtype: torch.dtype | None = None) -> None:
+        tensors = dict(self.named_full_tensors(dtype))
+        if dist.get_rank() == 0:
+            save_file(tensors, os.path.join(path, "model.safetensors"))
+            Path(path, "config.json").write_text('{"model_type": "fake"}')
+        dist.barrier()
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory) -> Iterator[list[str]]:
+    logs = tmp_path_factory.mktemp("rollout_logs")
+    specs = [LaunchSpec(i, fake_command(p), {}, "127.0.0.1", p, logs / f"server_{i}.log")
+             for i, p in enumerate(free_ports(2))]
+    with RolloutLauncher(specs, setup_timeout=60) as launcher:
+        yield launcher.addrs
+
+
+@pytest.fixture(autouse=True)
+def reset_knobs(servers):
+    for addr in servers:
+        configure(addr, fail_weight_update="")
+
+
+def _snapshot(addrs: list[str]) -> list[dict[str, Any]]:
+    return [{"state": fetch_state(a), "weights": fetch_weights(a)} for a in addrs]
+
+
+def _distributed_worker(addrs: list[str]) -> dict[str, Any]:
+    client = RolloutClient(addrs, setup_timeout=30, backoff_s=0.01)
+    engine = ShardedEngine(step=0)
+    sync = build_weight_sync("distributed", engine, client, chunk_mb=1, backend="gloo",
+                             master_address="127.0.0.1")
+    assert isinstance(sync, DistributedWeightSync)
+    sync.group_name = "wsync_happy"
+    sync.setup()
+    out: dict[str, Any] = {"v1": sync.sync(1)}
+    if dist.get_rank() == 0:
+        out["after_v1"] = _snapshot(addrs)
+    engine.step = 1
+    sync.dtype = torch.bfloat16  # what a bf16 server would be sent
+    out["v2"] = sync.sync("2")
+    if dist.get_rank() == 0:
+        out["after_v2"] = _snapshot(addrs)
+    sync.close()
+    client.close()
+    return out
+
+
+def test_distributed_sync_sends_exact_full_tensors_in_buckets(servers):
+    results = run_distributed(_distributed_worker, 2, servers, timeout=120)
+    q, k, v, embed, norm, bias = NAMES
+    v1_buckets = [[q, k], [v], [embed], [norm, bias]]
+    v2_buckets = [[q, k, v], [embed], [norm, bias]]  # bf16 halves every size
+    total_f32 = sum(torch.Size(s).numel() * 4 for s in SHAPES.values())
+    for rank_out in results:  # every rank saw every full tensor and reports the same bytes
+        assert rank_out["v1"]["weight_sync_bytes"] == total_f32
+        assert rank_out["v2"]["weight_sync_bytes"] == total_f32 // 2
+        assert rank_out["v1"]["weight_sync_buckets"] == 4 and rank_out["v2"]["weight_sync_buckets"] == 3
+        assert rank_out["v1"]["weight_sync_time_s"] > 0
+    for i, (snap1, snap2) in enumerate(zip(results[0]["after_v1"], results[0]["after_v2"])):
+        group = snap1["state"]["group_requests"]
+        assert [(g["rank_offset"], g["world_size"], g["backend"]) for g in group] == [(1 + i, 3, "gloo")]
+        assert snap1["state"]["update_calls"] == v1_buckets
+        assert snap1["state"]["version"] == "1"
+        assert snap1["state"]["flushes"] == 1  # only the last bucket flushes the cache
+        assert set(snap1["weights"]) == set(NAMES)
+        for name in NAMES:
+            assert snap1["weights"][name].dtype == torch.float32
+            assert torch.equal(snap1["weights"][name], full_tensor(name, 0)), name
+        assert snap2["state"]["update_calls"] == v1_buckets + v2_buckets
+        assert snap2["state"]["version"] == "2"
+        for name in NAMES:
+            assert snap2["weights"][name].dtype == torch.bfloat16
+            assert torch.equal(snap2["weights"][name], full_tensor(name, 1).to(torch.bfloat16)), name
+
+
+def _disk_worker(addrs: list[str], folder: str) -> dict[str, Any]:
+    client = RolloutClient(addrs, setup_timeout=30, backoff_s=0.01)
+    engine = ShardedEngine(step=0)
+    sync = build_weight_sync("disk", engine, client, folder=folder)
+    assert isinstance(sync, DiskWeightSync)
+    sync.setup()
+    out: dict[str, Any] = {"v1": sync.sync(1)}
+    if dist.get_rank() == 0:
+        out["after_v1"] = _snapshot(addrs)
+        out["listing_v1"] = sorted(os.listdir(folder))
+    engine.step = 1
+    out["v2"] = sync.sync(2)
+    if dist.get_rank() == 0:
+        out["after_v2"] = _snapshot(addrs)
+        out["listing_v2"] = sorted(os.listdir(folder))
+        configure(addrs[1], fail_weight_update="cannot read checkpoint")
+    try:
+        sync.sync(3)
+    except WeightSyncError as exc:
+        out["v3_error"] = str(exc)
+    if dist.get_rank() == 0:
+        out["listing_v3"] = sorted(os.listdir(folder))
+    client.close()
+    return out
+
+
+def test_disk_sync_publishes_versioned_folders(servers, tmp_path):
+    folder = tmp_path / "weights"
+    results = run_distributed(_disk_worker, 2, servers, str(folder), timeout=120)
+    out = results[0]
+    assert out["listing_v1"] == ["v1"] and out["listing_v2"] == ["v2"]  # no temp dirs, old version removed
+    assert results[1]["v1"]["weight_sync_bytes"] == out["v1"]["weight_sync_bytes"] > \
+        sum(torch.Size(s).numel() * 4 for s in SHAPES.values())  # the safetensors file (with its header)
+    # A server failing to load: every rank raises; the previous version stays until one succeeds.
+    assert servers[1] in out["v3_error"] and "cannot read checkpoint" in out["v3_error"]
+    assert results[1]["v3_error"].startswith("weight sync failed on trainer rank 0")
+    assert out["listing_v3"] == ["v2", "v3"]
+    for step, key in ((0, "after_v1"), (1, "after_v2")):
+        for snap in out[key]:
+            assert snap["state"]["disk_loads"][-1] == str(folder / f"v{step + 1}")
+            assert snap["state"]["version"] == str(step + 1)
+            for name in NAMES:
+                assert torch.equal(snap["weights"][name], full_tensor(name, step)), name
+
+
+def _failing_bucket_worker(addrs: list[str]) -> str:
+    client = RolloutClient(addrs, setup_timeout=30, backoff_s=0.01)
+    sync = DistributedWeightSync(ShardedEngine(), client, chunk_mb=1, backend="gloo", master_address="127.0.0.1",
+                                 group_name="wsync_fail_bucket")
+    sync.setup()
+    if dist.get_rank() == 0:
+        configure(addrs[1].removeprefix("http://"), fail_weight_update="out of GPU memory")
+    try:
+        sync.sync(1)
+    except WeightSyncError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_server_refusing_a_bucket_fails_every_rank(servers):
+    msgs = run_distributed(_failing_bucket_worker, 2, servers, timeout=120)
+    assert servers[1] in msgs[0] and "out of GPU memory" in msgs[0]
+    assert msgs[1].startswith("weight sync failed on trainer rank 0:") and "out of GPU memory" in msgs[1]
+
+
+def _refused_setup_worker(addrs: list[str]) -> str:
+    client = RolloutClient(addrs, setup_timeout=30, backoff_s=0.01)
+    sync = DistributedWeightSync(ShardedEngine(), client, chunk_mb=1, backend="gloo", master_address="127.0.0.1",
+                                 group_name="wsync_refused")
+    msgs = []
+    for step in (sync.setup, lambda: sync.sync(1)):
+        try:
+            step()
+            msgs.append("no error")
+        except WeightSyncError as exc:
+            msgs.append(str(exc))
+    return msgs
+
+
+def test_servers_refusing_the_group_fail_fast(servers):
+    configure(servers[0], fail_weight_update="nccl version mismatch")
+    msgs = run_distributed(_refused_setup_worker, 2, servers, timeout=60)  # far below the 600 s join timeout
+    (setup0, sync0), (setup1, sync1) = msgs
+    assert "did not join weight-update group 'wsync_refused'" in setup0 and servers[0] in setup0
+    assert "nccl version mismatch" in setup1
+    assert "call setup() first" in sync0 and "call setup() first" in sync1  # every rank, no hang
+
+
+def test_factory_and_dtype_names():
+    assert dtype_name(torch.bfloat16) == "bfloat16" and dtype_name(torch.float32) == "float32"
+    with pytest.raises(ValueError, match="needs a folder"):
+        build_weight_sync("disk", ShardedEngine(), None)
+    with pytest.raises(ValueError, match="must be 'distributed' or 'disk'"):
+        build_weight_sync("nfs", ShardedEngine(), None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="weight_chunk_mb = 0 must be positive"):
+        build_weight_sync("distributed", ShardedEngine(), None, chunk_mb=0)
