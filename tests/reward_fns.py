@@ -40,3 +40,7 @@ def segfaults(prompt, completion, answer, **kw):
 
         ctypes.string_at(0)  # reads address 0: SIGSEGV in this worker
     return 1.0
+
+
+def one(prompt, completion, answer, **kw):
+    return 1.0
