@@ -689,7 +689,8 @@ def allocation_table(cfg: Config):
 
     table = Table(title="Allocation")
     for col in ("engine", "backend", "allocation", "dp", "tp", "pp", "cp", "ep", "etp", "world size"):
-        table.add_column(col, justify="right" if col not in ("engine", "backend", "allocation") else "left")
+        table.add_column(col, justify="right" if col not in ("engine", "backend", "allocation") else "left",
+                         no_wrap=True)
     for engine, alloc in cfg.allocations().items():
         p = alloc.parallel
         table.add_row(engine, alloc.backend, str(alloc), str(p.dp_size), str(p.tp_size), str(p.pp_size),
@@ -728,7 +729,8 @@ def main(argv: typing.Sequence[str] | None = None) -> int:
     parser.add_argument("--describe", metavar="SECTION", help="list the documented keys of a section ('' = top level)")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
     args = parser.parse_args(argv)
-    console = Console()
+    # Off a terminal rich assumes 80 columns and would truncate long (hybrid MoE) allocation strings.
+    console = Console() if sys.stdout.isatty() else Console(width=200)
     try:
         if args.describe is not None:
             console.print(describe_section(args.describe), highlight=False)

@@ -40,3 +40,20 @@ def test_training_engines_must_share_world_size():
 def test_server_may_not_straddle_nodes():
     with pytest.raises(AllocationError, match="would span nodes 0 and 1"):
         check_cluster_fit(allocs(rollout="sglang:d2t3", actor="archon:d2"), 2, 4)
+
+
+@pytest.mark.parametrize("name, rollout, actor, total, rollout_devices", [
+    ("qwen3_8b_dense.toml", "sglang:d4t2", "archon:d4p2t2", 24, 8),
+    ("qwen3_30b_a3b_moe.toml", "sglang:d4t4", "archon:(attn:d1p4t2c2|ffn:d1p4t1e4)", 32, 16),
+])
+def test_shipped_recipes_parse_and_fit_their_clusters(name, rollout, actor, total, rollout_devices):
+    from pathlib import Path
+
+    from archon.config import load_config
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / name)
+    assert (cfg.rollout.backend, cfg.actor.backend) == (rollout, actor)
+    plan = check_cluster_fit(cfg.allocations(), cfg.cluster.n_nodes, cfg.cluster.n_gpus_per_node)
+    assert plan.total_devices == plan.used_devices == total
+    assert sum(len(d) for d in plan.rollout_devices) == rollout_devices
+    assert cfg.actor.gradient_checkpointing and cfg.actor.archon.pp_schedule == "Interleaved1F1B"
