@@ -16,8 +16,12 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
+# The CPU demo: local assets (no downloads), GRPO under torchrun with a built-in rollout server, the plot.
 run: $(VENV)/.installed
-	$(PY) -m archon.config --config configs/cpu_demo.toml
+	$(PY) -m archon.demo make-assets outputs/demo/assets
+	rm -rf outputs/demo/grpo
+	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node=2 scripts/train_rl.py --config configs/cpu_demo.toml
+	$(PY) -m archon.plot outputs/demo/grpo
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q $(PYTEST_ARGS)

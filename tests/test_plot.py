@@ -1,0 +1,102 @@
+"""``python -m archon.plot``: curves from metrics.jsonl, absent metrics skipped, clear errors."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from archon.plot import PANELS, load_metrics, main, panels_for, plot_metrics, plot_run
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _write(run: Path, records: list[dict]) -> Path:
+    run.mkdir(parents=True, exist_ok=True)
+    path = run / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def _rl_records(n: int = 12) -> list[dict]:
+    """RL-shaped metrics; no reference model (kl_ref null) and no mismatch metric at all."""
+    return [{"step": s, "reward_mean": s / n, "reward_std": 0.3 * math.sqrt(s / n * (1 - s / n)),
+             "response_len_mean": 1.0, "actor/loss": 0.01 * (-1) ** s, "actor/approx_kl": 1e-3 * s,
+             "kl_ref": None, "actor/entropy": 2.5 - 0.2 * s} for s in range(1, n + 1)]
+
+
+def _is_png(path: Path) -> bool:
+    return path.is_file() and path.stat().st_size > 1000 and path.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_rl_metrics_give_a_png_without_the_absent_panels(tmp_path):
+    _write(tmp_path / "run", _rl_records())
+    image, shown = plot_run(tmp_path / "run")
+    assert image == tmp_path / "run" / "curves.png" and _is_png(image)
+    assert shown == ["reward", "response length", "actor loss", "KL", "entropy"]
+    assert "train/inference mismatch" not in shown  # key absent
+    assert "loss" not in shown and "grad norm" not in shown
+
+
+def test_null_only_metrics_are_skipped_and_nulls_are_gaps(tmp_path):
+    records = _rl_records()
+    for r in records:
+        r["behav_prox_logprob_diff"] = None
+        r["actor/approx_kl"] = None
+    records[3]["reward_mean"] = None
+    records[5]["reward_std"] = float("nan")
+    titles = [p.title for p in panels_for(records)]
+    assert "KL" not in titles and "train/inference mismatch" not in titles and "reward" in titles
+    plot_metrics(records, tmp_path / "x.png")
+    assert _is_png(tmp_path / "x.png")
+
+
+def test_sft_metrics_plot_loss_and_grad_norm(tmp_path):
+    records = [{"step": s, "loss": 2.5 / s, "grad_norm": 1.0 + 0.1 * s, "lr": 1e-3} for s in range(1, 9)]
+    _write(tmp_path / "sft", records)
+    out = tmp_path / "elsewhere" / "sft.png"
+    assert main([str(tmp_path / "sft"), "--out", str(out)]) == 0
+    assert _is_png(out)
+    assert [p.title for p in panels_for(records)] == ["grad norm", "loss"]
+
+
+def test_records_without_step_use_line_numbers(tmp_path):
+    path = _write(tmp_path / "run", [{"loss": 1.0}, {"loss": 0.5}])
+    # A metrics file can be passed directly too.
+    image, shown = plot_run(path, tmp_path / "p.png")
+    assert shown == ["loss"] and _is_png(image)
+
+
+def test_a_half_written_last_line_is_ignored_but_a_broken_middle_line_is_an_error(tmp_path):
+    path = _write(tmp_path / "run", _rl_records(3))
+    with path.open("a") as fh:
+        fh.write('{"step": 4, "reward_me')
+    assert [r["step"] for r in load_metrics(tmp_path / "run")] == [1, 2, 3]
+    path.write_text('{"step": 1}\nnot json\n{"step": 3}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2 is not valid JSON"):
+        load_metrics(tmp_path / "run")
+
+
+def test_errors_are_one_sentence(tmp_path, capsys):
+    assert main([str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err
+    assert "run directory" in err and "does not exist" in err and "Traceback" not in err
+    (tmp_path / "empty_dir").mkdir()
+    with pytest.raises(FileNotFoundError, match="metrics.jsonl' does not exist"):
+        plot_run(tmp_path / "empty_dir")
+    _write(tmp_path / "empty_file", [])
+    assert main([str(tmp_path / "empty_file")]) == 2
+    assert "holds no metrics yet" in capsys.readouterr().err
+    _write(tmp_path / "unknown", [{"step": 1, "something_else": 1.0}])
+    with pytest.raises(ValueError, match="none of the plotted keys"):
+        plot_run(tmp_path / "unknown")
+    assert not (tmp_path / "unknown" / "curves.png").exists()
+
+
+def test_every_listed_metric_has_a_panel():
+    keys = {k for p in PANELS for k in p.keys}
+    for key in ("reward_mean", "response_len_mean", "actor/loss", "actor/approx_kl", "kl_ref",
+                "behav_prox_logprob_diff", "actor/entropy", "loss", "grad_norm"):
+        assert key in keys, key
