@@ -104,6 +104,10 @@ class ArchonEngine:
 
         self.hf_config = self._load_hf_config()
         self.spec = get_model_spec(self.hf_config.model_type)
+        if self.parallel_dims.pp_enabled:
+            # Without a stage split every pipeline rank would hold and train the whole model.
+            raise EngineError(f"{self.name}.backend = '{cfg.backend}' asks for pipeline parallel (p{self.parallel_dims.pp}), "
+                              "which this version of Archon does not run yet; use p1 and put those ranks in d or t")
         self.model_args = self.spec.model_args_class.from_hf_config(self.hf_config, is_critic=self.is_critic)
         with torch.device("meta"):
             model = self.spec.model_class(self.model_args)
