@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 import urllib.request
 from pathlib import Path
 
@@ -226,7 +227,7 @@ _SELF_SIGNAL_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT", "exit"])
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT", "exit", "SIGKILL"])
 def test_signal_or_exit_of_the_trainer_stops_the_servers(tmp_path, sig):
     script = _SELF_SIGNAL_SCRIPT.format(tests=str(REPO / "tests"), repo=str(REPO), logs=str(tmp_path), sig=sig)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
@@ -237,9 +238,15 @@ def test_signal_or_exit_of_the_trainer_stops_the_servers(tmp_path, sig):
         assert proc.returncode == 0
     elif sig == "SIGTERM":
         assert proc.returncode == -signal.SIGTERM  # it still dies of the signal, as without the launcher
-    else:
+    elif sig == "SIGINT":
         # KeyboardInterrupt was raised; uncaught, Python then exits by SIGINT.
         assert "KeyboardInterrupt" in proc.stderr and proc.returncode == -signal.SIGINT
+    else:
+        # No handler runs on SIGKILL: the servers learn of it from the kernel (parent-death signal).
+        assert proc.returncode == -signal.SIGKILL
+        deadline = time.monotonic() + 15
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
     assert not any(_alive(p) for p in pids)
 
 

@@ -228,6 +228,20 @@ class _Running:
     log: Any = field(repr=False)
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the launching thread dies, even by SIGKILL.
+
+    atexit and signal handlers cannot run when the trainer is killed hard (OOM killer,
+    ``kill -9``); without this the servers would outlive it and hold their GPUs and ports.
+    Linux only; elsewhere the other cleanup paths remain.
+    """
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 class RolloutLauncher:
     """Starts rollout servers, waits until they are healthy, and always stops them."""
 
@@ -286,7 +300,7 @@ class RolloutLauncher:
             # A session of its own: stop() signals the whole group, SGLang's scheduler children included,
             # and a Ctrl-C in the terminal reaches the trainer only (which then stops the servers).
             proc = subprocess.Popen(spec.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=env, start_new_session=True)
+                                    env=env, start_new_session=True, preexec_fn=_die_with_parent)
         except OSError as exc:
             log.close()
             raise RolloutLaunchError(f"could not start rollout server {spec.index} ({spec.cmd[0]}): {exc}") from None
