@@ -13,7 +13,7 @@ import sys
 
 from archon.config import ConfigError, load_config
 from archon.engine.dist import shutdown_distributed
-from archon.rl.trainer import RLTrainer
+from archon.rl.trainer import RankZeroError, RLTrainer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,6 +30,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except RankZeroError as exc:
+        # Rank 0 logged the traceback; every rank ends with the same one-line reason.
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     finally:
         shutdown_distributed(barrier=ok)
     return 0

@@ -195,3 +195,27 @@ def _pids_mentioning(text: str) -> list[int]:
             except OSError:
                 continue
     return pids
+
+
+def _train_expecting_failure(args: list[str]) -> str:
+    from archon.config import load_config
+    from archon.rl.trainer import RLTrainer
+
+    try:
+        RLTrainer(load_config(None, args)).run()
+    except Exception as exc:  # noqa: BLE001 - the test inspects what every rank saw
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_rank0_failures_end_every_rank_with_the_same_reason(rl_setup):
+    model, data, root = rl_setup
+    # Nothing listens on port 9: rank 0 cannot reach the servers; rank 1 must not wait for it forever.
+    args = overrides(model, data, root / "unreachable", "archon:d2", **{"rollout.setup_timeout": 2.0}) + [
+        'rollout.server_addrs=["127.0.0.1:9"]']
+    errors = run_distributed(_train_expecting_failure, 2, args, timeout=120)
+    assert all("starting the rollout servers failed on rank 0" in e for e in errors), errors
+    assert errors[0] == errors[1] and "127.0.0.1:9" in errors[0]
+    errors = run_distributed(_train_expecting_failure, 2, overrides(model, data, root / "badfn", "archon:d2",
+                                                                    **{"reward.fn": "no_such_module:fn"}), timeout=120)
+    assert all("no_such_module" in e for e in errors), errors

@@ -48,6 +48,30 @@ def policy_temperature(cfg: Config) -> float:
     return t if t > 0 else 1.0
 
 
+class RankZeroError(RuntimeError):
+    """Work that only rank 0 does (launching servers, rollouts, rewards) failed; raised on every rank."""
+
+
+def run_on_rank0(fn, what: str) -> Any:
+    """``fn()`` on rank 0, its result broadcast to every rank; a failure is raised on every rank.
+
+    Without this, a rank-0 failure would leave the other ranks waiting in the next collective
+    until the process-group timeout (30 minutes by default).
+    """
+    payload: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            payload = [("ok", fn())]
+        except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
+            logger.exception("%s failed on rank 0", what)
+            payload = [("error", f"{what} failed on rank 0: {type(exc).__name__}: {exc}")]
+    dist.broadcast_object_list(payload, src=0)
+    status, value = payload[0]
+    if status == "error":
+        raise RankZeroError(value)
+    return value
+
+
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
     m = mask > 0
     return float(x[m].float().mean()) if bool(m.any()) else 0.0
@@ -122,11 +146,14 @@ class RLTrainer:
 
         cfg = self.cfg
         rollout_alloc = cfg.allocations()["rollout"]
-        if self.rank0:
+
+        def connect() -> None:
             self.launcher = RolloutLauncher.from_config(cfg, cfg.run_dir)
             addrs = self.launcher.start()
             self.client = RolloutClient.from_config(cfg.rollout, addrs)
             self.client.wait_healthy(cfg.rollout.setup_timeout)
+
+        run_on_rank0(connect, "starting the rollout servers")
         # SGLang serves in its own dtype; the built-in server in the actor's.
         dtype = to_dtype(cfg.sglang.dtype) if rollout_alloc.backend == "sglang" else to_dtype(cfg.actor.dtype)
         self.weight_sync = build_weight_sync(
@@ -136,17 +163,22 @@ class RLTrainer:
     def _build_rewards(self) -> None:
         from archon.rl.rewards import RewardComputer
 
-        self.rewards = None
-        if self.rank0:
-            r = self.cfg.reward
+        from archon.rl.rewards import get_reward_fn
+
+        r = self.cfg.reward
+        get_reward_fn(r.fn)  # a bad name is the same clear error on every rank
+
+        def start() -> None:
             self.rewards = RewardComputer(r.fn, n_workers=r.n_workers, timeout_s=r.timeout_s)
+
+        run_on_rank0(start, "starting the reward workers")
 
     # ------------------------------------------------------------------ one step
     def _rollout(self, step: int) -> tuple[list[Completion], list[float], list[Any], dict[str, float]]:
         """Rank 0 generates and scores; every rank gets the same completions and rewards."""
         prompts = self.loader.next_rollout_batch()
-        payload: list[Any] = [None]
-        if self.rank0:
+
+        def generate_and_score() -> tuple[list[Completion], list[float], dict[str, float]]:
             t0 = time.perf_counter()
             params = [{**self.sampling, "sampling_seed": rollout_seed(self.cfg.seed, step, i)}
                       for i in range(len(prompts))]
@@ -160,9 +192,9 @@ class RLTrainer:
             extra = {k: [p.extra.get(k) for p in prompts] for k in extra_keys}
             rewards = self.rewards.compute([p.prompt for p in prompts], texts, [p.answer for p in prompts], **extra)
             timing = {"rollout_time_s": t1 - t0, "reward_time_s": time.perf_counter() - t1}
-            payload = [(completions, rewards, timing)]
-        dist.broadcast_object_list(payload, src=0)
-        completions, rewards, timing = payload[0]
+            return completions, rewards, timing
+
+        completions, rewards, timing = run_on_rank0(generate_and_score, f"rollout of step {step}")
         return completions, rewards, prompts, timing
 
     def _prepare(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
