@@ -444,7 +444,11 @@ class _Builder:
         self.explicit: set[str] = set()
 
     def where(self, key: str) -> str:
-        return self.sources.get(key, "the config")
+        if key in self.sources:
+            return self.sources[key]
+        # A section named by an override's longer key (actor.optimiser.lr=... for 'actor.optimiser').
+        inner = [src for k, src in self.sources.items() if k.startswith(key + ".")]
+        return inner[0] if inner else "the config"
 
     def build(self, cls: type, data: dict[str, Any], prefix: str = "") -> Any:
         hints = typing.get_type_hints(cls)

@@ -7,37 +7,10 @@ Rerunning the same command with the same output_dir resumes from the last checkp
 
 from __future__ import annotations
 
-import argparse
-import logging
 import sys
 
-from archon.config import ConfigError, load_config
-from archon.engine.dist import shutdown_distributed
-from archon.rl.trainer import RankZeroError, RLTrainer
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", help="TOML config file")
-    parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    ok = False
-    try:
-        cfg = load_config(args.config, args.overrides)
-        RLTrainer(cfg).run()
-        ok = True
-    except (ConfigError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except RankZeroError as exc:
-        # Rank 0 logged the traceback; every rank ends with the same one-line reason.
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        shutdown_distributed(barrier=ok)
-    return 0
-
+from archon.cli import run_job
+from archon.rl.trainer import RLTrainer
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_job(lambda cfg: RLTrainer(cfg).run(), __doc__))

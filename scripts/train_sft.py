@@ -1,37 +1,16 @@
 """Supervised fine-tuning.
 
     torchrun --nproc_per_node=N scripts/train_sft.py --config x.toml [dotted.key=value ...]
+
+Rerunning the same command with the same output_dir resumes from the last checkpoint.
 """
 
 from __future__ import annotations
 
-import argparse
-import logging
 import sys
 
-from archon.config import ConfigError, load_config
-from archon.engine.dist import shutdown_distributed
+from archon.cli import run_job
 from archon.sft import run_sft
 
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", help="TOML config file")
-    parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    ok = False
-    try:
-        cfg = load_config(args.config, args.overrides)
-        run_sft(cfg)
-        ok = True
-    except (ConfigError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    finally:
-        shutdown_distributed(barrier=ok)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_job(run_sft, __doc__))

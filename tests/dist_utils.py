@@ -114,3 +114,12 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
         for c in conns:
             c.close()
     return results
+
+
+def pid_alive(pid: int) -> bool:
+    """True while process ``pid`` exists (for checks that launched servers were stopped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

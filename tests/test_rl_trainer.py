@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_utils import run_distributed
+from dist_utils import pid_alive, run_distributed
 from hf_fixtures import make_tiny_tokenizer, save_tiny_hf
 
 
@@ -159,9 +159,9 @@ def test_killed_run_resumes_to_the_same_metrics(rl_setup):
     proc.wait()
     server_pid = int(re.search(r"started rollout server 0 \(pid (\d+)\)", proc.stderr.read()).group(1))
     deadline = time.monotonic() + 15
-    while _alive(server_pid) and time.monotonic() < deadline:
+    while pid_alive(server_pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _alive(server_pid)
+    assert not pid_alive(server_pid)
     done = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert max(done) < steps  # really interrupted
 
@@ -173,15 +173,6 @@ def test_killed_run_resumes_to_the_same_metrics(rl_setup):
     for key in ("actor/loss", "reward_mean", "response_len_mean", "actor/grad_norm", "actor/entropy"):
         assert [r[key] for r in records] == pytest.approx([r[key] for r in full], abs=1e-5), key
 
-
-def _alive(pid: int) -> bool:
-    import os
-
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _pids_mentioning(text: str) -> list[int]:

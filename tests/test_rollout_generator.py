@@ -24,12 +24,8 @@ ATOL = 1e-5
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    # The engine thread and the test's reference forwards would fight over the cores.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _threads(one_torch_thread):
     yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ from archon.rollout.launcher import (
     build_launch_specs,
     ranks_per_server,
 )
+from dist_utils import pid_alive
 from fake_sglang import fake_command, fake_completion
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,13 +37,6 @@ def _cfg(*overrides: str) -> Config:
 def _flag(cmd: list[str], name: str) -> str:
     return cmd[cmd.index(name) + 1]
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 # ---------------------------------------------------------------------------------- specs
@@ -165,7 +159,7 @@ def test_launch_two_fake_servers_wait_log_and_stop(tmp_path):
     specs = _fake_specs(tmp_path)
     with RolloutLauncher(specs, setup_timeout=30) as launcher:
         pids = launcher.pids
-        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        assert len(pids) == 2 and all(pid_alive(p) for p in pids)
         for addr in launcher.addrs:
             with urllib.request.urlopen(f"http://{addr}/health", timeout=5) as resp:
                 assert resp.status == 200
@@ -174,7 +168,7 @@ def test_launch_two_fake_servers_wait_log_and_stop(tmp_path):
         assert [r.output_ids for r in results] == [fake_completion(p, {"max_new_tokens": 3})[0]
                                                    for p in ([1, 2], [3, 4], [5, 6], [7])]
         assert {r.server for r in results} == {f"http://{a}" for a in launcher.addrs}
-    assert not any(_alive(p) for p in pids)
+    assert not any(pid_alive(p) for p in pids)
     for i, s in enumerate(specs):
         log = (tmp_path / "rollout" / f"server_{i}.log").read_text()
         assert f"fake sglang starting on 127.0.0.1:{s.port}" in log
@@ -185,7 +179,7 @@ def test_servers_stop_when_the_body_raises(tmp_path):
         with RolloutLauncher(_fake_specs(tmp_path), setup_timeout=30) as launcher:
             pids = launcher.pids
             raise RuntimeError("trainer crashed")
-    assert pids and not any(_alive(p) for p in pids)
+    assert pids and not any(pid_alive(p) for p in pids)
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored
 
 
@@ -245,9 +239,9 @@ def test_signal_or_exit_of_the_trainer_stops_the_servers(tmp_path, sig):
         # No handler runs on SIGKILL: the servers learn of it from the kernel (parent-death signal).
         assert proc.returncode == -signal.SIGKILL
         deadline = time.monotonic() + 15
-        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.1)
-    assert not any(_alive(p) for p in pids)
+    assert not any(pid_alive(p) for p in pids)
 
 
 # ---------------------------------------------------------------------------------- real SGLang

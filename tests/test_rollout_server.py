@@ -42,12 +42,8 @@ META_KEYS = {"id", "finish_reason", "prompt_tokens", "completion_tokens", "weigh
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    # The engine thread and the test's reference forwards would fight over the cores.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _threads(one_torch_thread):
     yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from archon.cli import JobError
 from archon.config import Config, ConfigError
 from archon.engine.engine import ArchonEngine
 from archon.rl.actor import PPOActor, ReferenceModel
@@ -48,7 +49,7 @@ def policy_temperature(cfg: Config) -> float:
     return t if t > 0 else 1.0
 
 
-class RankZeroError(RuntimeError):
+class RankZeroError(JobError):
     """Work that only rank 0 does (launching servers, rollouts, rewards) failed; raised on every rank."""
 
 

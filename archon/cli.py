@@ -1,0 +1,42 @@
+"""The shared shape of Archon's torchrun entry points: config, overrides, one-line errors, clean exit."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any, Callable, Sequence
+
+from archon.config import Config, ConfigError, load_config
+from archon.engine.dist import shutdown_distributed
+
+
+class JobError(RuntimeError):
+    """A job failed for a reason every rank knows and can state in one line (no traceback needed)."""
+
+
+def run_job(job: Callable[[Config], Any], description: str, argv: Sequence[str] | None = None) -> int:
+    """Parse ``--config x.toml [dotted.key=value ...]``, run ``job(cfg)``, leave the process group.
+
+    User errors (config, allocation, data: ``ValueError``) exit with 2 and one line on stderr;
+    a ``JobError`` exits with 1 and one line.  The closing barrier is skipped after a failure,
+    because the other ranks may already be gone.
+    """
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="TOML config file")
+    parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides (a leading + is accepted)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    ok = False
+    try:
+        job(load_config(args.config, args.overrides))
+        ok = True
+    except (ConfigError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except JobError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        shutdown_distributed(barrier=ok)
+    return 0
