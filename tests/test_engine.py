@@ -6,6 +6,8 @@ per-step losses agree within 1e-4 in float32.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -153,6 +155,9 @@ def test_export_hf_from_sharded_equals_single_device(qwen3_path, tmp_path):
     for key in a:
         # One AdamW step moves weights by ~lr*sign(grad): rounding-level grad differences show at 1e-5.
         torch.testing.assert_close(a[key], b[key], atol=1e-4, rtol=1e-4)
+    # The source folder's generation config (EOS ids, sampling defaults) travels with the export.
+    assert (tmp_path / "d2t2" / "generation_config.json").read_text() == \
+        (Path(qwen3_path) / "generation_config.json").read_text()
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "d2t2")
     ids = make_batch(1)["input_ids"][:1]
     ours = models.load_hf_model(tmp_path / "d2t2")(ids)

@@ -13,6 +13,7 @@ before token ``i``.
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -343,6 +344,10 @@ class ArchonEngine:
         tensors = ((n, t.cpu()) for n, t in self.named_full_tensors(dtype))
         if dist.get_rank() == 0:
             save_hf_tensors(tensors, self.hf_config.to_dict(), path, max_shard_size=max_shard_size)
+            source = Path(self.config.path) / "generation_config.json" if self.config.path else None
+            if source is not None and source.is_file():
+                # EOS ids and sampling defaults live here; generate() and servers read them.
+                shutil.copyfile(source, Path(path) / "generation_config.json")
         else:
             for _ in tensors:  # join the collectives
                 pass
