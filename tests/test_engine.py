@@ -223,3 +223,28 @@ def test_pipeline_parallel_is_refused_clearly(qwen3_path):
 
     with pytest.raises(DistributedTestError, match=r"pipeline parallel \(p2\), which this version"):
         run_distributed(build, 2, qwen3_path)
+
+
+def _bf16_losses(path: str, backend: str):
+    import torch.distributed as dist
+
+    from archon.engine.engine import ArchonEngine
+
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        cfg = engine_config(path, backend)
+        cfg.dtype = dtype
+        engine = ArchonEngine(cfg, total_steps=2).initialize()
+        out[dtype] = [engine.train_batch(make_batch(s), sft_loss, sft_weight)["loss"] for s in range(2)]
+    return out if dist.get_rank() == 0 else None
+
+
+def test_bfloat16_means_low_precision_compute_with_or_without_fsdp(qwen3_path):
+    """actor.dtype = bfloat16 is FSDP's param dtype on d2 and autocast on d1: both really compute in
+    bf16 (losses move away from float32 by a bf16-sized amount) and agree with each other."""
+    d1 = run_distributed(_bf16_losses, 1, qwen3_path, "archon:d1")[0]
+    d2 = run_distributed(_bf16_losses, 2, qwen3_path, "archon:d2")[0]
+    for run in (d1, d2):
+        gap = max(abs(a - b) for a, b in zip(run["float32"], run["bfloat16"]))
+        assert 1e-4 < gap < 5e-2, run
+    assert max(abs(a - b) for a, b in zip(d1["bfloat16"], d2["bfloat16"])) < 5e-2

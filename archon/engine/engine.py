@@ -207,9 +207,21 @@ class ArchonEngine:
         if isinstance(self.model, FSDPModule):
             self.model.set_requires_gradient_sync(enabled)
 
+    def _autocast(self):
+        """Mixed precision where FSDP's policy does not apply (one data-parallel rank, TP only).
+
+        FSDP casts parameters to ``dtype`` for compute; without FSDP the same ``dtype`` setting
+        must still mean low-precision matmuls, so autocast provides them (as torchtitan does).
+        """
+        dtype = _DTYPES[self.config.dtype]
+        if dtype == torch.float32 or self.parallel_dims.fsdp_enabled:
+            return nullcontext()
+        return torch.autocast(self.device_type, dtype=dtype)
+
     def _run_model(self, mb: PackedMicrobatch) -> dict[str, torch.Tensor]:
         """Packed forward; token-aligned per-token outputs, unpacked to ``[b, s]`` rows."""
-        out = self.model(mb.tokens, positions=mb.positions, cu_seqlens=mb.cu_seqlens)
+        with self._autocast():
+            out = self.model(mb.tokens, positions=mb.positions, cu_seqlens=mb.cu_seqlens)
         starts = mb.seq_starts
         if self.is_critic:
             values = out.full_tensor() if isinstance(out, DTensor) else out
