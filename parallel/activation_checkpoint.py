@@ -2,10 +2,11 @@
 
 * ``full``: every block recomputes its forward in backward.
 * ``selective`` with an integer N: every Nth block is checkpointed (layer-level).
-* ``selective`` with ``op``: inside every block, outputs of matmuls and attention are saved
-  and everything cheap (norms, activations, RoPE, casts) is recomputed.  Keeping all matmul
-  outputs costs more memory than torchtitan's "every other mm" rule but never re-runs a
-  matmul, which matters most on small models and CPUs.
+* ``selective`` with ``op``: inside every block, outputs of matmuls, attention and context
+  parallel's all-to-alls are saved and everything cheap (norms, activations, RoPE, casts) is
+  recomputed.  Keeping all matmul outputs costs more memory than torchtitan's "every other
+  mm" rule but never re-runs a matmul (or a collective), which matters most on small models
+  and CPUs.
 * ``memory_budget``: torch.compile's min-cut partitioner picks what to save so activations
   stay within a fraction of the no-recompute memory; it only exists under compile.
 
@@ -36,6 +37,8 @@ def _save_list() -> set:
     for name in ("_grouped_mm", "_scaled_dot_product_cudnn_attention"):
         if hasattr(torch.ops.aten, name):
             ops.add(getattr(torch.ops.aten, name).default)
+    # Context parallel's all-to-alls: recomputing them would repeat the communication in backward.
+    ops.add(torch.ops._c10d_functional.all_to_all_single.default)
     return ops
 
 

@@ -43,3 +43,62 @@ def sft_loss(outputs: dict[str, torch.Tensor], mb: dict[str, torch.Tensor]):
 
 def sft_weight(mb: dict[str, torch.Tensor]) -> float:
     return float(mb["loss_mask"].sum())
+
+
+def resume_losses(path: str, ckpt: str, phase: str, backend: str, steps: int = 4) -> list[float] | None:
+    """Per-step SFT losses of one phase of a resume check, on ``backend`` (rank 0 returns them).
+
+    ``full``: all ``steps`` uninterrupted; ``first``: the first two, then a checkpoint in
+    ``ckpt``; ``second``: load ``ckpt`` and train the rest.  ``first`` + ``second`` must equal
+    ``full`` whatever the two phases' allocations are.
+    """
+    import torch.distributed as dist
+
+    from archon.engine.engine import ArchonEngine
+
+    engine = ArchonEngine(engine_config(path, backend), total_steps=steps).initialize()
+    if phase == "full":
+        todo = range(steps)
+    elif phase == "first":
+        todo = range(2)
+    else:
+        extra = engine.load(ckpt)
+        assert extra == {"data_position": 2} and engine.step == 2
+        todo = range(2, steps)
+    losses = [engine.train_batch(make_batch(s), sft_loss, sft_weight)["loss"] for s in todo]
+    if phase == "first":
+        engine.save(ckpt, extra_state={"data_position": 2})
+    return losses if dist.get_rank() == 0 else None
+
+
+def export_after_one_step(path: str, backend: str, out: str) -> None:
+    """Train one SFT step on ``backend`` and ``export_hf`` to ``out``."""
+    from archon.engine.engine import ArchonEngine
+
+    engine = ArchonEngine(engine_config(path, backend), total_steps=1).initialize()
+    engine.train_batch(make_batch(0), sft_loss, sft_weight)
+    engine.export_hf(out)
+
+
+def critic_losses_and_values(path: str, backend: str):
+    """Two value-regression steps of a critic on ``backend``, then its values.
+
+    Rank 0 returns ``(losses, grad_norms, values)``; the gradient norms catch a gradient scaled
+    by a constant, which AdamW's updates (and so the losses) would hide.
+    """
+    import torch.distributed as dist
+
+    from archon.engine.engine import ArchonEngine
+
+    engine = ArchonEngine(engine_config(path, backend), is_critic=True, total_steps=2).initialize()
+    batch = make_batch(0)
+    batch["returns"] = torch.linspace(-1, 1, batch["input_ids"].numel()).view_as(batch["input_ids"])
+
+    def value_loss(outputs, mb):
+        mask = mb["loss_mask"]
+        return (((outputs["values"] - mb["returns"]) ** 2) * mask).sum() / mask.sum(), {}
+
+    stats = [engine.train_batch(batch, value_loss, sft_weight) for _ in range(2)]
+    values = engine.forward(batch)["values"]
+    result = ([s["loss"] for s in stats], [s["grad_norm"] for s in stats], values)
+    return result if dist.get_rank() == 0 else None

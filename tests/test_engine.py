@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from dist_utils import run_distributed
-from engine_utils import engine_config, make_batch, sft_loss, sft_weight
+from engine_utils import engine_config, export_after_one_step, make_batch, resume_losses, sft_loss, sft_weight
 from hf_fixtures import save_tiny_hf
 
 STEPS = 3
@@ -105,50 +105,21 @@ def test_forward_logprobs_match_across_layouts(qwen3_path):
         torch.testing.assert_close(got[key][mask], ref[key][mask], atol=1e-5, rtol=1e-5)
 
 
-def _resume(path: str, ckpt: str, phase: str):
-    import torch.distributed as dist
-
-    from archon.engine.engine import ArchonEngine
-
-    steps = 4
-    if phase == "full":
-        engine = ArchonEngine(engine_config(path, "archon:d2t2"), total_steps=steps).initialize()
-        losses = [engine.train_batch(make_batch(s), sft_loss, sft_weight)["loss"] for s in range(steps)]
-    elif phase == "first":
-        engine = ArchonEngine(engine_config(path, "archon:d2t2"), total_steps=steps).initialize()
-        losses = [engine.train_batch(make_batch(s), sft_loss, sft_weight)["loss"] for s in range(2)]
-        engine.save(ckpt, extra_state={"data_position": 2})
-    else:
-        engine = ArchonEngine(engine_config(path, "archon:d4"), total_steps=steps).initialize()
-        extra = engine.load(ckpt)
-        assert extra == {"data_position": 2} and engine.step == 2
-        losses = [engine.train_batch(make_batch(s), sft_loss, sft_weight)["loss"] for s in range(2, steps)]
-    return losses if dist.get_rank() == 0 else None
-
-
 def test_resume_across_allocations_matches_uninterrupted(qwen3_path, tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    full = run_distributed(_resume, 4, qwen3_path, ckpt, "full")[0]
-    first = run_distributed(_resume, 4, qwen3_path, ckpt, "first")[0]
-    second = run_distributed(_resume, 4, qwen3_path, ckpt, "second")[0]
+    full = run_distributed(resume_losses, 4, qwen3_path, ckpt, "full", "archon:d2t2")[0]
+    first = run_distributed(resume_losses, 4, qwen3_path, ckpt, "first", "archon:d2t2")[0]
+    second = run_distributed(resume_losses, 4, qwen3_path, ckpt, "second", "archon:d4")[0]
     resumed = first + second
     assert max(abs(a - b) for a, b in zip(full, resumed)) < 1e-5, (full, resumed)
-
-
-def _export(path: str, backend: str, out: str):
-    from archon.engine.engine import ArchonEngine
-
-    engine = ArchonEngine(engine_config(path, backend), total_steps=1).initialize()
-    engine.train_batch(make_batch(0), sft_loss, sft_weight)
-    engine.export_hf(out)
 
 
 def test_export_hf_from_sharded_equals_single_device(qwen3_path, tmp_path):
     import models
     from transformers import AutoModelForCausalLM
 
-    run_distributed(_export, 1, qwen3_path, "archon:d1", str(tmp_path / "d1"))
-    run_distributed(_export, 4, qwen3_path, "archon:d2t2", str(tmp_path / "d2t2"))
+    run_distributed(export_after_one_step, 1, qwen3_path, "archon:d1", str(tmp_path / "d1"))
+    run_distributed(export_after_one_step, 4, qwen3_path, "archon:d2t2", str(tmp_path / "d2t2"))
     a = models.load_hf_model(tmp_path / "d1").state_dict()
     b = models.load_hf_model(tmp_path / "d2t2").state_dict()
     assert a.keys() == b.keys()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
-from engine_utils import engine_config, make_batch, sft_loss, sft_weight
+from engine_utils import critic_losses_and_values, engine_config, make_batch, sft_loss, sft_weight
 from hf_fixtures import save_tiny_hf
 
 STEPS = 3
@@ -89,28 +89,13 @@ def test_memory_budget_needs_compile_and_heads_must_divide(folders):
         run_distributed(_build, 4, folders["qwen2"], "archon:t4", {})
 
 
-def _critic_values(path: str, backend: str):
-    import torch.distributed as dist
-
-    from archon.engine.engine import ArchonEngine
-
-    engine = ArchonEngine(engine_config(path, backend), is_critic=True, total_steps=2).initialize()
-    batch = make_batch(0)
-    batch["returns"] = torch.linspace(-1, 1, batch["input_ids"].numel()).view_as(batch["input_ids"])
-
-    def value_loss(outputs, mb):
-        mask = mb["loss_mask"]
-        return (((outputs["values"] - mb["returns"]) ** 2) * mask).sum() / mask.sum(), {}
-
-    losses = [engine.train_batch(batch, value_loss, sft_weight)["loss"] for _ in range(2)]
-    values = engine.forward(batch)["values"]
-    return (losses, values) if dist.get_rank() == 0 else None
-
-
 def test_critic_head_under_tp_and_fsdp(folders):
-    ref_losses, ref_values = run_distributed(_critic_values, 1, folders["qwen3_tied"], "archon:d1")[0]
-    got_losses, got_values = run_distributed(_critic_values, 4, folders["qwen3_tied"], "archon:d2t2")[0]
+    ref_losses, ref_norms, ref_values = run_distributed(critic_losses_and_values, 1, folders["qwen3_tied"],
+                                                        "archon:d1")[0]
+    got_losses, got_norms, got_values = run_distributed(critic_losses_and_values, 4, folders["qwen3_tied"],
+                                                        "archon:d2t2")[0]
     _assert_close(got_losses, ref_losses, "critic d2t2")
+    _assert_close(got_norms, ref_norms, "critic d2t2 grad norms")
     torch.testing.assert_close(got_values, ref_values, atol=1e-5, rtol=1e-5)
     assert torch.all(ref_values[:, 0] == 0)  # token-aligned: no value before the first token
 

@@ -81,11 +81,13 @@ def test_grpo_losses_do_not_depend_on_the_allocation(rl_setup):
                                           "actor.recompute_logprob": True})
     d1 = _run(1, overrides(model, data, root / "inv_d1", **extra))
     # The reference model gets its own allocation over the same ranks.
-    d2 = _run(2, overrides(model, data, root / "inv_d2", "archon:d2", **{**extra, "ref.backend": "archon:t2"}))
-    for key in ("actor/loss", "reward_mean", "kl_ref", "actor/grad_norm", "actor/entropy"):
-        a = [r[key] for r in d1]
-        b = [r[key] for r in d2]
-        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4, (key, a, b)
+    for actor, ref in [("archon:d2", "archon:t2"), ("archon:c2", "archon:d2")]:
+        out = root / f"inv_{actor.split(':')[1]}"
+        other = _run(2, overrides(model, data, out, actor, **{**extra, "ref.backend": ref}))
+        for key in ("actor/loss", "reward_mean", "kl_ref", "actor/grad_norm", "actor/entropy"):
+            a = [r[key] for r in d1]
+            b = [r[key] for r in other]
+            assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4, (actor, key, a, b)
     assert d1[-1]["kl_ref"] > 0  # the policy moved away from the reference
 
 

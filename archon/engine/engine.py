@@ -3,7 +3,9 @@
 Every rank calls every method with the same global batch (a dict of right-padded ``[B, S]``
 tensors with ``attention_mask``).  The engine cuts it into data-parallel shares and packed
 microbatches the same way on every rank, and normalises the loss by the global batch, so a
-step's loss and gradients do not depend on the allocation or on microbatching.
+step's loss and gradients do not depend on the allocation or on microbatching.  Under context
+parallel, the ``cp`` ranks of one data-parallel share get the same microbatches: each runs the
+model on one chunk of every packed row, and the loss sees the full rows.
 
 Per-token outputs are token-aligned: ``logprobs[b, i] = log p(input_ids[b, i] | input_ids[b, :i])``
 (0 at each sequence's first token); a critic's ``values[b, i]`` is the value of the state
@@ -36,6 +38,7 @@ from archon.engine.microbatch import (
     unpack,
 )
 from archon.engine.optimizer import build_lr_scheduler, build_optimizer
+from parallel.context_parallel import gather_sequence, shard_sequence
 from parallel.dims import ParallelDims
 from parallel.grad_clip import clip_grad_norm_
 from parallel.loss_parallel import vocab_parallel_logprobs_entropy
@@ -219,21 +222,36 @@ class ArchonEngine:
         return torch.autocast(self.device_type, dtype=dtype)
 
     def _run_model(self, mb: PackedMicrobatch) -> dict[str, torch.Tensor]:
-        """Packed forward; token-aligned per-token outputs, unpacked to ``[b, s]`` rows."""
+        """Packed forward; token-aligned per-token outputs, unpacked to ``[b, s]`` rows.
+
+        Under context parallel the model sees this rank's chunk of the row (``cu_seqlens``
+        stays global); next-token targets come from the full row, and the per-token outputs
+        are gathered back to full rows, the same on every CP rank (see ``gather_sequence``).
+        """
+        cp_mesh = self.parallel_dims.get_optional_mesh("cp")
+        tokens, positions = mb.tokens, mb.positions
+        if cp_mesh is not None:
+            tokens, positions = shard_sequence(tokens, cp_mesh), shard_sequence(positions, cp_mesh)
         with self._autocast():
-            out = self.model(mb.tokens, positions=mb.positions, cu_seqlens=mb.cu_seqlens)
-        starts = mb.seq_starts
+            out = self.model(tokens, positions=positions, cu_seqlens=mb.cu_seqlens)
         if self.is_critic:
             values = out.full_tensor() if isinstance(out, DTensor) else out
-            values = values.reshape(-1).float()
-            aligned = torch.roll(values, 1).index_fill(0, starts, 0.0)
-            return {"values": unpack(aligned, mb), "_anchor": values.sum() * 0.0}
-        targets = torch.roll(mb.tokens[0], -1)
-        lp_next, ent_next = vocab_parallel_logprobs_entropy(out[0], targets, self.temperature)
-        logprobs = torch.roll(lp_next, 1).index_fill(0, starts, 0.0)
-        entropy = torch.roll(ent_next, 1).index_fill(0, starts, 0.0)
+            per_token = values.reshape(1, -1).float()
+        else:
+            targets = torch.roll(mb.tokens[0], -1)
+            if cp_mesh is not None:
+                targets = shard_sequence(targets, cp_mesh, dim=0)
+            per_token = torch.stack(vocab_parallel_logprobs_entropy(out[0], targets, self.temperature))
         # ``_anchor`` keeps a graph through the model even when the microbatch has no sample.
-        return {"logprobs": unpack(logprobs, mb), "entropy": unpack(entropy, mb), "_anchor": lp_next.sum() * 0.0}
+        anchor = per_token.sum() * 0.0
+        if cp_mesh is not None:
+            per_token = gather_sequence(per_token, cp_mesh, dim=1)
+        # Output i is about token i: shift the next-token values right; sequence starts get 0.
+        aligned = torch.roll(per_token, 1, dims=1).index_fill(1, mb.seq_starts, 0.0)
+        keys = ["values"] if self.is_critic else ["logprobs", "entropy"]
+        result = {key: unpack(row, mb) for key, row in zip(keys, aligned)}
+        result["_anchor"] = anchor
+        return result
 
     def _plan(self, batch: Batch):
         mb_spec = self.config.mb_spec

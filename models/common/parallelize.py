@@ -22,6 +22,7 @@ from torch.distributed.tensor.parallel import (
 
 from parallel.activation_checkpoint import apply_ac
 from parallel.compile import apply_compile
+from parallel.context_parallel import apply_cp, check_heads_divisible
 from parallel.fsdp import apply_fsdp
 from parallel.tensor_parallel import (
     ExpertTensorParallel,
@@ -125,7 +126,8 @@ def parallelize_decoder(model: nn.Module, parallel_dims: Any, config: Any) -> nn
     if parallel_dims.ep_enabled:
         raise NotImplementedError("expert parallel (e > 1) lands with the expert-parallel issue; use e1 for now")
     if parallel_dims.cp_enabled:
-        raise NotImplementedError("context parallel (c > 1) lands with the context-parallel issue; use c1 for now")
+        check_heads_divisible(model.args.n_heads, parallel_dims.tp, parallel_dims.cp, type(model).__name__)
+        apply_cp(model.layers, parallel_dims.get_mesh("cp"), core="attention.core")
     if config.gradient_checkpointing:
         apply_ac(model.layers, archon.ac_mode, archon.selective_ac_option, archon.ac_memory_budget,
                  compile_enabled=archon.enable_compile,
