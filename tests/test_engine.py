@@ -42,13 +42,20 @@ def _train_variants(path: str, backend: str, names: list[str]) -> dict[str, list
     out = {}
     for name in names:
         engine = ArchonEngine(engine_config(path, backend, **VARIANTS[name]), total_steps=STEPS).initialize()
-        out[name] = [engine.train_batch(make_batch(s), sft_loss, sft_weight)["loss"] for s in range(STEPS)]
+        stats = [engine.train_batch(make_batch(s), sft_loss, sft_weight) for s in range(STEPS)]
+        # Gradient norms too: AdamW barely reacts to a gradient off by a constant factor, losses would not show it.
+        out[name] = {"loss": [st["loss"] for st in stats], "grad_norm": [st["grad_norm"] for st in stats]}
     return out if dist.get_rank() == 0 else None
 
 
 @pytest.fixture(scope="module")
-def reference_losses(qwen3_path) -> list[float]:
+def reference_run(qwen3_path) -> dict[str, list[float]]:
     return run_distributed(_train_variants, 1, qwen3_path, "archon:d1", ["base"])[0]["base"]
+
+
+@pytest.fixture(scope="module")
+def reference_losses(reference_run) -> list[float]:
+    return reference_run["loss"]
 
 
 def test_reference_first_loss_is_the_plain_model_nll(qwen3_path, reference_losses):
@@ -77,11 +84,12 @@ def test_reference_first_loss_is_the_plain_model_nll(qwen3_path, reference_losse
     ("archon:d2t2", 4, list(VARIANTS)),
     ("archon:d4", 4, ["base", "ac_full", "reshard_always", "n_mbs_3"]),
 ])
-def test_losses_do_not_depend_on_allocation(qwen3_path, reference_losses, backend, world, names):
+def test_losses_do_not_depend_on_allocation(qwen3_path, reference_run, backend, world, names):
     result = run_distributed(_train_variants, world, qwen3_path, backend, names)[0]
-    for name, losses in result.items():
-        diff = max(abs(a - b) for a, b in zip(losses, reference_losses))
-        assert diff < 1e-4, f"{backend} {name}: {losses} vs d1 {reference_losses}"
+    for name, run in result.items():
+        for key in ("loss", "grad_norm"):
+            diff = max(abs(a - b) for a, b in zip(run[key], reference_run[key]))
+            assert diff < 1e-4, f"{backend} {name} {key}: {run[key]} vs d1 {reference_run[key]}"
 
 
 def _forward(path: str, backend: str):

@@ -36,7 +36,9 @@ def _losses(path: str, backend: str, variants: list[dict]) -> list[list[float]] 
     result = []
     for kw in variants:
         engine = ArchonEngine(engine_config(path, backend, **kw), total_steps=STEPS).initialize()
-        result.append([engine.train_batch(make_batch(s), sft_loss, sft_weight)["loss"] for s in range(STEPS)])
+        stats = [engine.train_batch(make_batch(s), sft_loss, sft_weight) for s in range(STEPS)]
+        # Losses and gradient norms: AdamW hides a gradient off by a constant factor from the losses.
+        result.append([st["loss"] for st in stats] + [st["grad_norm"] for st in stats])
     return result if dist.get_rank() == 0 else None
 
 
