@@ -173,16 +173,53 @@ def _local_box(dst: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]] | N
     """``(local_shape, global_offset)`` of a DTensor's shard, when it is one rectangular slice.
 
     Plain ``Shard``/``Replicate`` placements give one box per rank, so the rank can read just
-    that slice from the checkpoint; other placements (strided FSDP+TP shards, partial) return
-    None and go through ``distribute_tensor`` on the full tensor instead.
+    that slice from the checkpoint; so do strided shards (FSDP over a dim TP or EP already
+    split) whose indices form one range.  Other placements (partial) return None and go
+    through ``distribute_tensor`` on the full tensor instead.
     """
     from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
+    if any(type(p) is _StridedShard for p in dst.placements):
+        return _strided_local_box(dst)
     if not all(type(p) in (Shard, Replicate) for p in dst.placements):
         return None
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     local_shape, offset = compute_local_shape_and_global_offset(dst.shape, dst.device_mesh, dst.placements)
+    return tuple(local_shape), tuple(offset)
+
+
+def _strided_local_box(dst: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """``_local_box`` for FSDP over an already sharded dim (experts under EP, FSDP x TP).
+
+    Such a dim carries a ``_StridedShard``; which of its indices this rank holds is found by
+    distributing an index vector with the same placements (local chunking, no
+    communication).  None unless every dim's indices form one range.
+    """
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    local_shape, offset = [], []
+    device = dst.to_local().device
+    for d, size in enumerate(dst.shape):
+        on_d = []
+        for p in dst.placements:
+            if type(p) not in (Shard, Replicate, _StridedShard):
+                return None
+            if type(p) is Replicate or p.dim != d:
+                on_d.append(Replicate())
+            else:
+                on_d.append(Shard(0) if type(p) is Shard else _StridedShard(0, split_factor=p.split_factor))
+        index = distribute_tensor(torch.arange(size, device=device), dst.device_mesh, on_d,
+                                  src_data_rank=None).to_local()
+        start = int(index[0]) if index.numel() else 0
+        if not torch.equal(index, torch.arange(start, start + index.numel(), device=device)):
+            return None
+        local_shape.append(index.numel())
+        offset.append(start)
+    if tuple(local_shape) != tuple(dst.to_local().shape):
+        return None
     return tuple(local_shape), tuple(offset)
 
 

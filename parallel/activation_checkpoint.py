@@ -22,7 +22,7 @@ from functools import partial
 import torch
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
 logger = logging.getLogger("archon.parallel.ac")
 
@@ -61,6 +61,14 @@ class _Recorder:
             self.logged = True
 
 
+def _ignore_profiler_ranges() -> None:
+    # An FSDP unit nested inside a checkpointed block (the experts under expert parallel)
+    # opens more profiler ranges in recompute than in forward (its root pre-forward runs
+    # again).  SAC matches ops between the two by count; ranges hold no tensors, so skip them.
+    SAC_IGNORED_OPS.update({torch.ops.profiler._record_function_enter_new.default,
+                            torch.ops.profiler._record_function_exit._RecordFunction})
+
+
 def _context_fn(save_ops: set, recorder: _Recorder | None):
     def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
         decision = CheckpointPolicy.MUST_SAVE if op in save_ops else CheckpointPolicy.PREFER_RECOMPUTE
@@ -80,6 +88,7 @@ def _wrap(block: nn.Module, name: str, save_ops: set | None, preserve_rng_state:
     recorder = _Recorder(name) if debug else None
     kwargs = dict(preserve_rng_state=preserve_rng_state)
     if save_ops is not None or debug:
+        _ignore_profiler_ranges()
         kwargs["context_fn"] = _context_fn(save_ops or set(), recorder)
     return checkpoint_wrapper(block, **kwargs)
 

@@ -23,7 +23,14 @@ from torch.distributed.tensor.parallel import (
 from parallel.activation_checkpoint import apply_ac
 from parallel.compile import apply_compile
 from parallel.context_parallel import apply_cp, check_heads_divisible
-from parallel.fsdp import apply_fsdp
+from parallel.expert_parallel import (
+    apply_ep,
+    apply_expert_fsdp,
+    check_expert_parallel,
+    expert_fsdp_mesh,
+    expert_parallel_mesh,
+)
+from parallel.fsdp import apply_fsdp, reshard_after_forward
 from parallel.tensor_parallel import (
     ExpertTensorParallel,
     ReplicateParallel,
@@ -32,7 +39,33 @@ from parallel.tensor_parallel import (
 )
 
 
-def _tp_plan_for_block(block: nn.Module) -> dict[str, Any]:
+MOE_TP_MODES = ("etp", "ep_etp", "ep")
+"""How MoE layers use the TP ranks (see ``apply_tp``)."""
+
+
+def _moe_tp_plan(moe_tp: str) -> dict[str, Any]:
+    if moe_tp == "ep":
+        # EP borrows the TP ranks: each keeps its sequence shard, routes it and dispatches
+        # it itself; the router is replicated and its gradient summed over the TP ranks.
+        return {
+            "moe": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
+                                      use_local_output=True),
+            "moe.router.gate": ReplicateParallel(input_layout=Shard(0)),
+        }
+    plan: dict[str, Any] = {
+        # Every TP rank routes all tokens and runs its slice of every expert's hidden dim;
+        # the partial outputs are reduce-scattered back to sequence shards.
+        "moe": PrepareModuleInputOutput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                        use_local_input=True, output_layouts=(Partial(),),
+                                        desired_output_layouts=(Shard(1),)),
+        "moe.router.gate": ReplicateParallel(partial_output_grad=True),
+    }
+    if moe_tp == "etp":  # with "ep_etp", apply_ep splits the experts over [ep, etp]
+        plan["moe.experts"] = ExpertTensorParallel()
+    return plan
+
+
+def _tp_plan_for_block(block: nn.Module, moe_tp: str = "etp") -> dict[str, Any]:
     attention = block.attention
     plan: dict[str, Any] = {
         "attention_norm": SequenceParallel(),
@@ -51,15 +84,7 @@ def _tp_plan_for_block(block: nn.Module) -> dict[str, Any]:
         plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
     if block.moe_enabled:
-        plan.update({
-            # Every TP rank routes all tokens and runs its slice of every expert's hidden dim;
-            # the partial outputs are reduce-scattered back to sequence shards.
-            "moe": PrepareModuleInputOutput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                            use_local_input=True, output_layouts=(Partial(),),
-                                            desired_output_layouts=(Shard(1),)),
-            "moe.router.gate": ReplicateParallel(partial_output_grad=True),
-            "moe.experts": ExpertTensorParallel(),
-        })
+        plan.update(_moe_tp_plan(moe_tp))
     else:
         plan.update({
             "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
@@ -70,12 +95,20 @@ def _tp_plan_for_block(block: nn.Module) -> dict[str, Any]:
     return plan
 
 
-def apply_tp(model: nn.Module, tp_mesh, loss_parallel: bool = True) -> None:
-    """Tensor + sequence parallel for the decoder; the LM head returns vocab-sharded logits."""
+def apply_tp(model: nn.Module, tp_mesh, loss_parallel: bool = True, moe_tp: str = "etp") -> None:
+    """Tensor + sequence parallel for the decoder; the LM head returns vocab-sharded logits.
+
+    ``moe_tp`` says how MoE layers use the TP ranks: ``"etp"`` (no EP: tokens replicated
+    over TP, every expert split on its hidden dim), ``"ep_etp"`` (the same token layout,
+    but ``apply_ep`` splits the experts over ``[ep, etp]``), ``"ep"`` (EP borrows the TP
+    ranks: tokens stay sequence-sharded and the experts are left to ``apply_ep``).
+    """
+    if moe_tp not in MOE_TP_MODES:
+        raise ValueError(f"moe_tp '{moe_tp}' must be one of {', '.join(MOE_TP_MODES)}")
     args = model.args
     tp = tp_mesh.size()
     sizes = {"num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads}
-    if any(block.moe_enabled for block in model.layers.values()):
+    if moe_tp != "ep" and any(block.moe_enabled for block in model.layers.values()):
         sizes["moe_intermediate_size"] = args.moe_hidden_dim
     if any(not block.moe_enabled for block in model.layers.values()):
         sizes["intermediate_size"] = args.hidden_dim
@@ -97,7 +130,7 @@ def apply_tp(model: nn.Module, tp_mesh, loss_parallel: bool = True) -> None:
         top.pop("norm")
     apply_tensor_parallel(model, tp_mesh, top)
     for block in model.layers.values():
-        apply_tensor_parallel(block, tp_mesh, _tp_plan_for_block(block))
+        apply_tensor_parallel(block, tp_mesh, _tp_plan_for_block(block, moe_tp))
     if hasattr(model, "tie_weights"):
         # The embedding and the LM head were distributed separately; both are Shard(0) over
         # the vocabulary, so they can share one DTensor parameter again.
@@ -119,12 +152,24 @@ def _fsdp_units(model: nn.Module) -> list[Any]:
 
 
 def parallelize_decoder(model: nn.Module, parallel_dims: Any, config: Any) -> nn.Module:
-    """Apply TP (with SP and loss parallel) -> EP -> CP -> AC -> compile -> FSDP to a meta-device decoder."""
+    """Apply TP (with SP and loss parallel) -> EP -> CP -> AC -> compile -> FSDP to a meta-device decoder.
+
+    With expert parallel the experts are split over ``[ep]`` or ``[ep, etp]`` and get their
+    own FSDP units over the expert mesh (see ``parallel/expert_parallel.py``).  Router
+    statistics (``moe.tokens_per_expert``) stay per rank: each rank counts the tokens it routed.
+    """
     archon = config.archon
+    # Collected before AC wraps the blocks; the wrappers keep these module objects.
+    experts = [block.moe.experts for block in model.layers.values() if block.moe_enabled]
+    ep = parallel_dims.ep_enabled
+    if ep:
+        check_expert_parallel(experts[0].num_experts if experts else 0, len(experts), parallel_dims.ep,
+                              type(model).__name__)
     if parallel_dims.tp_enabled:
-        apply_tp(model, parallel_dims.get_mesh("tp"), loss_parallel=parallel_dims.loss_parallel_enabled)
-    if parallel_dims.ep_enabled:
-        raise NotImplementedError("expert parallel (e > 1) lands with the expert-parallel issue; use e1 for now")
+        moe_tp = "ep_etp" if ep and parallel_dims.etp_enabled else "ep" if ep else "etp"
+        apply_tp(model, parallel_dims.get_mesh("tp"), loss_parallel=parallel_dims.loss_parallel_enabled, moe_tp=moe_tp)
+    if ep:
+        apply_ep(experts, expert_parallel_mesh(parallel_dims))
     if parallel_dims.cp_enabled:
         check_heads_divisible(model.args.n_heads, parallel_dims.tp, parallel_dims.cp, type(model).__name__)
         apply_cp(model.layers, parallel_dims.get_mesh("cp"), core="attention.core")
@@ -133,7 +178,15 @@ def parallelize_decoder(model: nn.Module, parallel_dims: Any, config: Any) -> nn
                  compile_enabled=archon.enable_compile,
                  preserve_rng_state=archon.use_deterministic_algorithms, debug=archon.ac_debug)
     if archon.enable_compile:
-        apply_compile(model.layers)
+        # Under EP the dispatch/combine hooks break the block graph (data-dependent all-to-alls).
+        apply_compile(model.layers, fullgraph=not ep)
+    if ep:
+        # Experts first, on their own mesh, so that the block units below leave them out.
+        apply_expert_fsdp(experts, expert_fsdp_mesh(parallel_dims), parallel_dims.fsdp_gradient_divide_factor,
+                          param_dtype=config.dtype, reduce_dtype=config.grad_reduce_dtype,
+                          reshard_after_forward=reshard_after_forward(archon.reshard_after_forward_policy,
+                                                                      parallel_dims.pp_enabled),
+                          cpu_offload=archon.offload_params)
     if parallel_dims.fsdp_enabled:
         mesh = parallel_dims.get_mesh("hsdp") if parallel_dims.dp_replicate_enabled else \
             parallel_dims.get_mesh("dp_shard_cp")

@@ -1,0 +1,239 @@
+"""Expert parallel (EP) for grouped experts, with expert tensor parallel (ETP) and MoE parallel folding.
+
+A grouped-experts module (``w1, w3: [E, hidden, dim]``, ``w2: [E, dim, hidden]``,
+``forward(x_sorted, num_tokens_per_expert)``) is split over the ``ep`` ranks on the expert
+dim: each rank holds ``E / ep`` consecutive experts.  Around its forward:
+
+* dispatch: the ranks exchange per-expert token counts, then each rank sends every token
+  copy (already sorted by global expert id) to the rank owning its expert with one
+  ``all_to_all_single`` with split sizes; received copies, grouped by source rank, are
+  regrouped by local expert (and, on CUDA, each expert's group is padded with zero rows
+  to the grouped-GEMM alignment);
+* the local experts run on the regrouped tokens; every local expert runs, even on zero
+  tokens, so that each rank produces a (zero) gradient for each of its weights and the
+  FSDP collectives of all ranks line up;
+* combine: the outputs are put back in arrival order and sent home with the inverse
+  all-to-all, so the caller sees its own copies in its own order.
+
+Both all-to-alls are differentiable (the backward is the reverse all-to-all).
+
+With ``etp > 1`` the mesh is 2-D ``[ep, etp]``: weights are ``Shard(0)`` over ``ep`` and,
+like ``ExpertTensorParallel``, split on the hidden dim over ``etp``.  The tokens are then
+replicated over ``etp`` (every ETP rank dispatches the same copies inside its own EP
+group), each rank's output is a partial sum over ``etp`` that the caller reduces, and the
+gradient of the tokens is summed over ``etp``.
+
+MoE parallel folding (see ``parallel/dims.py``): the expert weights get their own FSDP
+mesh, ``efsdp`` (the ranks left after EP took its share; ``[dp_replicate, efsdp]`` for
+HSDP), while the rest of the model is sharded over ``dp_shard_cp``.  Both gradient groups
+are divided by the same factor, the number of ranks whose losses sum to the global loss,
+so expert and dense gradients equal the single-device ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from parallel.fsdp import to_dtype
+
+GROUPED_MM_ALIGNMENT = 8
+"""Rows each expert group is padded to a multiple of on CUDA, for bf16 ``torch._grouped_mm`` (16-byte offsets)."""
+
+_HIDDEN_DIM = {"w1": 1, "w3": 1, "w2": 2}
+
+
+@dataclass
+class _Routing:
+    """How one forward's token copies were moved; kept from dispatch until combine."""
+
+    input_splits: list[int]
+    """Copies this rank sent to each EP rank."""
+    output_splits: list[int]
+    """Copies this rank received from each EP rank."""
+    arrival_to_local: torch.Tensor
+    """``[received]``: the row of each received copy in the local-expert order."""
+
+
+def check_expert_parallel(num_experts: int, n_moe_layers: int, ep: int, model_name: str) -> None:
+    """Raise a one-sentence error when ``ep`` cannot split this model's experts."""
+    if n_moe_layers == 0:
+        raise ValueError(f"{model_name} has no MoE layers, so expert parallel e{ep} has nothing to split; "
+                         "drop 'e' from the allocation")
+    if num_experts % ep:
+        raise ValueError(f"{model_name}: num_experts={num_experts} is not divisible by the expert-parallel size "
+                         f"e{ep}; choose e from the divisors of {num_experts}")
+
+
+def expert_parallel_mesh(parallel_dims: Any) -> DeviceMesh:
+    """The mesh experts are split over: ``[ep]``, or ``[ep, etp]`` when experts are also tensor-parallel."""
+    if parallel_dims.etp_enabled:
+        return parallel_dims.sparse_mesh["ep", "etp"]
+    return parallel_dims.get_mesh("ep")
+
+
+def expert_fsdp_mesh(parallel_dims: Any) -> DeviceMesh:
+    """The FSDP mesh of expert weights: ``[efsdp]`` or, for HSDP, ``[dp_replicate, efsdp]``.
+
+    Kept even when its size is 1: an FSDP unit over one rank still divides the expert
+    gradients by the right factor and keeps the experts out of the dense FSDP units.
+    """
+    sparse = parallel_dims.sparse_mesh
+    return sparse["dp_replicate", "efsdp"] if parallel_dims.dp_replicate_enabled else sparse["efsdp"]
+
+
+def local_expert_order(received: torch.Tensor, alignment: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Regroup copies that arrived grouped by source rank so that they are grouped by local expert.
+
+    ``received[s, l]`` is how many copies source rank ``s`` sent for local expert ``l``; in
+    the receive buffer they lie in row-major ``(s, l)`` order.  Returns
+    ``(gather, arrival_to_local, counts)``: ``local = cat(buffer, zero_row)[gather]`` is
+    grouped by expert (source order kept inside each group, each group padded with the
+    zero row to a multiple of ``alignment``, and to at least ``alignment`` rows when
+    ``alignment > 1``), ``buffer = local[arrival_to_local]`` undoes it, and ``counts[l]``
+    is the (padded) size of group ``l``.
+    """
+    received = received.to("cpu", torch.int64)
+    ep, n_local = received.shape
+    n = int(received.sum())
+    per_expert = received.sum(0)
+    if alignment > 1:
+        counts = torch.clamp_min((per_expert + alignment - 1) // alignment * alignment, alignment)
+    else:
+        counts = per_expert
+    group_start = torch.cumsum(counts, 0) - counts
+    # Chunk (s, l) starts after the chunks of earlier sources inside expert l's group.
+    dst_start = group_start[None, :] + torch.cumsum(received, 0) - received
+    sizes = received.reshape(-1)
+    src_start = torch.cumsum(sizes, 0) - sizes
+    chunk = torch.repeat_interleave(torch.arange(ep * n_local), sizes)
+    arrival_to_local = dst_start.reshape(-1)[chunk] + torch.arange(n) - src_start[chunk]
+    gather = torch.full((int(counts.sum()),), n, dtype=torch.int64)
+    gather[arrival_to_local] = torch.arange(n)
+    return gather, arrival_to_local, counts
+
+
+class ExpertParallel(ParallelStyle):
+    """Split grouped experts over EP (and over ETP on the hidden dim) and move tokens to their owners.
+
+    Apply to a 1-D ``[ep]`` mesh or a 2-D ``[ep, etp]`` mesh.  ``token_group_alignment``
+    pads each local expert's token group to a multiple of it; None chooses
+    ``GROUPED_MM_ALIGNMENT`` for CUDA tokens (the grouped GEMM) and 1 elsewhere (the loop).
+    """
+
+    def __init__(self, token_group_alignment: int | None = None) -> None:
+        super().__init__()
+        self.token_group_alignment = token_group_alignment
+        self._routing: _Routing | None = None
+
+    def _alignment(self, x: torch.Tensor) -> int:
+        if self.token_group_alignment is not None:
+            return self.token_group_alignment
+        return GROUPED_MM_ALIGNMENT if x.is_cuda else 1
+
+    @staticmethod
+    def _split_meshes(mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh | None]:
+        if mesh.ndim == 1:
+            return mesh, None
+        if mesh.ndim == 2:
+            return mesh[mesh.mesh_dim_names[0]], mesh[mesh.mesh_dim_names[1]]
+        raise ValueError(f"expert parallel needs a 1-D [ep] or 2-D [ep, etp] mesh, got {mesh.ndim} dims "
+                         f"{mesh.mesh_dim_names}")
+
+    def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        for pname, param in list(module.named_parameters(recurse=False)):
+            placements = [Shard(0)]
+            if mesh.ndim == 2:
+                placements.append(Shard(_HIDDEN_DIM[pname]) if pname in _HIDDEN_DIM else Replicate())
+            module.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, placements),
+                                                          requires_grad=param.requires_grad))
+
+    # Under torch.compile the hooks run eagerly (one graph break each): their all-to-alls
+    # have data-dependent split sizes that a graph cannot hold.
+    @torch.compiler.disable
+    def _dispatch(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        x, num_tokens_per_expert = inputs[0], inputs[1]
+        ep_mesh, etp_mesh = self._split_meshes(mesh)
+        group = ep_mesh.get_group()
+        ep = ep_mesh.size()
+        if etp_mesh is not None:
+            # Every ETP rank holds a hidden slice of the experts, so its gradient for the
+            # (replicated) tokens is a partial sum; mark it so that it is summed over etp.
+            x = DTensor.from_local(x, etp_mesh, (Replicate(),), run_check=False)
+            x = x.to_local(grad_placements=(Partial(),))
+        counts = num_tokens_per_expert.to(torch.int64)
+        with torch.no_grad():
+            received = torch.empty_like(counts)
+            dist.all_to_all_single(received, counts, group=group)
+        received = received.view(ep, -1).cpu()
+        input_splits = counts.view(ep, -1).sum(1).tolist()
+        output_splits = received.sum(1).tolist()
+        arrived = all_to_all_single_autograd(x, output_splits, input_splits, group)
+        gather, arrival_to_local, local_counts = local_expert_order(received, self._alignment(x))
+        self._routing = _Routing(input_splits, output_splits, arrival_to_local.to(x.device))
+        if gather.numel() > arrived.shape[0]:  # padding rows read an appended zero row
+            arrived = torch.cat([arrived, arrived.new_zeros(1, arrived.shape[1])])
+        local = arrived[gather.to(x.device)]
+        return (local, local_counts.to(num_tokens_per_expert.device), *inputs[2:])
+
+    @torch.compiler.disable
+    def _combine(self, module: nn.Module, output: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        routing = self._routing
+        assert routing is not None, "combine without a dispatch"
+        self._routing = None
+        ep_mesh, _ = self._split_meshes(mesh)
+        arrived = output[routing.arrival_to_local]
+        return all_to_all_single_autograd(arrived, routing.input_splits, routing.output_splits, ep_mesh.get_group())
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self._split_meshes(device_mesh)
+        return distribute_module(module, device_mesh, self._partition,
+                                 input_fn=self._dispatch, output_fn=self._combine)
+
+
+def apply_ep(experts: Iterable[nn.Module], mesh: DeviceMesh, token_group_alignment: int | None = None) -> None:
+    """Make every grouped-experts module expert-parallel over ``mesh`` (``[ep]`` or ``[ep, etp]``), in place.
+
+    Each module gets its own style instance: the routing of one forward is kept between
+    its dispatch and combine hooks.
+    """
+    for module in experts:
+        ExpertParallel(token_group_alignment)._apply(module, mesh)
+
+
+def apply_expert_fsdp(
+    experts: Iterable[nn.Module],
+    mesh: DeviceMesh,
+    gradient_divide_factor: float,
+    *,
+    param_dtype: str | torch.dtype = torch.float32,
+    reduce_dtype: str | torch.dtype = torch.float32,
+    reshard_after_forward: bool = True,
+    cpu_offload: bool = False,
+) -> None:
+    """One FSDP unit per expert module over the expert FSDP mesh (before the dense units are made).
+
+    ``gradient_divide_factor`` replaces FSDP's default (the mesh size): expert gradients
+    must be divided by the number of ranks whose losses sum to the global loss, the same
+    factor as the dense gradients, not by the (smaller) number of ranks sharing an expert.
+    """
+    mp = MixedPrecisionPolicy(param_dtype=to_dtype(param_dtype), reduce_dtype=to_dtype(reduce_dtype))
+    offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    for module in experts:
+        fully_shard(module, mesh=mesh, mp_policy=mp, offload_policy=offload,
+                    reshard_after_forward=reshard_after_forward)
+        module.set_gradient_divide_factor(float(gradient_divide_factor))
+        if mesh.device_type == "cpu" and mesh.size(-1) > 1:
+            # A divide factor other than the mesh size becomes NCCL's PREMUL_SUM, which gloo
+            # lacks; summing and dividing afterwards gives the same gradients.  (Not over one
+            # rank: FSDP's copy path already divides there, and would divide twice.)
+            module.set_force_sum_reduction_for_comms(True)
