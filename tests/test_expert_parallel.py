@@ -32,11 +32,13 @@ HYBRID_ETP_1 = "archon:(attn:d2t2|ffn:t1e4)"
 """Experts split over all 4 ranks (EP borrows the dp_shard and TP ranks, etp = 1)."""
 JOBS: dict[int, list[tuple[str, str]]] = {
     2: [("archon:d2e2", "base"), ("archon:d2e2", "ac_full_n_mbs_3"), ("archon:d2e2", "ac_selective_op"),
-        ("archon:d2e2", "reshard_never"), ("archon:t2e2", "base"), ("archon:t2e2", "ac_full_n_mbs_3")],
+        ("archon:d2e2", "reshard_never"), ("archon:t2e2", "base"), ("archon:t2e2", "ac_full_n_mbs_3"),
+        # Context parallel beside EP: EP borrows the cp ranks, each routes its own chunk of the row.
+        ("archon:c2e2", "base")],
     4: [("archon:d4e2", "base"), ("archon:d4e2", "hsdp"), ("archon:d4e4", "base"),
         ("archon:d2t2e2", "base"), ("archon:d2t2e2", "ac_full_n_mbs_3"),
         (HYBRID_ETP_TP, "base"), (HYBRID_ETP_TP, "ac_selective_op"), (HYBRID_ETP_TP, "n_mbs_3"),
-        (HYBRID_ETP_1, "base")],
+        (HYBRID_ETP_1, "base"), ("archon:(attn:d2c2|ffn:e4)", "base"), ("archon:(attn:t2c2|ffn:t1e4)", "base")],
 }
 """(allocation, variant) pairs trained per world size; the first of each allocation also checks gradients."""
 FORWARD_LAYOUTS = {2: ["archon:d2e2"], 4: ["archon:d2t2e2", HYBRID_ETP_TP, HYBRID_ETP_1]}
