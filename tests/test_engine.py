@@ -211,15 +211,3 @@ def test_non_finite_step_is_skipped_and_token_bound_microbatches_match(qwen3_pat
 
     ref = run_distributed(first_loss_on_batch1, 1, qwen3_path)[0]
     assert abs(stats["loss"] - ref) < 1e-5
-
-
-def test_pipeline_parallel_is_refused_clearly(qwen3_path):
-    from dist_utils import DistributedTestError
-
-    def build(path):
-        from archon.engine.engine import ArchonEngine
-
-        ArchonEngine(engine_config(path, "archon:d1p2")).initialize()
-
-    with pytest.raises(DistributedTestError, match=r"pipeline parallel \(p2\), which this version"):
-        run_distributed(build, 2, qwen3_path)
