@@ -27,7 +27,8 @@ class ModelSpec:
     parallelize_fn: Callable
     """``parallelize_fn(model, parallel_dims, config) -> model``."""
     pipelining_fn: Callable | None
-    """Splits the model into pipeline stages; None until pipeline parallel supports it."""
+    """``pipelining_fn(model, parallel_dims, config, parallelize_fn, device) -> PipelinedModel``: this rank's
+    parallelized pipeline stages of a meta-device model; None if the model cannot run with p > 1."""
     supported_model_types: frozenset[str]
     """Hugging Face ``model_type`` strings (config.json) this spec serves."""
 

@@ -1,0 +1,17 @@
+"""Pipeline parallel: splitting a model into stages, placing them on ranks, schedules, the runner.
+
+    from pipeline import pipeline_decoder       # a ModelSpec.pipelining_fn
+    pipelined = pipeline_decoder(meta_model, parallel_dims, config, parallelize_fn, device)
+    pipelined.train_step(microbatches, loss_fn)  # forward + backward of every microbatch
+    pipelined.forward_step(microbatches, fn)     # forward only
+
+Modules: ``split`` (stages by module names), ``placement`` (stage -> rank, loop and V),
+``schedules`` (schedule by name, microbatch and AC rules), ``runner`` (one pipelined step),
+``model`` (this rank's stages and what the engine asks of them).
+"""
+
+from pipeline.model import PipelinedModel, pipeline_decoder
+from pipeline.runner import Microbatch
+from pipeline.split import PipelineConfigError
+
+__all__ = ["Microbatch", "PipelineConfigError", "PipelinedModel", "pipeline_decoder"]

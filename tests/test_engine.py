@@ -192,18 +192,6 @@ def test_non_finite_step_is_skipped_and_token_bound_microbatches_match(qwen3_pat
     assert abs(stats["loss"] - ref) < 1e-5
 
 
-def test_pipeline_parallel_is_refused_clearly(qwen3_path):
-    from dist_utils import DistributedTestError
-
-    def build(path):
-        from archon.engine.engine import ArchonEngine
-
-        ArchonEngine(engine_config(path, "archon:d1p2")).initialize()
-
-    with pytest.raises(DistributedTestError, match=r"pipeline parallel \(p2\), which this version"):
-        run_distributed(build, 2, qwen3_path)
-
-
 def _bf16_losses(path: str, backend: str):
     import torch.distributed as dist
 
@@ -211,7 +199,7 @@ def _bf16_losses(path: str, backend: str):
 
     out = {}
     for dtype in ("float32", "bfloat16"):
-        cfg = engine_config(path, backend)
+        cfg = engine_config(path, backend, archon={"pp_schedule": "1F1B"})
         cfg.dtype = dtype
         engine = ArchonEngine(cfg, total_steps=2).initialize()
         out[dtype] = [engine.train_batch(make_batch(s), sft_loss, sft_weight)["loss"] for s in range(2)]
@@ -223,7 +211,10 @@ def test_bfloat16_means_low_precision_compute_with_or_without_fsdp(qwen3_path):
     bf16 (losses move away from float32 by a bf16-sized amount) and agree with each other."""
     d1 = run_distributed(_bf16_losses, 1, qwen3_path, "archon:d1")[0]
     d2 = run_distributed(_bf16_losses, 2, qwen3_path, "archon:d2")[0]
-    for run in (d1, d2):
+    p2 = run_distributed(_bf16_losses, 2, qwen3_path, "archon:p2")[0]  # autocast around the schedule
+    for run in (d1, d2, p2):
         gap = max(abs(a - b) for a, b in zip(run["float32"], run["bfloat16"]))
         assert 1e-4 < gap < 5e-2, run
     assert max(abs(a - b) for a, b in zip(d1["bfloat16"], d2["bfloat16"])) < 5e-2
+    # Same autocast math; padding the pipeline microbatches changes bf16 rounding a little.
+    assert max(abs(a - b) for a, b in zip(d1["bfloat16"], p2["bfloat16"])) < 5e-3

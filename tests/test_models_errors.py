@@ -151,7 +151,9 @@ def test_registry_contents():
     assert models.supported_model_types() == ["qwen2", "qwen3", "qwen3_moe"]
     spec = models.get_model_spec("qwen3_moe")
     assert spec.name == "qwen3_moe" and spec.supported_model_types == frozenset({"qwen3_moe"})
-    assert spec.pipelining_fn is None
+    from pipeline import pipeline_decoder
+
+    assert spec.pipelining_fn is pipeline_decoder
     for model_type in models.supported_model_types():
         s = models.get_model_spec(model_type)
         assert issubclass(s.model_args_class, models.BaseModelArgs)

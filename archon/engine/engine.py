@@ -5,7 +5,9 @@ tensors with ``attention_mask``).  The engine cuts it into data-parallel shares 
 microbatches the same way on every rank, and normalises the loss by the global batch, so a
 step's loss and gradients do not depend on the allocation or on microbatching.  Under context
 parallel, the ``cp`` ranks of one data-parallel share get the same microbatches: each runs the
-model on one chunk of every packed row, and the loss sees the full rows.
+model on one chunk of every packed row, and the loss sees the full rows.  Under pipeline
+parallel a step's microbatches are padded to one length and run through this rank's stages by
+the schedule (``pipeline/``); what the last stage computes reaches every rank.
 
 Per-token outputs are token-aligned: ``logprobs[b, i] = log p(input_ids[b, i] | input_ids[b, :i])``
 (0 at each sequence's first token); a critic's ``values[b, i]`` is the value of the state
@@ -18,6 +20,7 @@ import logging
 import shutil
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -42,6 +45,7 @@ from parallel.context_parallel import gather_sequence, shard_sequence
 from parallel.dims import ParallelDims
 from parallel.grad_clip import clip_grad_norm_
 from parallel.loss_parallel import vocab_parallel_logprobs_entropy
+from pipeline import Microbatch, PipelineConfigError, PipelinedModel
 
 logger = logging.getLogger("archon.engine")
 # FSDP x TP gathers over two mesh dims in sequence; DTensor warns about it on every call.
@@ -61,6 +65,18 @@ class EngineError(ValueError):
     """A user-caused problem with an engine's config, allocation or data."""
 
 
+@dataclass
+class _StepTotals:
+    """What one rank's microbatches of a step add up to, before reduction over ranks."""
+
+    loss: float = 0.0
+    """Sum of the microbatches' weighted losses."""
+    stats: dict[str, float] = field(default_factory=dict)
+    """Weighted sums of the loss function's stats."""
+    tokens: int = 0
+    """Real (unpadded) tokens."""
+
+
 class ArchonEngine:
     """Builds, trains, evaluates, checkpoints and exports one model (actor, critic or reference)."""
 
@@ -77,6 +93,8 @@ class ArchonEngine:
         self.trainable = trainable
         self.step = 0
         self.model: torch.nn.Module | None = None
+        # Set under pipeline parallel: this rank's stages; ``model`` is then their weights-only view.
+        self.pipeline: PipelinedModel | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.lr_scheduler = None
 
@@ -108,15 +126,17 @@ class ArchonEngine:
 
         self.hf_config = self._load_hf_config()
         self.spec = get_model_spec(self.hf_config.model_type)
-        if self.parallel_dims.pp_enabled:
-            # Without a stage split every pipeline rank would hold and train the whole model.
-            raise EngineError(f"{self.name}.backend = '{cfg.backend}' asks for pipeline parallel (p{self.parallel_dims.pp}), "
-                              "which this version of Archon does not run yet; use p1 and put those ranks in d or t")
         self.model_args = self.spec.model_args_class.from_hf_config(self.hf_config, is_critic=self.is_critic)
         with torch.device("meta"):
             model = self.spec.model_class(self.model_args)
-        model = self.spec.parallelize_fn(model, self.parallel_dims, cfg)
-        model.to_empty(device=self.device)
+        if self.parallel_dims.pp_enabled:
+            self.pipeline = self._split_into_stages(model)
+            model, parts = self.pipeline.model, self.pipeline.parts
+        else:
+            model = self.spec.parallelize_fn(model, self.parallel_dims, cfg)
+            parts = [model]
+        for part in parts:
+            part.to_empty(device=self.device)
         self.model = model
         self._init_weights()
         if not self.trainable:
@@ -125,6 +145,18 @@ class ArchonEngine:
             self.optimizer = build_optimizer(self.model.parameters(), cfg.optimizer, self.device_type)
             self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.optimizer, self.total_steps)
         return self
+
+    def _split_into_stages(self, model: torch.nn.Module) -> PipelinedModel:
+        """This rank's pipeline stages of the meta-device ``model``, each parallelized."""
+        if self.spec.pipelining_fn is None:
+            raise EngineError(f"{self.name}.backend = '{self.config.backend}' asks for pipeline parallel, but model "
+                              f"type '{self.hf_config.model_type}' has no pipelining function in its ModelSpec; "
+                              "use p1 or add one (see models/qwen3/spec.py)")
+        try:
+            return self.spec.pipelining_fn(model, self.parallel_dims, self.config, self.spec.parallelize_fn,
+                                           self.device)
+        except PipelineConfigError as exc:
+            raise EngineError(f"{self.name}.backend = '{self.config.backend}': {exc}") from None
 
     def _load_hf_config(self):
         from transformers import AutoConfig
@@ -225,8 +257,7 @@ class ArchonEngine:
         """Packed forward; token-aligned per-token outputs, unpacked to ``[b, s]`` rows.
 
         Under context parallel the model sees this rank's chunk of the row (``cu_seqlens``
-        stays global); next-token targets come from the full row, and the per-token outputs
-        are gathered back to full rows, the same on every CP rank (see ``gather_sequence``).
+        stays global); ``_token_outputs`` gathers the outputs back to full rows.
         """
         cp_mesh = self.parallel_dims.get_optional_mesh("cp")
         tokens, positions = mb.tokens, mb.positions
@@ -234,6 +265,15 @@ class ArchonEngine:
             tokens, positions = shard_sequence(tokens, cp_mesh), shard_sequence(positions, cp_mesh)
         with self._autocast():
             out = self.model(tokens, positions=positions, cu_seqlens=mb.cu_seqlens)
+        return self._token_outputs(out, mb)
+
+    def _token_outputs(self, out: torch.Tensor, mb: PackedMicrobatch) -> dict[str, torch.Tensor]:
+        """The model's output for packed ``mb`` (logits or values) as token-aligned per-token rows.
+
+        Next-token targets come from the full row; under context parallel the per-token outputs
+        are gathered back to full rows, the same on every CP rank (see ``gather_sequence``).
+        """
+        cp_mesh = self.parallel_dims.get_optional_mesh("cp")
         if self.is_critic:
             values = out.full_tensor() if isinstance(out, DTensor) else out
             per_token = values.reshape(1, -1).float()
@@ -255,11 +295,44 @@ class ArchonEngine:
 
     def _plan(self, batch: Batch):
         mb_spec = self.config.mb_spec
+        n_mbs = mb_spec.n_mbs if self.pipeline is None else self.pipeline.microbatch_count(mb_spec.n_mbs)
         try:
-            plan = plan_microbatches(seqlens_of(batch), self.dp_size, mb_spec.n_mbs, mb_spec.max_tokens_per_mb)
+            plan = plan_microbatches(seqlens_of(batch), self.dp_size, n_mbs, mb_spec.max_tokens_per_mb)
+            if self.pipeline is not None and self.pipeline.microbatch_count(plan.n_microbatches) != plan.n_microbatches:
+                # max_tokens_per_mb asked for a count the schedule cannot run: take the next one it can.
+                plan = plan_microbatches(seqlens_of(batch), self.dp_size,
+                                         self.pipeline.microbatch_count(plan.n_microbatches), mb_spec.max_tokens_per_mb)
         except ValueError as exc:
             raise EngineError(f"{self.name}: {exc}") from None
         return plan.per_rank[self.dp_rank]
+
+    def _pipeline_microbatches(self, batch: Batch, mbs: list[list[int]]
+                               ) -> tuple[list[PackedMicrobatch], list[Microbatch]]:
+        """Packed microbatches of one shape (pipeline stages exchange fixed-size buffers) and their stage inputs.
+
+        Every row is padded to the step's longest (a multiple of tp*cp); ``cu_seqlens`` are
+        padded to one length with empty trailing sequences, so they split like the rest.  Under
+        context parallel the stage inputs are this rank's chunk (``_token_outputs`` gathers).
+        """
+        from models.common.packing import pad_cu_seqlens
+
+        if self._pad_to_maximum():
+            length = self.config.mb_spec.max_tokens_per_mb
+        else:
+            lens = seqlens_of(batch)
+            length = max(1, max(sum(lens[i] for i in indices) for indices in mbs))
+        packs = [pack(batch, indices, multiple_of=self.parallel_dims.seq_len_divisor, pad_to=length)
+                 for indices in mbs]
+        n_bounds = max(p.cu_seqlens.numel() for p in packs)
+        cp_mesh = self.parallel_dims.get_optional_mesh("cp")
+        inputs = []
+        for p in packs:
+            tokens, positions = p.tokens, p.positions
+            if cp_mesh is not None:
+                # Every stage sees this rank's chunk of the row; the boundaries stay global.
+                tokens, positions = shard_sequence(tokens, cp_mesh), shard_sequence(positions, cp_mesh)
+            inputs.append((tokens, {"positions": positions, "cu_seqlens": pad_cu_seqlens(p.cu_seqlens, n_bounds)}))
+        return packs, inputs
 
     # ------------------------------------------------------------------ train
     def train_batch(self, batch: Batch, loss_fn: LossFn, loss_weight_fn: LossWeightFn = _token_count_weight
@@ -276,29 +349,26 @@ class ArchonEngine:
         my_mbs = self._plan(batch)
         grad_scale = float(self.parallel_dims.fsdp_gradient_divide_factor)
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        stat_sums: dict[str, float] = {}
-        n_tokens = 0
-        for i, indices in enumerate(my_mbs):
-            self._set_gradient_sync(i == len(my_mbs) - 1)
-            packed = self._pack(batch, indices)
-            outputs = self._run_model(packed)
-            anchor = outputs.pop("_anchor")
-            if indices:
-                mb = rows_of(batch, indices)
-                loss, stats = loss_fn(outputs, mb)
-                weight = float(loss_weight_fn(mb))
-            else:
-                # A rank without samples still runs backward so FSDP's collectives line up.
-                loss = anchor
-                stats, weight = {}, 0.0
-            scaled = loss * (weight / total_weight)
-            (scaled * grad_scale).backward()
-            loss_sum += float(scaled.detach())
-            for key, value in stats.items():
-                value = float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
-                stat_sums[key] = stat_sums.get(key, 0.0) + value * weight / total_weight
-            n_tokens += packed.n_real_tokens
+        totals = _StepTotals()
+        if self.pipeline is not None:
+            packs, inputs = self._pipeline_microbatches(batch, my_mbs)
+
+            def last_stage_loss(out: torch.Tensor, i: int) -> torch.Tensor:
+                outputs = self._token_outputs(out, packs[i])
+                return self._microbatch_loss(outputs, batch, my_mbs[i], loss_fn, loss_weight_fn, total_weight,
+                                             totals) * grad_scale
+
+            with self._autocast():
+                self.pipeline.train_step(inputs, last_stage_loss)
+            totals.tokens = sum(p.n_real_tokens for p in packs)
+        else:
+            for i, indices in enumerate(my_mbs):
+                self._set_gradient_sync(i == len(my_mbs) - 1)
+                packed = self._pack(batch, indices)
+                scaled = self._microbatch_loss(self._run_model(packed), batch, indices, loss_fn, loss_weight_fn,
+                                               total_weight, totals)
+                (scaled * grad_scale).backward()
+                totals.tokens += packed.n_real_tokens
 
         pp_group = self.parallel_dims.get_mesh("pp").get_group() if self.parallel_dims.pp_enabled else None
         grad_norm = clip_grad_norm_(self.model.parameters(), self.config.optimizer.max_grad_norm, pp_group=pp_group)
@@ -313,15 +383,38 @@ class ArchonEngine:
         self.lr_scheduler.step()
         self.step += 1
 
-        keys = sorted(stat_sums)
-        reduced = torch.tensor([float(loss_sum), float(n_tokens)] + [stat_sums[k] for k in keys], dtype=torch.float64)
+        keys = sorted(totals.stats)
+        reduced = torch.tensor([totals.loss, float(totals.tokens)] + [totals.stats[k] for k in keys],
+                               dtype=torch.float64)
         if self.dp_size > 1:
             dist.all_reduce(reduced, group=self._dp_group())
+        if self.pipeline is not None:
+            # The loss and its stats exist on the last stage only; every rank reports them.
+            keys, reduced = self.pipeline.broadcast_from_last_stage((keys, reduced))
         result = {"loss": float(reduced[0]), "grad_norm": float(grad_norm), "lr": lr,
                   "tokens": float(reduced[1]), "update_skipped": float(not finite),
                   "train_time_s": time.perf_counter() - t0}
         result.update({k: float(v) for k, v in zip(keys, reduced[2:].tolist())})
         return result
+
+    def _microbatch_loss(self, outputs: dict[str, torch.Tensor], batch: Batch, indices: list[int], loss_fn: LossFn,
+                         loss_weight_fn: LossWeightFn, total_weight: float, totals: "_StepTotals") -> torch.Tensor:
+        """This microbatch's share of the global loss (its weight / the batch's); stats are added to ``totals``."""
+        anchor = outputs.pop("_anchor")
+        if indices:
+            mb = rows_of(batch, indices)
+            loss, stats = loss_fn(outputs, mb)
+            weight = float(loss_weight_fn(mb))
+        else:
+            # A rank without samples still runs backward so FSDP's collectives line up.
+            loss = anchor
+            stats, weight = {}, 0.0
+        scaled = loss * (weight / total_weight)
+        totals.loss += float(scaled.detach())
+        for key, value in stats.items():
+            value = float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
+            totals.stats[key] = totals.stats.get(key, 0.0) + value * weight / total_weight
+        return scaled
 
     # ------------------------------------------------------------------ forward
     @torch.no_grad()
@@ -333,14 +426,23 @@ class ArchonEngine:
         B, S = batch["input_ids"].shape
         mine: dict[str, list[torch.Tensor]] = {}
         my_indices: list[int] = []
-        for indices in self._plan(batch):
-            outputs = self._run_model(self._pack(batch, indices))
+
+        def keep(outputs: dict[str, torch.Tensor], indices: list[int]) -> None:
             outputs.pop("_anchor")
             if not indices:
-                continue
+                return
             my_indices.extend(indices)
             for key, value in outputs.items():
                 mine.setdefault(key, []).extend(list(value.float().cpu()))
+
+        my_mbs = self._plan(batch)
+        if self.pipeline is not None:
+            packs, inputs = self._pipeline_microbatches(batch, my_mbs)
+            with self._autocast():
+                self.pipeline.forward_step(inputs, lambda out, i: keep(self._token_outputs(out, packs[i]), my_mbs[i]))
+        else:
+            for indices in my_mbs:
+                keep(self._run_model(self._pack(batch, indices)), indices)
         gathered: list[Any] = [None] * self.dp_size
         payload = (my_indices, mine)
         if self.dp_size > 1:
@@ -354,14 +456,22 @@ class ArchonEngine:
                 for row, idx in enumerate(indices):
                     v = values[key][row]
                     result[key][idx, : v.shape[0]] = v
+        if self.pipeline is not None:
+            # The last stage computed the outputs; every rank returns them.
+            result = self.pipeline.broadcast_from_last_stage(result)
         return result
 
     # ------------------------------------------------------------------ weights out
     def named_full_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) one parameter at a time; a collective: every rank must iterate."""
         adapter = self.spec.state_dict_adapter_class(self.model_args)
-        for name, tensor in _named_state(self.model, buffers=False):
-            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        if self.pipeline is not None:
+            # Each tensor comes from the stage holding it, in the full model's order.
+            tensors = self.pipeline.named_full_tensors(dict(_named_state(self.model, buffers=False)))
+        else:
+            tensors = ((name, t.full_tensor() if isinstance(t, DTensor) else t)
+                       for name, t in _named_state(self.model, buffers=False))
+        for name, full in tensors:
             full = full.detach()
             if dtype is not None:
                 full = full.to(dtype)

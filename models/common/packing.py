@@ -2,7 +2,9 @@
 
 ``cu_seqlens`` is int32 ``[n_seqs + 1]``: ``0, len0, len0 + len1, ...``.  Tokens past
 ``cu_seqlens[-1]`` (padding at the end of a row) form one extra sequence of their own, so
-they never attend to, or are attended by, real tokens.
+they never attend to, or are attended by, real tokens.  Repeated trailing entries are empty
+sequences and change nothing, which lets rows with different sequence counts share one
+``cu_seqlens`` length (``pad_cu_seqlens``).
 """
 
 from __future__ import annotations
@@ -31,3 +33,10 @@ def packed_causal_mask(cu_seqlens: torch.Tensor, seqlen: int, device: torch.devi
     seg = segment_ids(cu_seqlens, seqlen, device)
     idx = torch.arange(seqlen, device=device)
     return (seg[:, None] == seg[None, :]) & (idx[None, :] <= idx[:, None])
+
+
+def pad_cu_seqlens(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
+    """``cu_seqlens`` extended to ``length`` entries by repeating its last one (empty sequences)."""
+    if length < cu_seqlens.numel():
+        raise ValueError(f"cannot pad cu_seqlens of {cu_seqlens.numel()} entries down to {length}")
+    return torch.cat([cu_seqlens, cu_seqlens[-1:].expand(length - cu_seqlens.numel())])
