@@ -81,9 +81,10 @@ def test_grpo_losses_do_not_depend_on_the_allocation(rl_setup):
                                           "actor.recompute_logprob": True})
     d1 = _run(1, overrides(model, data, root / "inv_d1", **extra))
     # The reference model gets its own allocation over the same ranks.
-    for actor, ref in [("archon:d2", "archon:t2"), ("archon:c2", "archon:d2")]:
+    for actor, ref in [("archon:d2", "archon:t2"), ("archon:c2", "archon:d2"), ("archon:p2", "archon:d2")]:
         out = root / f"inv_{actor.split(':')[1]}"
-        other = _run(2, overrides(model, data, out, actor, **{**extra, "ref.backend": ref}))
+        other = _run(2, overrides(model, data, out, actor, **{**extra, "ref.backend": ref,
+                                                               "actor.archon.pp_schedule": "1F1B"}))
         for key in ("actor/loss", "reward_mean", "kl_ref", "actor/grad_norm", "actor/entropy"):
             a = [r[key] for r in d1]
             b = [r[key] for r in other]
