@@ -40,11 +40,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from parallel.fsdp import to_dtype
+from parallel.fsdp import fsdp_policies, reshard_after_forward
 
 GROUPED_MM_ALIGNMENT = 8
 """Rows each expert group is padded to a multiple of on CUDA, for bf16 ``torch._grouped_mm`` (16-byte offsets)."""
@@ -134,6 +134,8 @@ class ExpertParallel(ParallelStyle):
         super().__init__()
         self.token_group_alignment = token_group_alignment
         self._routing: _Routing | None = None
+        # (ep mesh, etp mesh or None), split once when the style is applied.
+        self._meshes: tuple[DeviceMesh, DeviceMesh | None] | None = None
 
     def _alignment(self, x: torch.Tensor) -> int:
         if self.token_group_alignment is not None:
@@ -162,7 +164,7 @@ class ExpertParallel(ParallelStyle):
     @torch.compiler.disable
     def _dispatch(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
         x, num_tokens_per_expert = inputs[0], inputs[1]
-        ep_mesh, etp_mesh = self._split_meshes(mesh)
+        ep_mesh, etp_mesh = self._meshes
         group = ep_mesh.get_group()
         ep = ep_mesh.size()
         if etp_mesh is not None:
@@ -190,12 +192,12 @@ class ExpertParallel(ParallelStyle):
         routing = self._routing
         assert routing is not None, "combine without a dispatch"
         self._routing = None
-        ep_mesh, _ = self._split_meshes(mesh)
+        ep_mesh, _ = self._meshes
         arrived = output[routing.arrival_to_local]
         return all_to_all_single_autograd(arrived, routing.input_splits, routing.output_splits, ep_mesh.get_group())
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        self._split_meshes(device_mesh)
+        self._meshes = self._split_meshes(device_mesh)
         return distribute_module(module, device_mesh, self._partition,
                                  input_fn=self._dispatch, output_fn=self._combine)
 
@@ -217,20 +219,21 @@ def apply_expert_fsdp(
     *,
     param_dtype: str | torch.dtype = torch.float32,
     reduce_dtype: str | torch.dtype = torch.float32,
-    reshard_after_forward: bool = True,
+    pp_enabled: bool = False,
     cpu_offload: bool = False,
+    reshard_after_forward_policy: str = "default",
 ) -> None:
     """One FSDP unit per expert module over the expert FSDP mesh (before the dense units are made).
 
     ``gradient_divide_factor`` replaces FSDP's default (the mesh size): expert gradients
     must be divided by the number of ranks whose losses sum to the global loss, the same
     factor as the dense gradients, not by the (smaller) number of ranks sharing an expert.
+    The other options mean what they mean for ``apply_fsdp``.
     """
-    mp = MixedPrecisionPolicy(param_dtype=to_dtype(param_dtype), reduce_dtype=to_dtype(reduce_dtype))
-    offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    mp, offload = fsdp_policies(param_dtype, reduce_dtype, cpu_offload)
+    reshard = reshard_after_forward(reshard_after_forward_policy, pp_enabled)
     for module in experts:
-        fully_shard(module, mesh=mesh, mp_policy=mp, offload_policy=offload,
-                    reshard_after_forward=reshard_after_forward)
+        fully_shard(module, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
         module.set_gradient_divide_factor(float(gradient_divide_factor))
         if mesh.device_type == "cpu" and mesh.size(-1) > 1:
             # A divide factor other than the mesh size becomes NCCL's PREMUL_SUM, which gloo

@@ -31,6 +31,15 @@ def reshard_after_forward(policy: str, pp_enabled: bool) -> bool:
     raise ValueError(f"reshard_after_forward_policy '{policy}' must be default, always or never")
 
 
+def fsdp_policies(param_dtype: str | torch.dtype, reduce_dtype: str | torch.dtype,
+                  cpu_offload: bool) -> tuple[MixedPrecisionPolicy, OffloadPolicy]:
+    """The mixed-precision and offload policies every FSDP unit of an engine shares."""
+    mp = MixedPrecisionPolicy(param_dtype=to_dtype(param_dtype), reduce_dtype=to_dtype(reduce_dtype))
+    # Pinned host memory needs an accelerator; on a CPU-only machine offload is the identity anyway.
+    offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    return mp, offload
+
+
 def apply_fsdp(
     model: nn.Module,
     dp_mesh: DeviceMesh,
@@ -47,9 +56,7 @@ def apply_fsdp(
     ``dp_mesh`` is 1-D (FSDP over dp_shard*cp) or 2-D ``[dp_replicate, dp_shard_cp]`` (HSDP).
     The root's reshard flag is False: its parameters are needed again right at backward.
     """
-    mp = MixedPrecisionPolicy(param_dtype=to_dtype(param_dtype), reduce_dtype=to_dtype(reduce_dtype))
-    # Pinned host memory needs an accelerator; on a CPU-only machine offload is the identity anyway.
-    offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    mp, offload = fsdp_policies(param_dtype, reduce_dtype, cpu_offload)
     reshard = reshard_after_forward(reshard_after_forward_policy, pp_enabled)
     for unit in units:
         fully_shard(unit, mesh=dp_mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)

@@ -119,11 +119,6 @@ class PipelinedModel:
             yield info.name, full
 
 
-def _ties_embeddings(model: nn.Module) -> bool:
-    embeddings, head = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
-    return embeddings is not None and head is not None and head.weight is embeddings.weight
-
-
 def _activation_dtype(model: nn.Module, parallel_dims: Any, config: Any) -> torch.dtype:
     # FSDP computes in its mixed-precision dtype; without FSDP the parameters' own dtype is used.
     if parallel_dims.fsdp_enabled:
@@ -169,7 +164,7 @@ def pipeline_decoder(model: nn.Module, parallel_dims: Any, config: Any, parallel
     schedule = archon.pp_schedule
     pp = parallel_dims.pp
     style = placement_style(schedule)
-    if _ties_embeddings(model):
+    if getattr(model, "embeddings_tied", False):
         raise PipelineConfigError(f"the model ties its input embeddings to its LM head (tie_word_embeddings = "
                                   f"true), which pipeline parallel (p{pp}) would put on different stages; use p1 "
                                   "(put those ranks in d or t) or a model without tied embeddings")

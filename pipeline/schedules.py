@@ -13,7 +13,6 @@ compiled stages), so both are errors; full AC and layer-level selective AC work.
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable
 
 import torch
@@ -30,7 +29,6 @@ from torch.distributed.pipelining import (
 from pipeline.placement import PlacementStyle
 from pipeline.split import PipelineConfigError
 
-logger = logging.getLogger("archon.pipeline")
 
 SCHEDULES: dict[str, type] = {
     "1F1B": Schedule1F1B,

@@ -41,8 +41,10 @@ from archon.engine.microbatch import (
     unpack,
 )
 from archon.engine.optimizer import build_lr_scheduler, build_optimizer
+from models.hf_checkpoint import clean_fqn
 from parallel.context_parallel import gather_sequence, shard_sequence
 from parallel.dims import ParallelDims
+from parallel.fsdp import to_dtype
 from parallel.grad_clip import clip_grad_norm_
 from parallel.loss_parallel import vocab_parallel_logprobs_entropy
 from pipeline import Microbatch, PipelineConfigError, PipelinedModel
@@ -54,7 +56,6 @@ logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERR
 LossFn = Callable[[dict[str, torch.Tensor], Batch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 LossWeightFn = Callable[[Batch], float]
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _token_count_weight(mb: Batch) -> float:
@@ -226,8 +227,10 @@ class ArchonEngine:
     def _to_device(self, batch: Batch) -> Batch:
         return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
-    def _pack(self, batch: Batch, indices: list[int]) -> PackedMicrobatch:
-        pad_to = self.config.mb_spec.max_tokens_per_mb if self._pad_to_maximum() else 0
+    def _pack(self, batch: Batch, indices: list[int], pad_to: int = 0) -> PackedMicrobatch:
+        """Pack ``indices`` into one row: to ``max_tokens_per_mb`` under pad_to_maximum, else to ``pad_to``."""
+        if self._pad_to_maximum():
+            pad_to = self.config.mb_spec.max_tokens_per_mb
         return pack(batch, indices, multiple_of=self.parallel_dims.seq_len_divisor, pad_to=pad_to)
 
     def _pad_to_maximum(self) -> bool:
@@ -248,7 +251,7 @@ class ArchonEngine:
         FSDP casts parameters to ``dtype`` for compute; without FSDP the same ``dtype`` setting
         must still mean low-precision matmuls, so autocast provides them (as torchtitan does).
         """
-        dtype = _DTYPES[self.config.dtype]
+        dtype = to_dtype(self.config.dtype)
         if dtype == torch.float32 or self.parallel_dims.fsdp_enabled:
             return nullcontext()
         return torch.autocast(self.device_type, dtype=dtype)
@@ -259,13 +262,22 @@ class ArchonEngine:
         Under context parallel the model sees this rank's chunk of the row (``cu_seqlens``
         stays global); ``_token_outputs`` gathers the outputs back to full rows.
         """
-        cp_mesh = self.parallel_dims.get_optional_mesh("cp")
-        tokens, positions = mb.tokens, mb.positions
-        if cp_mesh is not None:
-            tokens, positions = shard_sequence(tokens, cp_mesh), shard_sequence(positions, cp_mesh)
+        tokens, positions = self._model_inputs(mb)
         with self._autocast():
             out = self.model(tokens, positions=positions, cu_seqlens=mb.cu_seqlens)
         return self._token_outputs(out, mb)
+
+    def _model_inputs(self, mb: PackedMicrobatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens and positions the model (or the first pipeline stage) sees: this CP rank's chunk."""
+        cp_mesh = self.parallel_dims.get_optional_mesh("cp")
+        if cp_mesh is None:
+            return mb.tokens, mb.positions
+        return shard_sequence(mb.tokens, cp_mesh), shard_sequence(mb.positions, cp_mesh)
+
+    @property
+    def _output_keys(self) -> list[str]:
+        """Per-token outputs of ``forward``: a critic's values, or an LM's logprobs and entropy."""
+        return ["values"] if self.is_critic else ["logprobs", "entropy"]
 
     def _token_outputs(self, out: torch.Tensor, mb: PackedMicrobatch) -> dict[str, torch.Tensor]:
         """The model's output for packed ``mb`` (logits or values) as token-aligned per-token rows.
@@ -288,20 +300,21 @@ class ArchonEngine:
             per_token = gather_sequence(per_token, cp_mesh, dim=1)
         # Output i is about token i: shift the next-token values right; sequence starts get 0.
         aligned = torch.roll(per_token, 1, dims=1).index_fill(1, mb.seq_starts, 0.0)
-        keys = ["values"] if self.is_critic else ["logprobs", "entropy"]
-        result = {key: unpack(row, mb) for key, row in zip(keys, aligned)}
+        result = {key: unpack(row, mb) for key, row in zip(self._output_keys, aligned)}
         result["_anchor"] = anchor
         return result
 
     def _plan(self, batch: Batch):
         mb_spec = self.config.mb_spec
+        lens = seqlens_of(batch)
         n_mbs = mb_spec.n_mbs if self.pipeline is None else self.pipeline.microbatch_count(mb_spec.n_mbs)
         try:
-            plan = plan_microbatches(seqlens_of(batch), self.dp_size, n_mbs, mb_spec.max_tokens_per_mb)
-            if self.pipeline is not None and self.pipeline.microbatch_count(plan.n_microbatches) != plan.n_microbatches:
+            plan = plan_microbatches(lens, self.dp_size, n_mbs, mb_spec.max_tokens_per_mb)
+            runnable = plan.n_microbatches if self.pipeline is None else \
+                self.pipeline.microbatch_count(plan.n_microbatches)
+            if runnable != plan.n_microbatches:
                 # max_tokens_per_mb asked for a count the schedule cannot run: take the next one it can.
-                plan = plan_microbatches(seqlens_of(batch), self.dp_size,
-                                         self.pipeline.microbatch_count(plan.n_microbatches), mb_spec.max_tokens_per_mb)
+                plan = plan_microbatches(lens, self.dp_size, runnable, mb_spec.max_tokens_per_mb)
         except ValueError as exc:
             raise EngineError(f"{self.name}: {exc}") from None
         return plan.per_rank[self.dp_rank]
@@ -316,21 +329,14 @@ class ArchonEngine:
         """
         from models.common.packing import pad_cu_seqlens
 
-        if self._pad_to_maximum():
-            length = self.config.mb_spec.max_tokens_per_mb
-        else:
-            lens = seqlens_of(batch)
-            length = max(1, max(sum(lens[i] for i in indices) for indices in mbs))
-        packs = [pack(batch, indices, multiple_of=self.parallel_dims.seq_len_divisor, pad_to=length)
-                 for indices in mbs]
+        lens = seqlens_of(batch)
+        longest = max(1, max(sum(lens[i] for i in indices) for indices in mbs))
+        packs = [self._pack(batch, indices, pad_to=longest) for indices in mbs]
         n_bounds = max(p.cu_seqlens.numel() for p in packs)
-        cp_mesh = self.parallel_dims.get_optional_mesh("cp")
         inputs = []
         for p in packs:
-            tokens, positions = p.tokens, p.positions
-            if cp_mesh is not None:
-                # Every stage sees this rank's chunk of the row; the boundaries stay global.
-                tokens, positions = shard_sequence(tokens, cp_mesh), shard_sequence(positions, cp_mesh)
+            # Every stage gets the positions of this rank's chunk; the boundaries stay global.
+            tokens, positions = self._model_inputs(p)
             inputs.append((tokens, {"positions": positions, "cu_seqlens": pad_cu_seqlens(p.cu_seqlens, n_bounds)}))
         return packs, inputs
 
@@ -449,7 +455,7 @@ class ArchonEngine:
             dist.all_gather_object(gathered, payload, group=self._dp_group())
         else:
             gathered = [payload]
-        keys = ["values"] if self.is_critic else ["logprobs", "entropy"]
+        keys = self._output_keys
         result = {k: torch.zeros(B, S, dtype=torch.float32) for k in keys}
         for indices, values in gathered:
             for key in keys:
@@ -512,12 +518,6 @@ def _named_state(model: torch.nn.Module, buffers: bool = False) -> Iterator[tupl
         items += list(model.named_buffers())
     for name, tensor in items:
         yield clean_fqn(name), tensor
-
-
-def clean_fqn(name: str) -> str:
-    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
-        name = name.replace(wrapper, "")
-    return name
 
 
 @torch.no_grad()

@@ -81,6 +81,12 @@ class Decoder(nn.Module):
             if self.output.weight is not self.tok_embeddings.weight:
                 self.output.weight = self.tok_embeddings.weight
 
+    @property
+    def embeddings_tied(self) -> bool:
+        """True when the LM head and the embedding share one parameter (both present, tied)."""
+        return self.tok_embeddings is not None and self.output is not None \
+            and self.output.weight is self.tok_embeddings.weight
+
     def _apply(self, fn, recurse: bool = True):
         # ``to_empty`` (meta -> device) creates new Parameter objects per module and so would
         # untie the LM head from the embedding; re-tie after every conversion.

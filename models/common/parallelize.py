@@ -30,7 +30,7 @@ from parallel.expert_parallel import (
     expert_fsdp_mesh,
     expert_parallel_mesh,
 )
-from parallel.fsdp import apply_fsdp, reshard_after_forward
+from parallel.fsdp import apply_fsdp
 from parallel.tensor_parallel import (
     ExpertTensorParallel,
     ReplicateParallel,
@@ -139,8 +139,7 @@ def apply_tp(model: nn.Module, tp_mesh, loss_parallel: bool = True, moe_tp: str 
 
 def _fsdp_units(model: nn.Module) -> list[Any]:
     units: list[Any] = []
-    tied = model.tok_embeddings is not None and model.output is not None \
-        and model.output.weight is model.tok_embeddings.weight
+    tied = model.embeddings_tied
     if model.tok_embeddings is not None and not tied:
         units.append(model.tok_embeddings)
     units.extend(model.layers.values())
@@ -184,9 +183,8 @@ def parallelize_decoder(model: nn.Module, parallel_dims: Any, config: Any) -> nn
         # Experts first, on their own mesh, so that the block units below leave them out.
         apply_expert_fsdp(experts, expert_fsdp_mesh(parallel_dims), parallel_dims.fsdp_gradient_divide_factor,
                           param_dtype=config.dtype, reduce_dtype=config.grad_reduce_dtype,
-                          reshard_after_forward=reshard_after_forward(archon.reshard_after_forward_policy,
-                                                                      parallel_dims.pp_enabled),
-                          cpu_offload=archon.offload_params)
+                          pp_enabled=parallel_dims.pp_enabled, cpu_offload=archon.offload_params,
+                          reshard_after_forward_policy=archon.reshard_after_forward_policy)
     if parallel_dims.fsdp_enabled:
         mesh = parallel_dims.get_mesh("hsdp") if parallel_dims.dp_replicate_enabled else \
             parallel_dims.get_mesh("dp_shard_cp")
