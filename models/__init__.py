@@ -8,7 +8,14 @@
 Importing this package registers the built-in specs (qwen2, qwen3, qwen3_moe).
 """
 
-from models.hf_checkpoint import CheckpointError, HFLoadResult, load_hf_weights, read_hf_config, save_hf_tensors
+from models.hf_checkpoint import (
+    CheckpointError,
+    HFLoadResult,
+    adapter_for,
+    load_hf_weights,
+    read_hf_config,
+    save_hf_tensors,
+)
 from models.hf_model import build_model, load_hf_model, save_hf
 from models.model_args import BaseModelArgs, HFConfigError
 from models.registry import (
@@ -34,6 +41,7 @@ __all__ = [
     "ModelRegistryError",
     "ModelSpec",
     "UnknownKeyError",
+    "adapter_for",
     "build_model",
     "get_model_spec",
     "load_hf_model",

@@ -263,7 +263,8 @@ class _TensorReader:
         return self._slice[index]
 
 
-def _adapter_for(model: nn.Module) -> BaseStateDictAdapter:
+def adapter_for(model: nn.Module) -> BaseStateDictAdapter:
+    """The state-dict adapter of the registered spec that built ``model``."""
     from models.registry import spec_for_model
 
     if not hasattr(model, "args"):
@@ -287,7 +288,7 @@ def load_hf_weights(
     the tensor and file.  The model must already be materialised (``to_empty``), not on meta.
     """
     folder = Path(folder)
-    adapter = adapter if adapter is not None else _adapter_for(model)
+    adapter = adapter if adapter is not None else adapter_for(model)
     key_files = checkpoint_key_files(folder)
     targets = _model_tensors(model)
     full_shapes = _full_model_shapes(model)

@@ -10,6 +10,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = tuple(_DTYPES)
+"""The dtype names configs and command lines accept."""
 
 
 def to_dtype(name: str | torch.dtype) -> torch.dtype:

@@ -15,7 +15,8 @@ import torch
 import torch.nn as nn
 
 import models
-from archon.rollout.generator import GenerationRequest, Generator, read_eos_token_ids
+from archon.rollout.generator import GenerationRequest, Generator
+from archon.rollout.weight_update import read_eos_token_ids
 from archon.rollout.kv_cache import BatchedKVCache
 from archon.rollout.sampling import SamplingParams
 from hf_fixtures import save_tiny_hf

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import json
 import logging
 import threading
@@ -114,19 +115,25 @@ def normalize_addr(addr: str) -> str:
 
 
 def sampling_params(gconfig: GenerationConfig, **overrides: Any) -> dict[str, Any]:
-    """SGLang ``sampling_params`` from the run's generation config (overrides win)."""
-    params: dict[str, Any] = {
-        "max_new_tokens": gconfig.max_new_tokens,
-        "min_new_tokens": gconfig.min_new_tokens,
-        "temperature": gconfig.temperature,
-        "top_p": gconfig.top_p,
-        "top_k": gconfig.top_k,
-        "min_p": gconfig.min_p,
-        "stop_token_ids": list(gconfig.stop_token_ids),
-        "ignore_eos": gconfig.ignore_eos,
-    }
+    """SGLang ``sampling_params`` from the run's generation config (overrides win).
+
+    Every field of ``GenerationConfig`` but ``n_samples`` (samples per prompt, the trainer's
+    business) carries SGLang's name, so the fields map one to one.
+    """
+    params = {k: v for k, v in dataclasses.asdict(gconfig).items() if k != "n_samples"}
     params.update(overrides)
     return params
+
+
+async def _cancel_on_first_error(tasks: list[asyncio.Task]) -> list[BaseException]:
+    """Wait for ``tasks``; at the first failure cancel the rest. Returns the failures (empty if none)."""
+    _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    errors = [t.exception() for t in tasks if t.done() and not t.cancelled() and t.exception() is not None]
+    if errors:
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    return errors
 
 
 def _error_message(body: Any, text: str) -> str:
@@ -426,14 +433,10 @@ class RolloutClient:
                 return await self.agenerate(ids, params, return_logprob=return_logprob)
 
         tasks = [self._loop.create_task(one(p, sp)) for p, sp in zip(prompts, per_prompt)]
-        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        failed = next((t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None), None)
-        if failed is not None:
-            # One request is lost for good: stop the others rather than finish a batch nobody will use.
-            for t in pending:
-                t.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-            raise failed.exception()  # type: ignore[misc]
+        # One request lost for good stops the others rather than finish a batch nobody will use.
+        errors = await _cancel_on_first_error(tasks)
+        if errors:
+            raise errors[0]
         return [t.result() for t in tasks]
 
     def generate(self, input_ids: Sequence[int], sampling_params: dict[str, Any], *,
@@ -476,12 +479,8 @@ class RolloutClient:
                  for s, b in zip(targets, bodies)]
         # Fail fast: during a weight update the other servers may wait forever for a broadcast
         # that the trainer abandons because of this failure.
-        _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        errors = [t.exception() for t in tasks if t.done() and t.exception() is not None]
+        errors = await _cancel_on_first_error(tasks)
         if errors:
-            for t in pending:
-                t.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
             if len(errors) == 1:
                 raise errors[0]  # type: ignore[misc]
             raise RolloutError(f"{len(errors)} rollout servers failed {path}: " + "; ".join(map(str, errors)))
@@ -495,12 +494,6 @@ class RolloutClient:
 
     async def aflush_cache(self) -> dict[str, Any]:
         return await self._fan_out("POST", "/flush_cache", None, retry=True)
-
-    async def aabort_all(self) -> dict[str, Any]:
-        return await self._fan_out("POST", "/abort_request", {"rid": "", "abort_all": True}, retry=True)
-
-    async def amodel_info(self) -> dict[str, Any]:
-        return await self._fan_out("GET", "/get_model_info", None, retry=True)
 
     async def aupdate_weights_from_disk(self, path: str, version: int | str, *,
                                        abort_all_requests: bool = False) -> dict[str, Any]:
@@ -550,12 +543,6 @@ class RolloutClient:
 
     def flush_cache(self) -> dict[str, Any]:
         return self._wait(self.aflush_cache())
-
-    def abort_all(self) -> dict[str, Any]:
-        return self._wait(self.aabort_all())
-
-    def model_info(self) -> dict[str, Any]:
-        return self._wait(self.amodel_info())
 
     def update_weights_from_disk(self, path: str, version: int | str, *,
                                  abort_all_requests: bool = False) -> dict[str, Any]:

@@ -66,7 +66,6 @@ class BatchedKVCache:
         max_rows: int | None = None,
         max_length: int | None = None,
     ) -> None:
-        self.n_layers = n_layers
         self.n_kv_heads = n_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype

@@ -291,25 +291,36 @@ def parse_abort(payload: Any) -> AbortArgs:
 
 
 @dataclass
-class UpdateFromDiskArgs:
-    """A parsed ``/update_weights_from_disk`` body."""
+class UpdateOptions:
+    """What every weight-update body says besides the weights."""
 
-    model_path: str
-    """Hugging Face folder with the new weights."""
     weight_version: str | None
     """Version reported after the update (None keeps the current one)."""
     abort_all_requests: bool
     """Abort running requests instead of waiting for them."""
 
 
+def _update_options(obj: dict, ep: str) -> dict[str, Any]:
+    return {"weight_version": _field(obj, "weight_version", str, ep, None),
+            "abort_all_requests": _field(obj, "abort_all_requests", bool, ep, False)}
+
+
+def _group_name(obj: dict, ep: str) -> str:
+    return _field(obj, "group_name", str, ep, DEFAULT_GROUP_NAME)
+
+
+@dataclass
+class UpdateFromDiskArgs(UpdateOptions):
+    """A parsed ``/update_weights_from_disk`` body."""
+
+    model_path: str
+    """Hugging Face folder with the new weights."""
+
+
 def parse_update_from_disk(payload: Any) -> UpdateFromDiskArgs:
     ep = "/update_weights_from_disk"
     obj = _object(payload, ep)
-    return UpdateFromDiskArgs(
-        model_path=_field(obj, "model_path", str, ep),
-        weight_version=_field(obj, "weight_version", str, ep, None),
-        abort_all_requests=_field(obj, "abort_all_requests", bool, ep, False),
-    )
+    return UpdateFromDiskArgs(model_path=_field(obj, "model_path", str, ep), **_update_options(obj, ep))
 
 
 @dataclass
@@ -338,7 +349,7 @@ def parse_init_group(payload: Any) -> InitGroupArgs:
         master_port=_field(obj, "master_port", int, ep),
         rank_offset=_field(obj, "rank_offset", int, ep),
         world_size=_field(obj, "world_size", int, ep),
-        group_name=_field(obj, "group_name", str, ep, DEFAULT_GROUP_NAME),
+        group_name=_group_name(obj, ep),
         backend=_field(obj, "backend", str, ep, "gloo"),
     )
     if not 0 < args.rank_offset < args.world_size:
@@ -358,7 +369,7 @@ def parse_dtype(name: Any, where: str) -> torch.dtype:
 
 
 @dataclass
-class UpdateFromDistributedArgs:
+class UpdateFromDistributedArgs(UpdateOptions):
     """A parsed ``/update_weights_from_distributed`` body."""
 
     names: list[str]
@@ -369,10 +380,6 @@ class UpdateFromDistributedArgs:
     """Shape of each broadcast tensor."""
     group_name: str
     """Group made by ``/init_weights_update_group``."""
-    weight_version: str | None
-    """Version reported after the update (None keeps the current one)."""
-    abort_all_requests: bool
-    """Abort running requests instead of waiting for them."""
 
 
 def parse_update_from_distributed(payload: Any) -> UpdateFromDistributedArgs:
@@ -394,12 +401,11 @@ def parse_update_from_distributed(payload: Any) -> UpdateFromDistributedArgs:
         names=list(names),
         dtypes=[parse_dtype(d, f"{ep} dtypes[{i}]") for i, d in enumerate(raw_dtypes)],
         shapes=[list(s) for s in shapes],
-        group_name=_field(obj, "group_name", str, ep, DEFAULT_GROUP_NAME),
-        weight_version=_field(obj, "weight_version", str, ep, None),
-        abort_all_requests=_field(obj, "abort_all_requests", bool, ep, False),
+        group_name=_group_name(obj, ep),
+        **_update_options(obj, ep),
     )
 
 
 def parse_group_name(payload: Any, endpoint: str) -> str:
     """``group_name`` of a body (default ``weight_update_group``)."""
-    return _field(_object(payload, endpoint), "group_name", str, endpoint, DEFAULT_GROUP_NAME)
+    return _group_name(_object(payload, endpoint), endpoint)

@@ -36,11 +36,9 @@ from archon.rollout.generator import GenerationRequest, Generator
 from archon.rollout.protocol import ProtocolError
 from archon.rollout.sampling import SamplingParams
 from archon.rollout.weight_group import destroy_weight_update_group, init_weight_update_group
+from parallel.fsdp import DTYPE_NAMES, to_dtype
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 @dataclass
 class ServerArgs:
@@ -74,24 +72,35 @@ class ServerArgs:
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
             return torch.bfloat16 if torch.device(self.device).type == "cuda" else torch.float32
-        return _DTYPES[self.dtype]
+        return to_dtype(self.dtype)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
     """``ServerArgs`` from the command line."""
+    from archon.config import field_docs
+
     p = argparse.ArgumentParser(prog="python -m archon.rollout.server", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model-path", required=True, help="Hugging Face folder (config.json + safetensors).")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--dtype", default="auto", choices=["auto", *_DTYPES])
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--random-seed", type=int, default=None)
-    p.add_argument("--context-length", type=int, default=None)
-    p.add_argument("--max-running-requests", type=int, default=64)
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
-    p.add_argument("--weight-version", default="default")
-    p.add_argument("--skip-tokenizer-init", action="store_true", help="ignored: no tokenizer is ever loaded")
-    p.add_argument("--tp-size", type=int, default=1, help="ignored: one device per server process")
+    docs = field_docs(ServerArgs)
+    defaults = ServerArgs(model_path="")
+
+    def add(name: str, **kw: Any) -> None:
+        flag = "--" + name.replace("_", "-")
+        if "action" not in kw and "required" not in kw:
+            kw.setdefault("default", getattr(defaults, name))
+        p.add_argument(flag, help=docs[name], **kw)
+
+    add("model_path", required=True)
+    add("host")
+    add("port", type=int)
+    add("dtype", choices=["auto", *DTYPE_NAMES])
+    add("device")
+    add("random_seed", type=int)
+    add("context_length", type=int)
+    add("max_running_requests", type=int)
+    add("log_level", choices=["debug", "info", "warning", "error", "critical"])
+    add("weight_version")
+    add("skip_tokenizer_init", action="store_true")
+    add("tp_size", type=int)
     ns = p.parse_args(argv)
     return ServerArgs(**vars(ns))
 

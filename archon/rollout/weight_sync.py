@@ -35,6 +35,7 @@ from urllib.parse import urlsplit
 import torch
 import torch.distributed as dist
 
+from archon.rollout.launcher import free_ports
 from archon.rollout.weight_group import destroy_weight_update_group, init_weight_update_group
 
 logger = logging.getLogger("archon.rollout.weight_sync")
@@ -82,12 +83,6 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def reachable_address(server_url: str) -> str:
@@ -210,7 +205,7 @@ class DistributedWeightSync:
 
     def _setup_rank0(self) -> None:
         addr = self.master_address or reachable_address(self.client.up_addrs[0])
-        port = _free_port()
+        port = free_ports(1, "0.0.0.0")[0]
         world_size, _ = self.client.weight_group_layout(self.ranks_per_server)
         # The servers' HTTP call only returns once everybody joined, so it must be in flight while we join.
         request = self.client.submit(self.client.ainit_weights_update_group(
