@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -132,7 +133,7 @@ def first_letter(prompt: str) -> str:
 def sample_prompts(task: DemoTask, n: int, rng: random.Random, exclude: Iterable[str] = ()) -> list[str]:
     """``n`` distinct prompts not in ``exclude``."""
     seen = set(exclude)
-    available = _count_prompts(task) - len(seen)
+    available = math.perm(len(task.letters), task.prompt_letters) - len(seen)
     if n > available:
         raise ValueError(f"asked for {n} distinct prompts but only {available} exist with "
                          f"{task.prompt_letters} of {len(task.letters)} letters; ask for fewer")
@@ -143,13 +144,6 @@ def sample_prompts(task: DemoTask, n: int, rng: random.Random, exclude: Iterable
             seen.add(prompt)
             prompts.append(prompt)
     return prompts
-
-
-def _count_prompts(task: DemoTask) -> int:
-    count = 1
-    for i in range(task.prompt_letters):
-        count *= len(task.letters) - i
-    return count
 
 
 def make_rows(task: DemoTask = DemoTask()) -> dict[str, list[dict[str, str]]]:

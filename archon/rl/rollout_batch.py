@@ -9,8 +9,8 @@ that token (it is what teaches the policy to stop).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -29,10 +29,6 @@ class Completion:
     """Behaviour logprob of each generated token: log_softmax(logits / T) before top-k/top-p."""
     finish_reason: str
     """'stop' (EOS or a stop token), 'length' (token budget or context) or 'abort'."""
-    weight_version: str = ""
-    """Weight version the server generated with."""
-    extra: dict[str, Any] = field(default_factory=dict)
-    """Anything else the caller wants to carry along."""
 
     @property
     def truncated(self) -> bool:

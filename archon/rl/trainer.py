@@ -73,11 +73,6 @@ def run_on_rank0(fn, what: str) -> Any:
     return value
 
 
-def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
-    m = mask > 0
-    return float(x[m].float().mean()) if bool(m.any()) else 0.0
-
-
 class RLTrainer:
     """One RL run: ``RLTrainer(cfg).run()`` on every training rank (torchrun)."""
 
@@ -93,6 +88,8 @@ class RLTrainer:
         self.use_critic = cfg.actor.adv_estimator == "gae"
         self.adv_cfg = AdvantageConfig.from_actor_config(
             dataclasses.replace(cfg.actor, group_size=self.group_size), max_new_tokens=cfg.gconfig.max_new_tokens)
+        # Built in run(); close() releases whatever was built.
+        self.launcher = self.client = self.rewards = self.weight_sync = None
 
     # ------------------------------------------------------------------ setup
     def _build_engines(self) -> None:
@@ -162,9 +159,7 @@ class RLTrainer:
             chunk_mb=cfg.rollout.weight_chunk_mb, ranks_per_server=ranks_per_server(rollout_alloc), dtype=dtype)
 
     def _build_rewards(self) -> None:
-        from archon.rl.rewards import RewardComputer
-
-        from archon.rl.rewards import get_reward_fn
+        from archon.rl.rewards import RewardComputer, get_reward_fn
 
         r = self.cfg.reward
         get_reward_fn(r.fn)  # a bad name is the same clear error on every rank
@@ -175,7 +170,7 @@ class RLTrainer:
         run_on_rank0(start, "starting the reward workers")
 
     # ------------------------------------------------------------------ one step
-    def _rollout(self, step: int) -> tuple[list[Completion], list[float], list[Any], dict[str, float]]:
+    def _rollout(self, step: int) -> tuple[list[Completion], list[float], dict[str, float]]:
         """Rank 0 generates and scores; every rank gets the same completions and rewards."""
         prompts = self.loader.next_rollout_batch()
 
@@ -185,8 +180,8 @@ class RLTrainer:
                       for i in range(len(prompts))]
             results = self.client.generate_many([p.input_ids for p in prompts], params,
                                                 max_concurrency=self.cfg.rollout.max_concurrent_rollouts)
-            completions = [Completion(p.input_ids, list(r.output_ids), list(r.output_logprobs), r.finish_reason,
-                                      str(r.weight_version)) for p, r in zip(prompts, results)]
+            completions = [Completion(p.input_ids, r.output_ids, r.output_logprobs, r.finish_reason)
+                           for p, r in zip(prompts, results)]
             t1 = time.perf_counter()
             texts = [self.tokenizer.decode(c.output_ids, skip_special_tokens=True) for c in completions]
             extra_keys = sorted({k for p in prompts for k in p.extra})
@@ -195,8 +190,7 @@ class RLTrainer:
             timing = {"rollout_time_s": t1 - t0, "reward_time_s": time.perf_counter() - t1}
             return completions, rewards, timing
 
-        completions, rewards, timing = run_on_rank0(generate_and_score, f"rollout of step {step}")
-        return completions, rewards, prompts, timing
+        return run_on_rank0(generate_and_score, f"rollout of step {step}")
 
     def _prepare(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """Reference/proximal logprobs, values and advantages, added to ``batch``; returns metrics."""
@@ -206,7 +200,8 @@ class RLTrainer:
             batch["ref_logprobs"] = self.ref.compute_logprobs(batch)
         if self.cfg.actor.recompute_logprob or self.cfg.actor.use_decoupled_loss:
             batch["old_logprobs"] = self.actor.compute_logprobs(batch)
-            metrics["behav_prox_logprob_diff"] = _masked_mean((batch["old_logprobs"] - batch["logprobs"]).abs(), mask)
+            diff = (batch["old_logprobs"] - batch["logprobs"]).abs()
+            metrics["behav_prox_logprob_diff"] = float(aggregate(diff, mask, "token-mean"))
         if self.ref is not None:
             policy = batch.get("old_logprobs", batch["logprobs"])
             metrics["kl_ref"] = float(aggregate(kl_estimate(policy, batch["ref_logprobs"], "k1"), mask, "token-mean"))
@@ -217,12 +212,12 @@ class RLTrainer:
         batch["returns"] = adv["returns"]
         if self.critic is not None:
             batch["old_values"] = batch["values"]
-        metrics["advantages_abs_mean"] = _masked_mean(batch["advantages"].abs(), mask)
+        metrics["advantages_abs_mean"] = float(aggregate(batch["advantages"].abs(), mask, "token-mean"))
         return metrics
 
     def _step(self, step: int) -> dict[str, Any]:
         t_start = time.perf_counter()
-        completions, rewards, prompts, timing = self._rollout(step)
+        completions, rewards, timing = self._rollout(step)
         batch = build_rollout_batch(completions, rewards, pad_token_id=self.pad_token_id)
         t_train = time.perf_counter()
         record: dict[str, Any] = {"step": step, "epoch": self.loader.epoch, "kl_ref": None,
@@ -274,7 +269,6 @@ class RLTrainer:
             if self.rank0:
                 logger.info("resumed from %s at RL step %d", ckpt.latest(), start)
         history: list[dict[str, Any]] = []
-        self.launcher = self.client = self.rewards = self.weight_sync = None
         try:
             self._build_rollout()
             self._build_rewards()
@@ -304,15 +298,15 @@ class RLTrainer:
         return history
 
     def close(self) -> None:
-        if getattr(self, "weight_sync", None) is not None:
+        if self.weight_sync is not None:
             self.weight_sync.close()
             self.weight_sync = None
-        if getattr(self, "rewards", None) is not None:
+        if self.rewards is not None:
             self.rewards.close()
             self.rewards = None
-        if getattr(self, "client", None) is not None:
+        if self.client is not None:
             self.client.close()
             self.client = None
-        if getattr(self, "launcher", None) is not None:
+        if self.launcher is not None:
             self.launcher.stop()
             self.launcher = None
