@@ -71,11 +71,11 @@ def resume_losses(path: str, ckpt: str, phase: str, backend: str, steps: int = 4
     return losses if dist.get_rank() == 0 else None
 
 
-def export_after_one_step(path: str, backend: str, out: str) -> None:
-    """Train one SFT step on ``backend`` and ``export_hf`` to ``out``."""
+def export_after_one_step(path: str, backend: str, out: str, engine_kw: dict | None = None) -> None:
+    """Train one SFT step on ``backend`` (engine config options ``engine_kw``) and ``export_hf`` to ``out``."""
     from archon.engine.engine import ArchonEngine
 
-    engine = ArchonEngine(engine_config(path, backend), total_steps=1).initialize()
+    engine = ArchonEngine(engine_config(path, backend, **(engine_kw or {})), total_steps=1).initialize()
     engine.train_batch(make_batch(0), sft_loss, sft_weight)
     engine.export_hf(out)
 
@@ -102,3 +102,36 @@ def critic_losses_and_values(path: str, backend: str):
     values = engine.forward(batch)["values"]
     result = ([s["loss"] for s in stats], [s["grad_norm"] for s in stats], values)
     return result if dist.get_rank() == 0 else None
+
+
+def forward_outputs(path: str, backend: str) -> dict[str, torch.Tensor]:
+    """``engine.forward`` of a frozen engine on ``backend`` (2 microbatches) for ``make_batch(7, n=5)``."""
+    from archon.engine.engine import ArchonEngine
+
+    engine = ArchonEngine(engine_config(path, backend, mb_spec={"n_mbs": 2}), trainable=False).initialize()
+    return engine.forward(make_batch(7, n=5))
+
+
+def build_engine(path: str, backend: str, engine_kw: dict | None = None) -> str:
+    """Only ``initialize()`` an engine (for tests of what a layout refuses)."""
+    from archon.engine.engine import ArchonEngine
+
+    ArchonEngine(engine_config(path, backend, **(engine_kw or {}))).initialize()
+    return "built"
+
+
+def capture_log(name: str) -> list[str]:
+    """Messages the logger ``name`` emits from now on (at INFO and above), appended to the returned list."""
+    import logging
+
+    records: list[str] = []
+
+    class Grab(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logger = logging.getLogger(name)
+    logger.addHandler(Grab())
+    if logger.getEffectiveLevel() > logging.INFO:
+        logger.setLevel(logging.INFO)
+    return records

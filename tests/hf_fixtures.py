@@ -135,3 +135,8 @@ def make_tiny_tokenizer(folder: str | os.PathLike | None = None, vocab: list[str
         Path(folder).mkdir(parents=True, exist_ok=True)
         hf_tok.save_pretrained(folder)
     return hf_tok
+
+
+def random_tokens(n: int, seed: int, vocab: int = TINY["vocab_size"]) -> list[int]:
+    """``n`` token ids drawn uniformly from the tiny vocabulary (deterministic in ``seed``)."""
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()

@@ -13,9 +13,12 @@ import torch
 
 from dist_utils import DistributedTestError, run_distributed
 from engine_utils import (
+    build_engine,
+    capture_log,
     critic_losses_and_values,
     engine_config,
     export_after_one_step,
+    forward_outputs,
     make_batch,
     resume_losses,
     sft_loss,
@@ -165,19 +168,9 @@ def test_training_under_cp_equals_single_device(folders, model, backend, world, 
 
 
 def _sac_decisions(path: str) -> list[str]:
-    import logging
-
     from archon.engine.engine import ArchonEngine
 
-    records: list[str] = []
-
-    class Grab(logging.Handler):
-        def emit(self, record):
-            records.append(record.getMessage())
-
-    logger = logging.getLogger("archon.parallel.ac")
-    logger.addHandler(Grab())
-    logger.setLevel(logging.INFO)
+    records = capture_log("archon.parallel.ac")
     kw = {"gradient_checkpointing": True, "archon": {"ac_mode": "selective", "selective_ac_option": "op",
                                                      "ac_debug": True}}
     engine = ArchonEngine(engine_config(path, "archon:c2", **kw), total_steps=2).initialize()
@@ -195,22 +188,12 @@ def test_selective_ac_keeps_the_all_to_alls(folders):
         assert "'all_to_all_single': 4" in saved and "all_to_all" not in recomputed, line
 
 
-def _forward(path: str, backend: str):
-    import torch.distributed as dist
-
-    from archon.engine.engine import ArchonEngine
-
-    engine = ArchonEngine(engine_config(path, backend, mb_spec={"n_mbs": 2}), trainable=False).initialize()
-    out = engine.forward(make_batch(7, n=5))
-    return out if dist.get_rank() == 0 else None
-
-
 def test_forward_logprobs_under_cp_equal_single_device(folders):
     path = folders["qwen3"]
-    ref = run_distributed(_forward, 1, path, "archon:d1")[0]
+    ref = run_distributed(forward_outputs, 1, path, "archon:d1")[0]
     mask = make_batch(7, n=5)["attention_mask"].bool()
     for backend, world in [("archon:c2", 2), ("archon:t2c2", 4)]:
-        got = run_distributed(_forward, world, path, backend)[0]
+        got = run_distributed(forward_outputs, world, path, backend)[0]
         for key in ("logprobs", "entropy"):
             torch.testing.assert_close(got[key][mask], ref[key][mask], atol=1e-5, rtol=1e-5)
 
@@ -245,15 +228,8 @@ def test_export_hf_from_cp_equals_single_device(folders, tmp_path):
         torch.testing.assert_close(a[key], b[key], atol=1e-4, rtol=1e-4)
 
 
-def _build(path: str, backend: str) -> str:
-    from archon.engine.engine import ArchonEngine
-
-    ArchonEngine(engine_config(path, backend)).initialize()
-    return "built"
-
-
 def test_query_heads_must_split_over_tp_times_cp(folders):
     # 6 query heads and 2 KV heads: t2 alone is fine, t2 x c2 = 4 does not divide 6.
     with pytest.raises(DistributedTestError, match=r"num_attention_heads=6 is not divisible by tensor x context "
                                                    r"parallel t2 x c2 = 4"):
-        run_distributed(_build, 4, folders["qwen3_6_heads"], "archon:t2c2")
+        run_distributed(build_engine, 4, folders["qwen3_6_heads"], "archon:t2c2")

@@ -13,7 +13,16 @@ import torch
 import torch.nn.functional as F
 
 from dist_utils import run_distributed
-from engine_utils import engine_config, export_after_one_step, make_batch, resume_losses, sft_loss, sft_weight
+from engine_utils import (
+    capture_log,
+    engine_config,
+    export_after_one_step,
+    forward_outputs,
+    make_batch,
+    resume_losses,
+    sft_loss,
+    sft_weight,
+)
 from hf_fixtures import save_tiny_hf
 
 STEPS = 3
@@ -92,19 +101,9 @@ def test_losses_do_not_depend_on_allocation(qwen3_path, reference_run, backend, 
             assert diff < 1e-4, f"{backend} {name} {key}: {run[key]} vs d1 {reference_run[key]}"
 
 
-def _forward(path: str, backend: str):
-    import torch.distributed as dist
-
-    from archon.engine.engine import ArchonEngine
-
-    engine = ArchonEngine(engine_config(path, backend, mb_spec={"n_mbs": 2}), trainable=False).initialize()
-    out = engine.forward(make_batch(7, n=5))
-    return out if dist.get_rank() == 0 else None
-
-
 def test_forward_logprobs_match_across_layouts(qwen3_path):
-    ref = run_distributed(_forward, 1, qwen3_path, "archon:d1")[0]
-    got = run_distributed(_forward, 4, qwen3_path, "archon:d2t2")[0]
+    ref = run_distributed(forward_outputs, 1, qwen3_path, "archon:d1")[0]
+    got = run_distributed(forward_outputs, 4, qwen3_path, "archon:d2t2")[0]
     batch = make_batch(7, n=5)
     mask = batch["attention_mask"].bool()
     assert torch.all(ref["logprobs"][:, 0] == 0)
@@ -144,20 +143,11 @@ def test_export_hf_from_sharded_equals_single_device(qwen3_path, tmp_path):
 
 
 def _skip_and_tokens(path: str, backend: str):
-    import logging
-
     import torch.distributed as dist
 
     from archon.engine.engine import ArchonEngine
 
-    records: list[str] = []
-
-    class Grab(logging.Handler):
-        def emit(self, record):
-            records.append(record.getMessage())
-
-    logging.getLogger("archon.engine").addHandler(Grab())
-    logging.getLogger("archon.engine").setLevel(logging.INFO)
+    records = capture_log("archon.engine")
     engine = ArchonEngine(engine_config(path, backend, mb_spec={"max_tokens_per_mb": 24}), total_steps=3).initialize()
     before = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
 

@@ -13,7 +13,15 @@ import pytest
 import torch
 
 from dist_utils import DistributedTestError, run_distributed
-from engine_utils import engine_config, make_batch, sft_loss, sft_weight
+from engine_utils import (
+    build_engine,
+    engine_config,
+    export_after_one_step,
+    forward_outputs,
+    make_batch,
+    sft_loss,
+    sft_weight,
+)
 from hf_fixtures import save_tiny_hf
 
 STEPS = 3
@@ -83,14 +91,8 @@ def _train(path: str, backend: str, variant: str, with_grads: bool) -> dict:
     if with_grads:
         engine.optimizer.register_step_pre_hook(keep_first_grads)
     stats = [engine.train_batch(make_batch(s), sft_loss, sft_weight) for s in range(STEPS)]
-    return {"losses": [s["loss"] for s in stats], "grad_norms": [s["grad_norm"] for s in stats], "grads": grads}
-
-
-def _forward(path: str, backend: str) -> dict[str, torch.Tensor]:
-    from archon.engine.engine import ArchonEngine
-
-    engine = ArchonEngine(engine_config(path, backend, mb_spec={"n_mbs": 2}), trainable=False).initialize()
-    return engine.forward(make_batch(7, n=5))
+    return {"losses": [s["loss"] for s in stats], "grad_norms": [s["grad_norm"] for s in stats], "grads": grads,
+            "with_grads": with_grads}
 
 
 def _run_jobs(path: str, jobs: list[tuple[str, str]], forward_layouts: list[str]):
@@ -101,7 +103,7 @@ def _run_jobs(path: str, jobs: list[tuple[str, str]], forward_layouts: list[str]
     for backend, variant in jobs:
         trained.append(_train(path, backend, variant, with_grads=backend not in seen))
         seen.add(backend)
-    forwards = [_forward(path, backend) for backend in forward_layouts]
+    forwards = [forward_outputs(path, backend) for backend in forward_layouts]
     return (trained, forwards) if dist.get_rank() == 0 else None
 
 
@@ -116,7 +118,8 @@ def _assert_matches(got: dict, ref: dict, what: str) -> None:
     assert loss_diff < 1e-4, f"{what}: losses {got['losses']} vs d1 {ref['losses']}"
     norm_diff = max(abs(a - b) for a, b in zip(got["grad_norms"], ref["grad_norms"]))
     assert norm_diff < 1e-4, f"{what}: grad norms {got['grad_norms']} vs d1 {ref['grad_norms']}"
-    if got["grads"]:
+    if got["with_grads"]:
+        assert got["grads"], f"{what}: no first-step gradients were recorded"
         assert got["grads"].keys() == ref["grads"].keys(), what
         for name, grad in got["grads"].items():
             torch.testing.assert_close(grad, ref["grads"][name], atol=1e-5, rtol=1e-4,
@@ -317,19 +320,11 @@ def test_checkpoint_saved_under_ep_resumes_under_other_layouts(moe_path, tmp_pat
         assert diff < 1e-5, f"{HYBRID_ETP_TP} -> {backend}: {first + second} vs uninterrupted {full}"
 
 
-def _export(path: str, backend: str, out: str) -> None:
-    from archon.engine.engine import ArchonEngine
-
-    engine = ArchonEngine(engine_config(path, backend), total_steps=1).initialize()
-    engine.train_batch(make_batch(0), sft_loss, sft_weight)
-    engine.export_hf(out)
-
-
 def test_export_hf_from_ep_equals_single_device(moe_path, tmp_path):
     import models
 
-    run_distributed(_export, 1, moe_path, "archon:d1", str(tmp_path / "d1"))
-    run_distributed(_export, 4, moe_path, HYBRID_ETP_TP, str(tmp_path / "ep"))
+    run_distributed(export_after_one_step, 1, moe_path, "archon:d1", str(tmp_path / "d1"))
+    run_distributed(export_after_one_step, 4, moe_path, HYBRID_ETP_TP, str(tmp_path / "ep"))
     a = models.load_hf_model(tmp_path / "d1").state_dict()
     b = models.load_hf_model(tmp_path / "ep").state_dict()
     assert a.keys() == b.keys()
@@ -339,16 +334,10 @@ def test_export_hf_from_ep_equals_single_device(moe_path, tmp_path):
 
 # ---- what is refused -----------------------------------------------------------------------
 
-def _build(path: str, backend: str) -> None:
-    from archon.engine.engine import ArchonEngine
-
-    ArchonEngine(engine_config(path, backend)).initialize()
-
-
 def test_unsupported_expert_layouts_are_refused_clearly(six_experts_path, tmp_path):
     with pytest.raises(DistributedTestError, match="num_experts=6 is not divisible by the expert-parallel size e4"):
-        run_distributed(_build, 4, six_experts_path, "archon:d4e4")
+        run_distributed(build_engine, 4, six_experts_path, "archon:d4e4")
     dense = tmp_path / "dense"
     save_tiny_hf(dense, "qwen3", seed=1)
     with pytest.raises(DistributedTestError, match="has no MoE layers, so expert parallel e2 has nothing to split"):
-        run_distributed(_build, 2, str(dense), "archon:d2e2")
+        run_distributed(build_engine, 2, str(dense), "archon:d2e2")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
-from engine_utils import critic_losses_and_values, engine_config, make_batch, sft_loss, sft_weight
+from engine_utils import build_engine, critic_losses_and_values, engine_config, make_batch, sft_loss, sft_weight
 from hf_fixtures import save_tiny_hf
 
 STEPS = 3
@@ -73,22 +73,15 @@ def test_ac_modes_fsdp_options_and_hsdp(folders):
     _assert_close(hsdp, ref, "d4 with dp_replicate=2")
 
 
-def _build(path: str, backend: str, kw: dict) -> str:
-    from archon.engine.engine import ArchonEngine
-
-    ArchonEngine(engine_config(path, backend, **kw)).initialize()
-    return "built"
-
-
 def test_memory_budget_needs_compile_and_heads_must_divide(folders):
     from dist_utils import DistributedTestError
 
     kw = {"gradient_checkpointing": True, "archon": {"ac_mode": "memory_budget"}}
     with pytest.raises(DistributedTestError, match="ac_mode = 'memory_budget' needs torch.compile"):
-        run_distributed(_build, 1, folders["qwen2"], "archon:d1", kw)
+        run_distributed(build_engine, 1, folders["qwen2"], "archon:d1", kw)
     # The tiny models have 2 key/value heads: t4 cannot split them.
     with pytest.raises(DistributedTestError, match="num_key_value_heads=2 is not divisible by the tensor-parallel size t4"):
-        run_distributed(_build, 4, folders["qwen2"], "archon:t4", {})
+        run_distributed(build_engine, 4, folders["qwen2"], "archon:t4", {})
 
 
 def test_critic_head_under_tp_and_fsdp(folders):

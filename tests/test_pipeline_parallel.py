@@ -9,14 +9,13 @@ later losses.  The unit tests pin the stage split and the stage -> rank tables b
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import pytest
 import torch
 
 from dist_utils import run_distributed
-from engine_utils import engine_config, make_batch, sft_loss, sft_weight
+from engine_utils import capture_log, engine_config, export_after_one_step, make_batch, sft_loss, sft_weight
 from hf_fixtures import save_tiny_hf
 from pipeline.placement import rank_of_stage, stages_of_rank
 from pipeline.schedules import check_activation_checkpointing, microbatch_count
@@ -134,13 +133,7 @@ def _train_variants(path: str, backend: str, variants: dict[str, dict], steps: i
 
     from archon.engine.engine import ArchonEngine
 
-    records: list[str] = []
-
-    class Grab(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record.getMessage())
-
-    logging.getLogger("archon.pipeline").addHandler(Grab())
+    records = capture_log("archon.pipeline")
     losses = {}
     for name, kw in variants.items():
         engine = ArchonEngine(engine_config(path, backend, **kw), total_steps=steps).initialize()
@@ -319,14 +312,6 @@ def test_checkpoints_reshard_across_allocations(qwen3_path, reference_losses, tm
         assert max(abs(a - b) for a, b in zip(resumed, reference_losses)) < 1e-4, (save_with, load_with, resumed)
 
 
-def _export(path: str, backend: str, kw: dict, out: str) -> None:
-    from archon.engine.engine import ArchonEngine
-
-    engine = ArchonEngine(engine_config(path, backend, **kw), total_steps=1).initialize()
-    engine.train_batch(make_batch(0), sft_loss, sft_weight)
-    engine.export_hf(out)
-
-
 def test_export_hf_from_pipeline_stages_equals_d1(qwen3_path, tmp_path):
     import models
 
@@ -334,14 +319,14 @@ def test_export_hf_from_pipeline_stages_equals_d1(qwen3_path, tmp_path):
     # zero up to rounding moves it by up to lr; a large eps keeps the step proportional to the
     # gradient, so weights differ by rounding only and the comparison can be tight.
     adam = {"optimizer": {"eps": 1e-3}}
-    run_distributed(_export, 1, qwen3_path, "archon:d1", adam, str(tmp_path / "d1"))
+    run_distributed(export_after_one_step, 1, qwen3_path, "archon:d1", str(tmp_path / "d1"), adam)
     ref = models.load_hf_model(tmp_path / "d1").state_dict()
     initial = models.load_hf_model(qwen3_path).state_dict()
     assert all(not torch.equal(ref[key], initial[key]) for key in ref)  # the step moved every tensor
     for backend, world, kw in [("archon:p2", 2, _schedule("ZBVZeroBubble")),
                                ("archon:p2t2", 4, _schedule("Interleaved1F1B"))]:
         out = tmp_path / backend.replace(":", "_")
-        run_distributed(_export, world, qwen3_path, backend, {**kw, **adam}, str(out))
+        run_distributed(export_after_one_step, world, qwen3_path, backend, str(out), {**kw, **adam})
         got = models.load_hf_model(out).state_dict()
         assert got.keys() == ref.keys()
         for key in ref:

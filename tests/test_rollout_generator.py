@@ -16,17 +16,15 @@ import torch.nn as nn
 
 import models
 from archon.rollout.generator import GenerationRequest, Generator
-from archon.rollout.weight_update import read_eos_token_ids
 from archon.rollout.kv_cache import BatchedKVCache
 from archon.rollout.sampling import SamplingParams
-from hf_fixtures import save_tiny_hf
+from archon.rollout.weight_update import read_eos_token_ids
+from hf_fixtures import random_tokens, save_tiny_hf
 
 ATOL = 1e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _threads(one_torch_thread):
-    yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +40,6 @@ def folders(tmp_path_factory):
 @pytest.fixture(scope="module")
 def qwen3(folders):
     return models.load_hf_model(folders["qwen3"])
-
-
-def _prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 @torch.no_grad()
@@ -83,7 +77,7 @@ def _greedy(prompt: list[int], n: int, **kw) -> GenerationRequest:
 def test_kv_cache_padding_growth_and_compaction_match_full_forward(qwen3):
     args = qwen3.args
     cache = BatchedKVCache(args.n_layers, args.n_kv_heads, args.head_dim, initial_rows=1, initial_length=2)
-    seqs = [_prompt(3, 1), _prompt(6, 2)]
+    seqs = [random_tokens(3, 1), random_tokens(6, 2)]
 
     def prefill(new: list[list[int]]) -> None:
         start = cache.add_rows(len(new))
@@ -113,7 +107,7 @@ def test_kv_cache_padding_growth_and_compaction_match_full_forward(qwen3):
     assert cache.lengths == [len(s) for s in seqs] and cache.capacity >= 9 and cache.row_capacity >= 2
     cache.keep_rows([1])  # the first sequence finished: the second moves to row 0
     seqs = seqs[1:]
-    new = [_prompt(4, 3), _prompt(9, 4)]
+    new = [random_tokens(4, 3), random_tokens(9, 4)]
     prefill(new)
     seqs += new
     for step in range(3, 6):
@@ -128,7 +122,7 @@ def test_kv_cache_padding_growth_and_compaction_match_full_forward(qwen3):
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe"])
 def test_greedy_equals_full_recomputation(folders, model_type):
     model = models.load_hf_model(folders[model_type])
-    prompts = [_prompt(5, 10), _prompt(11, 11), _prompt(2, 12)]
+    prompts = [random_tokens(5, 10), random_tokens(11, 11), random_tokens(2, 12)]
     with Generator(model) as gen:
         results = gen.generate([_greedy(p, 12) for p in prompts])
     for p, r in zip(prompts, results):
@@ -141,7 +135,7 @@ def test_greedy_equals_full_recomputation(folders, model_type):
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 5, 0.9), (0.7, 3, 0.8)])
 def test_logprobs_equal_recomputation_before_filtering(qwen3, temperature, top_k, top_p):
-    prompts = [_prompt(6, 20), _prompt(3, 21)]
+    prompts = [random_tokens(6, 20), random_tokens(3, 21)]
     params = dict(max_new_tokens=16, temperature=temperature, top_k=top_k, top_p=top_p)
     with Generator(qwen3) as gen:
         results = gen.generate([GenerationRequest(p, SamplingParams(**params, sampling_seed=i), return_logprob=True)
@@ -183,7 +177,7 @@ class _Triggered(nn.Module):
 
 def test_continuous_batching_equals_one_at_a_time(qwen3):
     specs = [(3, 10), (7, 4), (12, 15), (5, 6), (9, 8), (4, 12)]  # (prompt length, max_new_tokens)
-    requests = [_greedy(_prompt(n, 30 + i), m, ignore_eos=True) for i, (n, m) in enumerate(specs)]
+    requests = [_greedy(random_tokens(n, 30 + i), m, ignore_eos=True) for i, (n, m) in enumerate(specs)]
     model = _Triggered(qwen3)
     with Generator(model, max_running_requests=3) as gen:
         futures = [gen.submit(r) for r in requests[:2]]
@@ -210,7 +204,7 @@ def _sampled(prompt: list[int], seed: int | None, n: int = 16, **kw) -> Generati
 
 
 def test_seeded_sampling_is_reproducible(qwen3):
-    p, q = _prompt(5, 40), _prompt(8, 41)
+    p, q = random_tokens(5, 40), random_tokens(8, 41)
     with Generator(qwen3, random_seed=3) as gen:
         first = gen.generate([_sampled(p, 7)])[0].output_ids
         # Same seed in a different batch composition: same tokens.
@@ -231,7 +225,7 @@ def test_seeded_sampling_is_reproducible(qwen3):
 
 
 def test_top_k_restricts_the_support(qwen3):
-    p = _prompt(4, 50)
+    p = random_tokens(4, 50)
     with Generator(qwen3) as gen:
         results = gen.generate([_sampled(p, s, n=6, top_k=2) for s in range(12)])
     seen = set()
@@ -255,7 +249,7 @@ def _first_new_token(tokens: list[int], at_least: int) -> tuple[int, int]:
 
 
 def test_stop_tokens_eos_min_new_tokens_and_length(qwen3):
-    p = _prompt(6, 60)
+    p = random_tokens(6, 60)
     full = greedy_reference(qwen3, p, 24)
     stop, at = _first_new_token(full, 3)
     eos, eos_at = _first_new_token(full, at + 1)

@@ -8,7 +8,6 @@ recomputation of the same tokens).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time

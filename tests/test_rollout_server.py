@@ -34,16 +34,14 @@ from archon.rollout.generator import Generator
 from archon.rollout.server import RunningServer, serve_in_thread
 from archon.rollout.weight_group import broadcast_tensor, destroy_weight_update_group, init_weight_update_group
 from dist_utils import find_free_port
-from hf_fixtures import save_tiny_hf
+from hf_fixtures import random_tokens, save_tiny_hf
 
 REPO = Path(__file__).resolve().parents[1]
 ATOL = 1e-5
 META_KEYS = {"id", "finish_reason", "prompt_tokens", "completion_tokens", "weight_version", "e2e_latency"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _threads(one_torch_thread):
-    yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
@@ -103,10 +101,6 @@ def _get(url: str, path: str) -> tuple[int, bytes]:
         return r.status, r.read()
 
 
-def _prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 def _greedy_body(prompt: list[int], n: int, **extra: Any) -> dict[str, Any]:
     return {"input_ids": prompt, "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
             "return_logprob": True, **extra}
@@ -143,7 +137,7 @@ def _wait_until(pred, timeout: float = 20.0) -> None:
 def test_generate_single_and_batch_responses(folders, serve):
     srv = serve(folders["old"])
     ref_model = models.load_hf_model(folders["old"])
-    p, q = _prompt(5, 1), _prompt(9, 2)
+    p, q = random_tokens(5, 1), random_tokens(9, 2)
 
     status, single = _post(srv.url, "/generate", _greedy_body(p, 6, rid="one"))
     assert status == 200 and set(single) == {"text", "output_ids", "meta_info"} and single["text"] == ""
@@ -174,7 +168,7 @@ def test_generate_single_and_batch_responses(folders, serve):
 def test_many_concurrent_requests(folders, serve):
     srv = serve(folders["old"], max_running_requests=6)
     ref_model = models.load_hf_model(folders["old"])
-    prompts = [_prompt(2 + i % 7, 100 + i) for i in range(16)]
+    prompts = [random_tokens(2 + i % 7, 100 + i) for i in range(16)]
     lengths = [3 + i % 5 for i in range(16)]
 
     async def run() -> list[tuple[int, Any]]:
@@ -224,7 +218,7 @@ BAD_REQUESTS = [
 
 def test_bad_requests_get_400_and_the_server_keeps_serving(folders, serve):
     srv = serve(folders["old"])
-    good = _greedy_body(_prompt(3, 5), 2)
+    good = _greedy_body(random_tokens(3, 5), 2)
     expected = _post(srv.url, "/generate", good)[1]["output_ids"]
     for body, reason in BAD_REQUESTS:
         status, answer = _post(srv.url, "/generate", body)
@@ -251,7 +245,7 @@ def test_pause_continue_and_abort(folders, serve):
     srv = serve(folders["old"], delay_s=0.01)
     gen = srv.server.generator
     ref_model = models.load_hf_model(folders["old"])
-    p, q = _prompt(4, 7), _prompt(6, 8)
+    p, q = random_tokens(4, 7), random_tokens(6, 8)
     running = lambda: gen.stats()["num_running_reqs"] == 1  # noqa: E731
     queued = lambda n: lambda: gen.stats()["num_queued_reqs"] == n  # noqa: E731
 
@@ -299,7 +293,7 @@ def test_update_weights_from_disk(folders, serve):
     srv = serve(folders["old"], delay_s=0.005)
     old_model = models.load_hf_model(folders["old"])
     new_model = models.load_hf_model(folders["new"])
-    p, q = _prompt(5, 9), _prompt(3, 10)
+    p, q = random_tokens(5, 9), random_tokens(3, 10)
     assert _reference(old_model, q, 8)[0] != _reference(new_model, q, 8)[0]  # the update is visible
 
     with ThreadPoolExecutor(2) as pool:
@@ -386,7 +380,7 @@ def cli_servers(folders, tmp_path_factory):
 
 def test_cli_serves_generate_and_stops_on_sigterm(cli_servers):
     proc, url, folder = cli_servers["qwen2"]
-    p = _prompt(7, 11)
+    p = random_tokens(7, 11)
     status, body = _post(url, "/generate", _greedy_body(p, 5))
     assert status == 200 and set(body["meta_info"]) == META_KEYS | {"output_token_logprobs"}
     _assert_matches(body, _reference(models.load_hf_model(folder), p, 5))
@@ -402,7 +396,7 @@ def test_update_weights_from_distributed(cli_servers, tmp_path, model_type, seed
     proc, url, served_folder = cli_servers[model_type]
     save_tiny_hf(tmp_path / "new", model_type, seed=seed)
     new_model = models.load_hf_model(tmp_path / "new")
-    p = _prompt(6, seed)
+    p = random_tokens(6, seed)
     assert _reference(models.load_hf_model(served_folder), p, 8)[0] != _reference(new_model, p, 8)[0]
     tensors: dict[str, torch.Tensor] = {}
     for shard in sorted((tmp_path / "new").glob("*.safetensors")):

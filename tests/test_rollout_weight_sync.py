@@ -186,7 +186,7 @@ def _failing_bucket_worker(addrs: list[str]) -> str:
                                  group_name="wsync_fail_bucket")
     sync.setup()
     if dist.get_rank() == 0:
-        configure(addrs[1].removeprefix("http://"), fail_weight_update="out of GPU memory")
+        configure(addrs[1], fail_weight_update="out of GPU memory")
     try:
         sync.sync(1)
     except WeightSyncError as exc:
