@@ -1,0 +1,303 @@
+"""Reading a config: defaults, then a TOML file, then ``dotted.key=value`` overrides; then checks.
+
+Precedence is overrides > TOML > defaults.  Overrides are ``dotted.key=value`` where the
+value is a TOML literal (``=false``, ``=1e-3``, ``='archon:d4'``); ``True``/``False`` are
+accepted too, and a value that is not valid TOML is taken as a plain string, so
+``actor.backend=archon:d2t2`` works without quotes.  A leading ``+`` on a key is accepted
+(``+actor.archon.enable_compile=False``) for compatibility with AReaL command lines.
+Unknown keys and wrong types are errors that name the key, where it came from, and the
+closest valid key.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import sys
+import textwrap
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+from archon.alloc import AllocationError, ModelAllocation
+from archon.config.schema import INHERITED_ENGINE_FIELDS, Config, ConfigError
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring written under each field of a dataclass (and its dataclass bases)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError):
+            continue
+        body = tree.body[0].body  # type: ignore[attr-defined]
+        for node, nxt in zip(body, body[1:]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                    and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                    and isinstance(nxt.value.value, str)):
+                docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (list, tuple):
+        return "an array"
+    if dataclasses.is_dataclass(tp):
+        return "a table"
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
+
+
+def did_you_mean(word: str, options: typing.Iterable[str]) -> str:
+    """"; did you mean ..." naming the closest of ``options`` to ``word``, or "" when none is close."""
+    match = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
+    return f"; did you mean '{match[0]}'?" if match else ""
+
+
+def _all_keys(cls: type, prefix: str = "") -> list[str]:
+    keys = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        name = prefix + f.name
+        keys.append(name)
+        if dataclasses.is_dataclass(hints[f.name]):
+            keys.extend(_all_keys(hints[f.name], name + "."))
+    return keys
+
+
+class _Builder:
+    """Builds a dataclass tree from nested dicts, checking keys and types; remembers which keys were set."""
+
+    def __init__(self, sources: dict[str, str]):
+        self.sources = sources  # dotted key -> where its value came from
+        self.explicit: set[str] = set()
+
+    def where(self, key: str) -> str:
+        if key in self.sources:
+            return self.sources[key]
+        # A section named by an override's longer key (actor.optimiser.lr=... for 'actor.optimiser').
+        inner = [src for k, src in self.sources.items() if k.startswith(key + ".")]
+        return inner[0] if inner else "the config"
+
+    def build(self, cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+        hints = typing.get_type_hints(cls)
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in data.items():
+            dotted = prefix + key
+            if key not in names:
+                near = did_you_mean(key, names) or did_you_mean(dotted, _all_keys(Config))
+                raise ConfigError(f"unknown config key '{dotted}' (from {self.where(dotted)}){near}")
+            self.explicit.add(dotted)
+            kwargs[key] = self.convert(hints[key], value, dotted)
+        return cls(**kwargs)
+
+    def convert(self, tp: Any, value: Any, key: str) -> Any:
+        origin = typing.get_origin(tp)
+        bad = ConfigError(f"config key '{key}' (from {self.where(key)}) must be {_type_name(tp)}, got {value!r}")
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, dict):
+                raise ConfigError(f"config key '{key}' (from {self.where(key)}) is a section; "
+                                  f"set its fields as '{key}.<field>' or a [{key}] table, got {value!r}")
+            return self.build(tp, value, key + ".")
+        if origin is Literal:
+            choices = typing.get_args(tp)
+            if value not in choices:
+                hint = did_you_mean(str(value), [str(c) for c in choices])
+                raise ConfigError(f"config key '{key}' (from {self.where(key)}) must be {_type_name(tp)}, "
+                                  f"got {value!r}{hint}")
+            return value
+        if origin in (list, tuple):
+            if not isinstance(value, (list, tuple)):
+                raise bad
+            args = typing.get_args(tp)
+            if origin is tuple and args and args[-1] is not Ellipsis:
+                if len(value) != len(args):
+                    raise ConfigError(f"config key '{key}' (from {self.where(key)}) must have "
+                                      f"{len(args)} elements, got {value!r}")
+                return tuple(self.convert(a, v, key) for a, v in zip(args, value))
+            item = args[0] if args else Any
+            items = [self.convert(item, v, key) for v in value]
+            return tuple(items) if origin is tuple else items
+        if tp is bool:
+            if not isinstance(value, bool):
+                raise bad
+            return value
+        if tp is int:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise bad
+            return value
+        if tp is float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise bad
+            return float(value)
+        if tp is str:
+            if not isinstance(value, str):
+                raise bad
+            return value
+        if tp is Any:
+            return value
+        raise TypeError(f"unsupported config field type {tp!r} for {key}")  # schema bug, not user error
+
+
+def parse_override(arg: str) -> tuple[str, Any]:
+    """Split ``[+]dotted.key=value`` and parse the value as a TOML literal (bare strings allowed)."""
+    if "=" not in arg:
+        raise ConfigError(f"command-line override '{arg}' has no '='; write it as dotted.key=value, "
+                          "e.g. actor.optimizer.lr=1e-5")
+    key, raw = arg.split("=", 1)
+    key = key.strip().lstrip("+")
+    if not key or any(not part.isidentifier() for part in key.split(".")):
+        raise ConfigError(f"command-line override '{arg}' has an invalid key '{key}'; "
+                          "keys are dotted names such as actor.archon.ac_mode")
+    raw = raw.strip()
+    literal = {"True": "true", "False": "false"}.get(raw, raw)
+    try:
+        value = tomllib.loads(f"v = {literal}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # a bare string such as archon:d2t2
+    return key, value
+
+
+def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = tree
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override '{key}' goes inside '{'.'.join(parts[: i + 1])}', which is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _record_sources(tree: dict[str, Any], source: str, sources: dict[str, str], prefix: str = "") -> None:
+    for key, value in tree.items():
+        sources[prefix + key] = source
+        if isinstance(value, dict):
+            _record_sources(value, source, sources, prefix + key + ".")
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file '{path}' does not exist; pass an existing TOML file to --config")
+    try:
+        with path.open("rb") as fh:
+            return tomllib.load(fh)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file '{path}' is not valid TOML: {exc}") from None
+
+
+def load_config(config_path: str | Path | None = None, overrides: typing.Sequence[str] = (),
+                validate: bool = True) -> Config:
+    """Defaults, then the TOML file, then the overrides; then inheritance and validation."""
+    tree: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    if config_path:
+        tree = read_toml(config_path)
+        _record_sources(tree, f"'{config_path}'", sources)
+    for arg in overrides:
+        key, value = parse_override(arg)
+        _set_dotted(tree, key, value)
+        _record_sources({key: value}, "the command line", sources)
+        sources[key] = "the command line"
+    builder = _Builder(sources)
+    cfg = builder.build(Config, tree)
+    _inherit_from_actor(cfg, builder.explicit)
+    if validate:
+        validate_config(cfg, sources)
+    return cfg
+
+
+def _inherit_from_actor(cfg: Config, explicit: set[str]) -> None:
+    """critic/ref take actor's engine fields unless the user set them (empty backend/path inherit too)."""
+    for engine in ("critic", "ref"):
+        target = getattr(cfg, engine)
+        for name in INHERITED_ENGINE_FIELDS:
+            value = getattr(target, name)
+            unset = f"{engine}.{name}" not in explicit and not any(
+                k.startswith(f"{engine}.{name}.") for k in explicit)
+            if unset or (name in ("backend", "path") and value == ""):
+                setattr(target, name, _copy(getattr(cfg.actor, name)))
+            elif dataclasses.is_dataclass(value):
+                # A partially set section (e.g. ref.archon.ac_mode) inherits its other keys.
+                setattr(target, name, _merge_section(getattr(cfg.actor, name), value, f"{engine}.{name}", explicit))
+
+
+def _copy(value: Any) -> Any:
+    return dataclasses.replace(value) if dataclasses.is_dataclass(value) else value
+
+
+def _merge_section(base: Any, own: Any, prefix: str, explicit: set[str]) -> Any:
+    changes = {f.name: getattr(own, f.name) for f in dataclasses.fields(own) if f"{prefix}.{f.name}" in explicit}
+    return dataclasses.replace(base, **changes)
+
+
+def validate_config(cfg: Config, sources: dict[str, str] | None = None) -> None:
+    """Cross-field checks: allocations parse, engines fit the cluster, sizes are positive."""
+    from archon.plan import check_cluster_fit
+
+    sources = sources or {}
+    allocs: dict[str, ModelAllocation] = {}
+    for engine in ("rollout", "actor", "critic", "ref"):
+        key = f"{engine}.backend"
+        value = getattr(cfg, engine).backend
+        try:
+            allocs[engine] = ModelAllocation.from_str(value)
+        except AllocationError as exc:
+            raise ConfigError(f"{key} (from {sources.get(key, 'the defaults')}): {exc}") from None
+        inference = engine == "rollout"
+        if allocs[engine].is_inference != inference:
+            kind = "an inference backend (sglang, vllm, local)" if inference else "a training backend (archon, fsdp, megatron)"
+            raise ConfigError(f"{key} = '{value}' must use {kind}")
+    for engine in ("actor", "critic", "ref"):
+        if allocs[engine].backend != "archon":
+            raise ConfigError(f"{engine}.backend = '{allocs[engine]}' uses backend "
+                              f"'{allocs[engine].backend}', but this is Archon; write 'archon:{_dims_of(allocs[engine])}'")
+    try:
+        check_cluster_fit(allocs, cfg.cluster.n_nodes, cfg.cluster.n_gpus_per_node)
+    except AllocationError as exc:
+        raise ConfigError(str(exc)) from None
+    positive = {
+        "total_train_steps": cfg.total_train_steps, "train_dataset.batch_size": cfg.train_dataset.batch_size,
+        "actor.mb_spec.n_mbs": cfg.actor.mb_spec.n_mbs,
+        "actor.ppo_n_minibatches": cfg.actor.ppo_n_minibatches, "gconfig.n_samples": cfg.gconfig.n_samples,
+        "gconfig.max_new_tokens": cfg.gconfig.max_new_tokens, "cluster.n_nodes": cfg.cluster.n_nodes,
+        "cluster.n_gpus_per_node": cfg.cluster.n_gpus_per_node, "actor.archon.dp_replicate": cfg.actor.archon.dp_replicate,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{key} = {value} (from {sources.get(key, 'the defaults')}) must be at least 1")
+    group = cfg.actor.group_size
+    if group < 0 or (group and cfg.gconfig.n_samples % group):
+        raise ConfigError(f"actor.group_size = {group} must divide gconfig.n_samples = {cfg.gconfig.n_samples} "
+                          "(the samples of one prompt), or be 0 to use gconfig.n_samples")
+    if cfg.actor.temperature < 0 or cfg.gconfig.temperature < 0:
+        raise ConfigError("actor.temperature and gconfig.temperature must not be negative (0 = greedy / follow "
+                          "gconfig)")
+    if cfg.actor.c_clip and cfg.actor.c_clip <= 1.0:
+        raise ConfigError(f"actor.c_clip = {cfg.actor.c_clip} must be greater than 1 (dual clip), or 0 to disable it")
+    if cfg.actor.archon.ac_mode == "memory_budget" and cfg.actor.gradient_checkpointing \
+            and not cfg.actor.archon.enable_compile:
+        raise ConfigError("actor.archon.ac_mode = 'memory_budget' needs torch.compile; set "
+                          "actor.archon.enable_compile=true or choose ac_mode 'selective' or 'full'")
+    opt = cfg.actor.archon.selective_ac_option
+    if opt != "op" and not (opt.isdigit() and int(opt) >= 1):
+        raise ConfigError(f"actor.archon.selective_ac_option = '{opt}' must be 'op' or a positive integer N "
+                          "(checkpoint every Nth block)")
+
+
+def _dims_of(alloc: ModelAllocation) -> str:
+    return str(alloc).split(":", 1)[1]

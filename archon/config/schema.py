@@ -1,0 +1,363 @@
+"""The config schema: nested dataclasses with a one-line doc under every field.
+
+Section and key names follow AReaL's wherever AReaL has one.  ``critic`` and ``ref`` have
+the shape of ``actor``'s engine fields and inherit every one of them from ``actor`` unless
+set explicitly (``archon.config.loading``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from archon.alloc import ModelAllocation
+
+
+class ConfigError(ValueError):
+    """A config file, key or value a user wrote is wrong; the message says where and how to fix it."""
+
+
+# --------------------------------------------------------------------------------------
+# Schema
+# --------------------------------------------------------------------------------------
+
+NormLevel = Literal["batch", "group", "none"]
+
+
+@dataclass
+class ClusterConfig:
+    n_nodes: int = 1
+    """Number of nodes in the cluster."""
+    n_gpus_per_node: int = 8
+    """Accelerators per node; on a CPU-only machine, the number of processes per node the run may use."""
+
+
+@dataclass
+class OptimizerConfig:
+    type: Literal["adamw"] = "adamw"
+    """Optimizer; AdamW is the one Archon ships."""
+    lr: float = 1e-5
+    """Peak learning rate."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay (AdamW)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW beta1 and beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warmup from 0 to `lr`."""
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """Learning-rate shape after warmup."""
+    min_lr_ratio: float = 0.0
+    """Final learning rate of the cosine/linear schedule, as a fraction of `lr`."""
+    max_grad_norm: float = 1.0
+    """Global gradient-norm clip; 0 disables clipping (the norm is still reported)."""
+
+
+@dataclass
+class MicroBatchSpec:
+    n_mbs: int = 1
+    """Minimum number of microbatches per data-parallel rank and optimizer step."""
+    max_tokens_per_mb: int = 0
+    """Upper bound on packed tokens in one microbatch (more microbatches are made if needed); 0 means no bound."""
+
+
+@dataclass
+class ArchonEngineConfig:
+    pp_schedule: Literal["1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV", "GPipe"] = "Interleaved1F1B"
+    """Pipeline schedule used when the allocation has p > 1."""
+    pp_layers_per_stage: int = 0
+    """Transformer blocks per pipeline stage; 0 derives it from the layer count and schedule."""
+    enable_compile: bool = True
+    """torch.compile each block (after activation checkpointing, before FSDP); leave off on CPU."""
+    ac_mode: Literal["none", "full", "selective", "memory_budget"] = "selective"
+    """Activation checkpointing mode, applied only when `gradient_checkpointing` is true."""
+    selective_ac_option: str = "op"
+    """For ac_mode=selective: 'op' (save matmul/attention outputs) or an integer N (checkpoint every Nth block)."""
+    ac_memory_budget: float = 0.5
+    """For ac_mode=memory_budget (needs compile): 0.0 recomputes everything, 1.0 nothing."""
+    offload_params: bool = False
+    """Keep FSDP-sharded parameters, gradients and optimizer state on the CPU (CPUOffloadPolicy)."""
+    reshard_after_forward_policy: Literal["default", "always", "never"] = "default"
+    """FSDP resharding after forward: default reshards except with pipeline parallel."""
+    use_deterministic_algorithms: bool = False
+    """Deterministic kernels, cuBLAS workspace, NCCL Ring and compile; slower, for debugging."""
+    ac_debug: bool = False
+    """Log which activations are saved and which are recomputed (slow)."""
+    dp_replicate: int = 1
+    """HSDP: split the allocation's d into dp_replicate replica groups x d/dp_replicate shards."""
+
+
+@dataclass
+class TrainEngineConfig:
+    backend: str = ""
+    """Allocation string for this engine, e.g. 'archon:d4p2t2' (see the allocation grammar)."""
+    path: str = ""
+    """Hugging Face model folder (config.json + safetensors); empty initialises from `model_config`."""
+    model_config: str = ""
+    """Folder or config.json used to build an uninitialised model when `path` is empty."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    """Parameter dtype for compute (FSDP mixed precision); master weights stay float32."""
+    grad_reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    """dtype of gradient reduce-scatter/all-reduce."""
+    gradient_checkpointing: bool = False
+    """Turn on activation checkpointing with `archon.ac_mode`."""
+    pad_to_maximum: bool = False
+    """Pad every microbatch to `mb_spec.max_tokens_per_mb` (fixed shapes; forced on under compile)."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Optimizer and learning-rate schedule."""
+    mb_spec: MicroBatchSpec = field(default_factory=MicroBatchSpec)
+    """How a data-parallel rank's share of the batch is cut into packed microbatches."""
+    archon: ArchonEngineConfig = field(default_factory=ArchonEngineConfig)
+    """Archon-specific engine options."""
+
+
+@dataclass
+class NormConfig:
+    mean_level: NormLevel = "group"
+    """Subtract the mean over the 'group' of samples of one prompt, the whole 'batch', or 'none'."""
+    std_level: NormLevel = "group"
+    """Divide by the std over 'group', 'batch', or 'none' (Dr.GRPO uses none)."""
+    mean_leave1out: bool = False
+    """Use the leave-one-out mean (each sample's baseline excludes itself)."""
+    std_unbiased: bool = True
+    """Unbiased (n-1) standard deviation."""
+    eps: float = 1e-5
+    """Added to the std before dividing."""
+    group_size: int = 0
+    """Samples per group; 0 takes `actor.group_size`."""
+
+
+@dataclass
+class ActorConfig(TrainEngineConfig):
+    backend: str = "archon:d1"
+    group_size: int = 0
+    """Rows that form one group for group-normalised advantages; 0 uses gconfig.n_samples (must divide it)."""
+    ppo_n_minibatches: int = 1
+    """Optimizer steps per rollout batch (the batch is cut into this many minibatches)."""
+    recompute_logprob: bool = False
+    """Recompute proximal logprobs with the trainer before the update instead of using the rollout's."""
+    use_decoupled_loss: bool = False
+    """Decoupled PPO: behaviour logprobs from the rollout, proximal logprobs recomputed by the trainer."""
+    adv_estimator: Literal["grpo", "gae", "rloo", "reinforce++"] = "grpo"
+    """Advantage estimator; 'gae' needs a critic."""
+    eps_clip: float = 0.2
+    """PPO ratio clip (lower side, and upper side unless `eps_clip_higher` is set)."""
+    eps_clip_higher: float = 0.0
+    """Upper clip for the ratio (DAPO clip-higher); 0 uses `eps_clip`."""
+    c_clip: float = 0.0
+    """Dual-clip constant (> 1) for negative advantages; 0 disables dual clip."""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """Importance ratio per token (PPO) or per sequence (GSPO)."""
+    behav_imp_weight_cap: float = 0.0
+    """Decoupled loss: cap on the behaviour importance weight; 0 means no cap."""
+    behav_imp_weight_mode: Literal["truncate", "mask"] = "truncate"
+    """Decoupled loss: truncate weights above the cap, or mask those tokens out."""
+    behav_imp_weight_level: Literal["token", "sequence"] = "token"
+    """Decoupled loss: compute the behaviour importance weight per token or per sequence."""
+    temperature: float = 0.0
+    """Trainer logprobs are of logits / temperature; 0 follows gconfig.temperature (1 when greedy), as the server reports."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus in the actor loss."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    """How per-token losses are aggregated over the global batch."""
+    kl_ctl: float = 0.0
+    """KL-to-reference penalty inside the reward; 0 disables it."""
+    kl_loss_coef: float = 0.0
+    """KL-to-reference term inside the loss; 0 disables it."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    """KL estimator for the reward penalty and the loss term."""
+    discount: float = 1.0
+    """Discount factor (GAE, REINFORCE++)."""
+    gae_lambda: float = 1.0
+    """GAE lambda."""
+    reward_scaling: float = 1.0
+    """Rewards are (reward + reward_bias) * reward_scaling, then clipped."""
+    reward_bias: float = 0.0
+    """Added to every reward before scaling."""
+    reward_clip: float = 20.0
+    """Rewards are clipped to [-reward_clip, reward_clip]."""
+    overlong_reward_penalty: bool = False
+    """DAPO overlong penalty on responses longer than max_new_tokens - overlong_tokens."""
+    overlong_tokens: int = 0
+    """Length of the soft overlong-penalty window."""
+    overlong_penalty_factor: float = 1.0
+    """Penalty at the end of the overlong window."""
+    mask_no_eos_with_zero: bool = False
+    """Give zero reward/loss weight to responses cut off without EOS."""
+    reward_norm: NormConfig = field(default_factory=NormConfig)
+    """Normalisation of sequence rewards into advantages (GRPO: group mean and std)."""
+    adv_norm: NormConfig = field(default_factory=lambda: NormConfig(mean_level="none", std_level="none"))
+    """Final normalisation of token advantages (e.g. batch-level whitening for PPO)."""
+
+
+@dataclass
+class CriticConfig(TrainEngineConfig):
+    ppo_n_minibatches: int = 1
+    """Critic optimizer steps per rollout batch."""
+    eps_clip: float = 0.5
+    """Value clip: new values are kept within old values +- eps_clip; 0 disables clipping."""
+    mask_no_eos_with_zero: bool = False
+    """Give zero loss weight to responses cut off without EOS."""
+
+
+@dataclass
+class GenerationConfig:
+    n_samples: int = 1
+    """Completions sampled per prompt."""
+    max_new_tokens: int = 512
+    """Maximum completion length."""
+    min_new_tokens: int = 0
+    """Minimum completion length (EOS is suppressed before it)."""
+    temperature: float = 1.0
+    """Sampling temperature; 0 is greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    top_k: int = -1
+    """Top-k sampling; -1 disables it."""
+    min_p: float = 0.0
+    """Min-p sampling threshold; 0 disables it."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Extra token ids that end a completion (EOS always does unless ignore_eos)."""
+    ignore_eos: bool = False
+    """Keep generating after EOS (benchmarks only)."""
+
+
+@dataclass
+class RolloutConfig:
+    backend: str = "local:d1"
+    """Inference allocation: 'sglang:dNtM' (N servers of M GPUs) or 'local:dN' (N built-in CPU servers)."""
+    server_addrs: list[str] = field(default_factory=list)
+    """host:port of servers already running; when set, no servers are launched."""
+    request_timeout: float = 3600.0
+    """Seconds before one generate request is abandoned."""
+    request_retries: int = 3
+    """Retries (with backoff) of a request after a connection error or a 5xx."""
+    setup_timeout: float = 300.0
+    """Seconds to wait for launched servers to become healthy."""
+    weight_sync: Literal["distributed", "disk"] = "distributed"
+    """How new weights reach the servers: a broadcast group, or an HF folder on shared disk."""
+    weight_chunk_mb: int = 512
+    """Bucket size of the distributed weight broadcast."""
+    max_concurrent_rollouts: int = 0
+    """Requests in flight per trainer process; 0 sends the whole batch at once."""
+
+
+@dataclass
+class SGLangConfig:
+    model_path: str = ""
+    """Model the servers start from; empty uses `actor.path`."""
+    random_seed: int = 1
+    """Server-side sampling seed."""
+    dtype: str = "bfloat16"
+    """Inference dtype."""
+    context_length: int = 32768
+    """Maximum context of a request."""
+    mem_fraction_static: float = 0.8
+    """Fraction of GPU memory SGLang reserves for weights and KV cache."""
+    dp_size: int = 1
+    """SGLang's internal data parallel inside one server (with enable_dp_attention); never changes GPU counts."""
+    ep_size: int = 1
+    """SGLang's internal expert parallel inside one server; never changes GPU counts."""
+    enable_dp_attention: bool = False
+    """Data-parallel attention inside one server (large MoE)."""
+    disable_cuda_graph: bool = False
+    """Turn off CUDA graphs (debugging)."""
+    max_running_requests: int = 0
+    """Cap on concurrent requests per server; 0 keeps SGLang's default."""
+    attention_backend: str = ""
+    """SGLang attention backend; empty keeps SGLang's default."""
+    log_level: str = "warning"
+    """SGLang server log level."""
+    extra_args: list[str] = field(default_factory=list)
+    """Further raw arguments appended to `python -m sglang.launch_server`."""
+
+
+@dataclass
+class DatasetConfig:
+    path: str = ""
+    """jsonl file (RL: prompt/answer or GSM8K question/answer; SFT: prompt/completion)."""
+    batch_size: int = 8
+    """Prompts (RL) or sequences (SFT) per step, over all ranks."""
+    shuffle: bool = True
+    """Shuffle every epoch with a seed that depends only on `seed` and the epoch."""
+    max_length: int = 1024
+    """RL: longest prompt kept (longer ones are dropped and counted); SFT: longest sequence."""
+    drop_last: bool = True
+    """Drop the incomplete last batch of an epoch."""
+
+
+@dataclass
+class RewardConfig:
+    fn: str = "math"
+    """Reward function: 'math', 'exact_match', or 'package.module:function'."""
+    timeout_s: float = 15.0
+    """Seconds before one reward call counts as failed (reward 0)."""
+    n_workers: int = 2
+    """Reward worker processes."""
+
+
+@dataclass
+class SaverConfig:
+    freq_steps: int = 0
+    """Save a resumable checkpoint every N steps; 0 only at the end."""
+    keep_last: int = 2
+    """Checkpoints kept on disk (older ones are deleted)."""
+    export_hf: bool = True
+    """Export the final actor as a Hugging Face folder under output_dir/hf."""
+
+
+@dataclass
+class Config:
+    experiment_name: str = "archon"
+    """Name of the experiment (groups trials)."""
+    trial_name: str = "trial0"
+    """Name of this trial."""
+    output_dir: str = ""
+    """Run directory for metrics.jsonl and checkpoints; empty means outputs/<experiment_name>/<trial_name>."""
+    seed: int = 1
+    """Seed of data order, initialisation and sampling; results never depend on the allocation."""
+    total_train_steps: int = 100
+    """Optimizer steps (RL steps) to run."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Device type; auto picks CUDA when available."""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """Cluster size used to check that the allocations fit."""
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    """Policy model: training engine and PPO/GRPO options."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """Value model (used by adv_estimator = 'gae'); inherits actor's engine fields."""
+    ref: TrainEngineConfig = field(default_factory=TrainEngineConfig)
+    """Reference model for the KL terms; inherits actor's engine fields."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Rollout servers."""
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    """Options passed to each SGLang server."""
+    gconfig: GenerationConfig = field(default_factory=GenerationConfig)
+    """Sampling of completions."""
+    train_dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    """Training data."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Reward function."""
+    saver: SaverConfig = field(default_factory=SaverConfig)
+    """Checkpointing."""
+
+    @property
+    def run_dir(self) -> Path:
+        """Where this run writes metrics and checkpoints."""
+        return Path(self.output_dir or f"outputs/{self.experiment_name}/{self.trial_name}")
+
+    def allocations(self) -> dict[str, ModelAllocation]:
+        """The parsed allocation of every engine (critic/ref already inherited)."""
+        return {
+            "rollout": ModelAllocation.from_str(self.rollout.backend),
+            "actor": ModelAllocation.from_str(self.actor.backend),
+            "critic": ModelAllocation.from_str(self.critic.backend),
+            "ref": ModelAllocation.from_str(self.ref.backend),
+        }
+
+
+# Engine fields critic/ref inherit from actor when the user did not set them.
+INHERITED_ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(TrainEngineConfig))
