@@ -32,7 +32,8 @@ class PPOCritic:
         ``values[b, i]`` is the value of the state before token ``i``; ``values_after[b]`` the
         value of the state after row ``b``'s last token, which GAE bootstraps a truncated
         response from.  The engine's outputs at position ``i`` only see tokens ``< i``, so one
-        placeholder token appended after each row yields that value without changing the others.
+        placeholder token appended after each row yields that value without changing the others
+        (so each row is one token longer here: ``mb_spec.max_tokens_per_mb`` must leave room).
         """
         ids, attn = batch["input_ids"], batch["attention_mask"]
         rows, width = ids.shape
