@@ -50,3 +50,10 @@ def slow_length(prompt, completion, answer, **kw):
     """length_reward that takes a while, so a test can kill a run between two steps."""
     time.sleep(0.05)
     return length_reward(prompt, completion, answer, **kw)
+
+
+def crc_quarter(prompt, completion, answer, **kw):
+    """1 for about a quarter of completions (a hash of the text): many groups of 4 get equal rewards."""
+    import zlib
+
+    return float(zlib.crc32(completion.encode()) % 4 == 0)

@@ -190,6 +190,55 @@ def test_describe_section():
         describe_section("actor.archn")
 
 
+def test_ppo_with_a_critic_defaults_to_standard_ppo_normalisation():
+    from archon.rl.advantages import default_norms
+
+    grpo = load_config()
+    assert (grpo.actor.reward_norm.mean_level, grpo.actor.reward_norm.std_level) == ("group", "group")
+    assert (grpo.actor.adv_norm.mean_level, grpo.actor.adv_norm.std_level) == ("none", "none")
+    ppo = load_config(None, ["actor.adv_estimator=gae"])
+    assert (ppo.actor.reward_norm.mean_level, ppo.actor.reward_norm.std_level) == ("none", "none")
+    assert (ppo.actor.adv_norm.mean_level, ppo.actor.adv_norm.std_level) == ("batch", "batch")
+    # The same defaults as the rl layer's for API users.
+    reward_norm, adv_norm = default_norms("gae")
+    assert reward_norm is None and (adv_norm.mean_level, adv_norm.std_level) == ("batch", "batch")
+    # Whatever the user sets wins, and a partly set section keeps the schema's other fields.
+    own = load_config(None, ["actor.adv_estimator=gae", "actor.reward_norm.mean_level=batch"])
+    assert (own.actor.reward_norm.mean_level, own.actor.reward_norm.std_level) == ("batch", "group")
+    assert own.actor.adv_norm.mean_level == "batch"
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("actor.behav_imp_weight_cap=5.0", "replaced by actor.rejection_sampling.upper"),
+    ("actor.behave_imp_weight_mode=token_mask", "actor.rejection_sampling.level and .action"),
+    ("actor.rejection_sampling.upper=1.0", "must be above 1 for metric 'ratio'"),
+    ("actor.rejection_sampling.lower=0.0", "must be positive for metric 'ratio'"),
+    ("actor.rejection_sampling.metric=kl_k3", "needs metric 'ratio'"),  # with action 'clamp', added below
+    ("actor.kl_ctl_type=adaptive", "set an initial actor.kl_ctl > 0"),
+    ("actor.ppo_epochs=0", "actor.ppo_epochs = 0"),
+    ("dynamic_filter.enable=true", "gconfig.n_samples = 1"),
+    ("dynamic_filter.max_num_gen_batches=-1", "must be 0 (no limit) or positive"),
+])
+def test_rl_option_errors(override, needle):
+    overrides = [override]
+    if "metric=kl_k3" in override:
+        overrides.append("actor.rejection_sampling.action=clamp")
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert needle in str(info.value)
+
+
+def test_describe_actor_documents_the_rl_options():
+    text = describe_section("actor")
+    for key in ("kl_loss_type", "kl_ctl_type", "ppo_epochs", "shuffle", "overlong_filtering", "bootstrap_truncated",
+                "entropy_coef", "importance_sampling_level", "mask_no_eos_with_zero"):
+        assert f"actor.{key} =" in text, key
+    assert "KL(ref||pi)" in text and "seq-mean-token-mean" in text and "AReaL" in text
+    rs = describe_section("actor.rejection_sampling")
+    assert "actor.rejection_sampling.upper = 5.0" in rs and "'mask'" in rs
+    assert "huber" in describe_section("critic") and "max_num_gen_batches" in describe_section("dynamic_filter")
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_every_shipped_config_loads(path):
     cfg = load_config(path)

@@ -1,5 +1,6 @@
 """Advantage estimators against hand-computed numbers and plain-Python references."""
 
+import dataclasses
 import math
 import statistics
 
@@ -50,12 +51,41 @@ def test_batch_level_and_biased_std():
     torch.testing.assert_close(out, torch.tensor([(x - mean) / (std + EPS) for x in r]))
 
 
-def test_group_mean_batch_std():
+def _areal_std(centred, unit_of, unbiased=True):
+    """AReaL's Normalization std: the spread of the centred values (x - the subtracted mean) per unit."""
+    sums, counts = {}, {}
+    for c, u in zip(centred, unit_of):
+        sums[u] = sums.get(u, 0.0) + c * c
+        counts[u] = counts.get(u, 0) + 1
+    return [math.sqrt(sums[u] / (counts[u] - (1 if unbiased else 0))) for u in unit_of]
+
+
+def test_group_mean_batch_std_is_the_spread_around_the_subtracted_mean():
     r = [1.0, 3.0, 10.0, 14.0]
     out = normalize(torch.tensor(r), mean_level="group", std_level="batch", group_size=2)
-    std = statistics.stdev(r)
-    expected = [(1 - 2) / (std + EPS), (3 - 2) / (std + EPS), (10 - 12) / (std + EPS), (14 - 12) / (std + EPS)]
-    torch.testing.assert_close(out, torch.tensor(expected))
+    centred = [1 - 2, 3 - 2, 10 - 12, 14 - 12]
+    # By hand: sum of squares 1 + 1 + 4 + 4 = 10 over n - 1 = 3 (AReaL), not the batch's own stdev.
+    assert _areal_std(centred, [0] * 4)[0] == pytest.approx(math.sqrt(10 / 3))
+    std = _areal_std(centred, [0] * 4)
+    torch.testing.assert_close(out, torch.tensor([c / (s + EPS) for c, s in zip(centred, std)]))
+
+
+def test_mean_none_and_leave_one_out_std_follow_areal():
+    r = [1.0, 2.0, 3.0, 6.0]
+    # No centring: the std is the root mean square around 0.
+    out = normalize(torch.tensor(r), mean_level=None, std_level="batch")
+    std = math.sqrt(sum(x * x for x in r) / 3)
+    torch.testing.assert_close(out, torch.tensor([x / (std + EPS) for x in r]))
+    # Leave-one-out mean, group std: the spread of x_i - mean(others).
+    out = normalize(torch.tensor(r), mean_level="group", std_level="group", mean_leave1out=True, group_size=4)
+    centred = [x - (sum(r) - x) / 3 for x in r]
+    std = _areal_std(centred, [0] * 4)
+    torch.testing.assert_close(out, torch.tensor([c / (s + EPS) for c, s in zip(centred, std)]))
+    # Batch mean, group std: each group's spread around the batch mean.
+    out = normalize(torch.tensor(r), mean_level="batch", std_level="group", group_size=2)
+    centred = [x - 3.0 for x in r]
+    std = _areal_std(centred, [0, 0, 1, 1])
+    torch.testing.assert_close(out, torch.tensor([c / (s + EPS) for c, s in zip(centred, std)]))
 
 
 def test_leave_one_out_mean_and_dr_grpo_mean_only():
@@ -275,9 +305,11 @@ def test_reinforce_pp_batch_normalised_returns():
 def test_gae_pipeline_with_adv_norm():
     mask = [[0, 1, 1], [0, 0, 1]]
     values = torch.tensor([[0.0, 0.5, 0.25], [0.0, 0.0, 1.0]])
-    batch = _batch([1.0, 3.0], mask, values=values)
-    cfg = AdvantageConfig(adv_estimator="gae", discount=1.0, gae_lambda=1.0, reward_norm=None,
-                          adv_norm=NormConfig(mean_level="batch", std_level="batch"))
+    batch = _batch([1.0, 3.0], mask, values=values, seq_no_eos_mask=torch.tensor([False, False]),
+                   values_after=torch.tensor([9.0, 9.0]))  # ended with EOS: values_after is not used
+    # The defaults of 'gae' are standard PPO's: raw rewards, batch-whitened advantages.
+    cfg = AdvantageConfig(adv_estimator="gae", discount=1.0, gae_lambda=1.0)
+    assert cfg.reward_norm is None and cfg.adv_norm == NormConfig(mean_level="batch", std_level="batch")
     out = compute_advantages(batch, cfg)
     # lambda = gamma = 1: A_t = (sum of future rewards) - V_t -> row0: [1 - .5, 1 - .25], row1: [3 - 1]
     raw = [0.5, 0.75, 2.0]
@@ -289,7 +321,11 @@ def test_gae_pipeline_with_adv_norm():
 
 def test_pipeline_errors_are_clear():
     with pytest.raises(ValueError, match="critic 'values'"):
-        compute_advantages(_batch([1.0], [[0, 1]]), AdvantageConfig(adv_estimator="gae", reward_norm=None))
+        compute_advantages(_batch([1.0], [[0, 1]], seq_no_eos_mask=torch.tensor([True])),
+                           AdvantageConfig(adv_estimator="gae"))
+    with pytest.raises(ValueError, match="values_after"):
+        compute_advantages(_batch([1.0], [[0, 1]], seq_no_eos_mask=torch.tensor([True]), values=torch.zeros(1, 2)),
+                           AdvantageConfig(adv_estimator="gae"))
     with pytest.raises(ValueError, match="ref_logprobs"):
         compute_advantages(_batch([1.0], [[0, 1]]), AdvantageConfig(kl_ctl=0.1, reward_norm=None))
     with pytest.raises(ValueError, match="adv_estimator"):
@@ -304,3 +340,89 @@ def test_from_actor_config_reads_archon_config_names():
     assert (cfg.group_size, cfg.adv_estimator, cfg.kl_ctl, cfg.discount, cfg.max_new_tokens) == (4, "rloo", 0.2, 0.9, 16)
     assert cfg.reward_norm == NormConfig(mean_level="group", std_level="group", group_size=0)
     assert cfg.adv_norm is None  # both levels 'none' in the config
+
+
+# ---------------------------------------------------------------------------------------
+# defaults that must not silently learn nothing; truncated responses
+# ---------------------------------------------------------------------------------------
+
+
+def test_group_normalisation_of_groups_of_one_is_rejected():
+    with pytest.raises(ValueError, match="one sample.*n_samples > 1"):
+        AdvantageConfig(adv_estimator="grpo", group_size=1)
+    with pytest.raises(ValueError, match="reward_norm"):
+        AdvantageConfig(group_size=4, reward_norm=NormConfig(mean_level="batch", std_level="group", group_size=1))
+    with pytest.raises(ValueError, match="adv_norm"):
+        AdvantageConfig(adv_estimator="rloo", group_size=1, adv_norm=NormConfig(mean_level="group", std_level=None))
+    # Batch-level statistics, no normalisation, and estimators that do not use reward_norm are fine.
+    AdvantageConfig(group_size=1, reward_norm=NormConfig(mean_level="batch", std_level="batch"))
+    AdvantageConfig(group_size=1, reward_norm=None)
+    AdvantageConfig(adv_estimator="gae", group_size=1)
+    AdvantageConfig(adv_estimator="reinforce++", group_size=1)
+
+
+def test_estimator_default_normalisation():
+    grpo = AdvantageConfig(group_size=4)
+    assert grpo.reward_norm == NormConfig() and grpo.adv_norm is None
+    gae = AdvantageConfig(adv_estimator="gae", group_size=4)
+    assert gae.reward_norm is None and gae.adv_norm == NormConfig(mean_level="batch", std_level="batch")
+    assert AdvantageConfig(adv_estimator="rloo", group_size=4).reward_norm is None
+
+
+def test_gae_bootstraps_a_truncated_response_from_the_value_after_it():
+    # Two rows with the same tokens: row 0 ended with EOS, row 1 was cut off.  Values are the
+    # critic's values of the state before each token; values_after the state after the last one.
+    m = mask_from([[0, 1, 1, 1], [0, 1, 1, 1]])
+    values = torch.tensor([[9.0, 0.5, 0.2, -0.3], [9.0, 0.5, 0.2, -0.3]])
+    batch = _batch([1.0, 1.0], [[0, 1, 1, 1]] * 2, values=values, values_after=torch.tensor([4.0, 0.8]),
+                   seq_no_eos_mask=torch.tensor([False, True]))
+    cfg = AdvantageConfig(adv_estimator="gae", group_size=2, discount=0.9, gae_lambda=0.5, adv_norm=None)
+    out = compute_advantages(batch, cfg)
+    # EOS row: V_end = 0.     t3: d = 1 - (-.3) = 1.3                       A3 = 1.3
+    #                         t2: d = .9 * -.3 - .2 = -.47                  A2 = -.47 + .45 * 1.3 = .115
+    #                         t1: d = .9 * .2 - .5 = -.32                   A1 = -.32 + .45 * .115 = -.26825
+    # Truncated row: V_end = .8.  t3: d = 1 + .9 * .8 + .3 = 2.02           A3 = 2.02
+    #                         t2: A2 = -.47 + .45 * 2.02 = .439
+    #                         t1: A1 = -.32 + .45 * .439 = -.12245
+    torch.testing.assert_close(out["advantages"], torch.tensor([[0.0, -0.26825, 0.115, 1.3],
+                                                                [0.0, -0.12245, 0.439, 2.02]]))
+    torch.testing.assert_close(out["returns"], torch.tensor([[0.0, 0.23175, 0.315, 1.0],
+                                                             [0.0, 0.37755, 0.639, 1.72]]))
+    # Values taken one position late (the value after each token instead of before it) change every
+    # advantage: the alignment is what the numbers above check.
+    shifted = dict(batch, values=torch.tensor([[9.0, 0.2, -0.3, 0.8], [9.0, 0.2, -0.3, 0.8]]))
+    assert not torch.allclose(compute_advantages(shifted, cfg)["advantages"], out["advantages"])
+    # verl's convention (bootstrap_truncated = False) ends the truncated row like the EOS row.
+    ended = compute_advantages(batch, dataclasses.replace(cfg, bootstrap_truncated=False))
+    torch.testing.assert_close(ended["advantages"][1], out["advantages"][0])
+    # gae_advantages on its own against the plain-Python reference with a bootstrap value.
+    adv, _ = gae_advantages(torch.tensor([[0.0, 0.0, 0.0, 1.0]]), values[:1], m[:1], discount=0.9, gae_lambda=0.5,
+                            end_values=torch.tensor([0.8]))
+    torch.testing.assert_close(adv, out["advantages"][1:])
+
+
+def test_overlong_filtering_and_mask_no_eos_with_zero():
+    mask = [[0, 1, 1], [0, 1, 1], [0, 1, 1], [0, 1, 1]]
+    batch = _batch([1.0, 0.0, 1.0, 1.0], mask, seq_no_eos_mask=torch.tensor([False, False, True, False]))
+    norm = NormConfig(mean_level="batch", std_level="batch")
+    # mask_no_eos_with_zero (AReaL): the truncated row keeps training with a 0 reward, which batch
+    # whitening turns into a negative advantage when the batch mean is positive.
+    zeroed = compute_advantages(batch, AdvantageConfig(adv_estimator="reinforce++", mask_no_eos_with_zero=True))
+    assert zeroed["rewards"][2] == 0 and (zeroed["advantages"][2, 1:] < 0).all()
+    # Overlong filtering: the truncated row gets advantage 0 and takes no part in the statistics.
+    filt = compute_advantages(batch, AdvantageConfig(adv_estimator="grpo", group_size=2, reward_norm=None,
+                                                     adv_norm=norm, overlong_filtering=True))
+    kept = [1.0, 1.0, 0.0, 0.0, 1.0, 1.0]  # the loss tokens of rows 0, 1 and 3
+    mean, std = statistics.mean(kept), statistics.stdev(kept)
+    expected = torch.tensor([[0.0] + [(x - mean) / (std + EPS)] * 2 for x in (1.0, 0.0)] + [[0.0, 0.0, 0.0]]
+                            + [[0.0] + [(1.0 - mean) / (std + EPS)] * 2])
+    torch.testing.assert_close(filt["advantages"], expected)
+
+
+def test_penalty_kl_is_returned_for_the_kl_controller():
+    mask = [[0, 1, 1], [0, 1, 0]]
+    logp = torch.tensor([[0.0, -1.0, -2.0], [0.0, -0.5, 0.0]])
+    ref = torch.tensor([[0.0, -1.5, -1.0], [0.0, -1.0, 7.0]])
+    out = compute_advantages(_batch([1.0, 0.0], mask, old_logprobs=logp, ref_logprobs=ref),
+                             AdvantageConfig(group_size=2, kl_ctl=0.1, kl_estimator="k1"))
+    torch.testing.assert_close(out["kl"], torch.tensor([[0.0, 0.5, -1.0], [0.0, 0.5, 0.0]]))

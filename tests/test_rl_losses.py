@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from archon.rl.kl import kl_estimate
+from archon.rl.kl import KL_LOSS_TYPES, KLController, kl_estimate
 from archon.rl.losses import (
     AGG_MODES,
     aggregate,
@@ -16,6 +16,8 @@ from archon.rl.losses import (
     ppo_actor_loss,
     ppo_critic_loss,
 )
+from archon.rl.rejection_sampling import RejectionSampling
+from parallel.loss_parallel import vocab_parallel_logprobs_entropy
 
 
 def row(values):
@@ -51,6 +53,65 @@ def test_kl_clamping_prevents_overflow():
     torch.testing.assert_close(both, torch.tensor([10.0, 10.0]))
     with pytest.raises(ValueError, match="k1, k2, k3"):
         kl_estimate(logp, ref, "k4")
+
+
+def test_kl_aliases_and_straight_through_values():
+    logp, ref = torch.tensor([-1.0, -2.0, -0.5]), torch.tensor([-2.0, -1.0, -0.4])
+    for alias, name in (("kl", "k1"), ("mse", "k2"), ("low_var_kl", "k3"), ("kl+", "k1"), ("low_var_kl+", "k3"),
+                        ("k1+", "k1"), ("k3+", "k3")):
+        torch.testing.assert_close(kl_estimate(logp, ref, alias), kl_estimate(logp, ref, name))
+
+
+def _softmax_case():
+    """A 5-token softmax policy with logits ``z`` (float64) and a fixed reference distribution."""
+    z = torch.tensor([0.3, -1.2, 0.8, 0.1, -0.4], dtype=torch.float64, requires_grad=True)
+    ref_logp = torch.log_softmax(torch.tensor([-0.5, 0.4, 0.2, -1.0, 0.9], dtype=torch.float64), -1)
+    return z, ref_logp
+
+
+def _expected_estimator_gradient(estimator: str) -> torch.Tensor:
+    """E_{y ~ pi}[grad_z estimator(log pi(y), log ref(y))], by exact enumeration of the vocabulary."""
+    z, ref_logp = _softmax_case()
+    logp = torch.log_softmax(z, -1)
+    probs = logp.exp().detach()
+    total = sum(probs[y] * kl_estimate(logp[y], ref_logp[y], estimator, log_ratio_clamp=None, value_clamp=None)
+                for y in range(5))
+    (grad,) = torch.autograd.grad(total, z)
+    return grad
+
+
+@pytest.mark.parametrize("estimator", KL_LOSS_TYPES)
+def test_kl_loss_gradients_match_the_kl_they_claim(estimator):
+    z, ref_logp = _softmax_case()
+    p = torch.softmax(z.detach(), -1)
+    logp = p.log()
+    # Analytic gradients w.r.t. the logits: d KL(pi||ref)/dz_j = p_j (log p_j - log ref_j - KL(pi||ref));
+    # d KL(ref||pi)/dz_j = p_j - ref_j.
+    forward_kl = (p * (logp - ref_logp)).sum()
+    grad_forward = p * (logp - ref_logp - forward_kl)
+    grad_reverse = p - ref_logp.exp()
+    claims = {"k1": torch.zeros(5, dtype=torch.float64), "k2": grad_forward, "k3": grad_reverse,
+              "k1+": grad_forward, "k3+": grad_forward}
+    aliases = {"kl": "k1", "mse": "k2", "low_var_kl": "k3", "kl+": "k1+", "low_var_kl+": "k3+"}
+    claim = claims[aliases.get(estimator, estimator)]
+    assert grad_forward.abs().max() > 0.05 and (grad_forward - grad_reverse).abs().max() > 0.05  # a real test
+    torch.testing.assert_close(_expected_estimator_gradient(estimator), claim, atol=1e-12, rtol=1e-9)
+
+
+def test_adaptive_kl_controller_follows_verl_rule_and_round_trips():
+    ctl = KLController(0.2, "adaptive", target=0.1, horizon=1000)
+    ctl.update(0.15, n_samples=100)  # error 0.5 is clipped to 0.2: coef *= 1 + 0.2 * 100 / 1000
+    assert ctl.value == pytest.approx(0.2 * 1.02)
+    ctl.update(0.09, n_samples=50)  # error -0.1: coef *= 1 - 0.1 * 50 / 1000
+    assert ctl.value == pytest.approx(0.2 * 1.02 * 0.995)
+    other = KLController(0.2, "adaptive", target=0.1, horizon=1000)
+    other.load_state_dict(ctl.state_dict())
+    assert other.value == ctl.value
+    fixed = KLController(0.2)
+    fixed.update(5.0, 100)
+    assert fixed.value == 0.2
+    with pytest.raises(ValueError, match="horizon"):
+        KLController(0.2, "adaptive", target=0.1, horizon=0)
 
 
 # ---------------------------------------------------------------------------------------
@@ -167,51 +228,143 @@ def test_gspo_sequence_ratio():
     assert seq_loss.item() == pytest.approx((-s0 - 1.3) / 2, rel=1e-6)
 
 
-def test_decoupled_truncate_and_mask_token_level():
+def _gspo_case():
+    torch.manual_seed(3)
+    logp = (torch.randn(3, 6) * 0.05).requires_grad_()  # ratios near 1: no clipping
+    old = torch.zeros(3, 6)
+    mask = torch.tensor([[0, 1, 1, 1, 1, 1], [0, 0, 1, 1, 0, 0], [0, 1, 1, 1, 0, 0]])
+    adv = torch.randn(3, 6)  # token advantages that differ within a sequence (GAE-like)
+    return logp, old, mask, adv
+
+
+def test_gspo_averages_advantages_per_sequence_and_matches_the_paper_under_seq_mean_token_mean():
+    logp, old, mask, adv = _gspo_case()
+    loss, stats = ppo_actor_loss(logp, old, adv, mask, eps_clip=0.2, importance_sampling_level="sequence",
+                                 agg_mode="seq-mean-token-mean")
+    loss.backward()
+    # GSPO (Zheng et al. 2025): J = 1/G sum_i s_i * Abar_i with s_i = exp(mean_t log ratio) and Abar_i
+    # the sequence's mean advantage (AReaL's choice for token advantages); its gradient, here by autograd.
+    m = mask.bool()
+    x = logp.detach().clone().requires_grad_()
+    objective = 0.0
+    for i in range(3):
+        s_i = torch.exp((x[i] - old[i])[m[i]].mean())
+        objective = objective + s_i * adv[i][m[i]].mean()
+    (-objective / 3).backward()
+    torch.testing.assert_close(logp.grad, x.grad)
+    abar = [adv[i][m[i]].mean().item() for i in range(3)]
+    assert stats["advantages_mean"].item() == pytest.approx(sum(abar) / 3, rel=1e-5)
+
+
+def test_gspo_under_token_mean_is_arealss_length_weighted_form():
+    logp, old, mask, adv = _gspo_case()
+    loss, _ = ppo_actor_loss(logp, old, adv, mask, eps_clip=0.2, importance_sampling_level="sequence")
+    loss.backward()
+    # AReaL: every token carries the sequence ratio (gradient through all its tokens) and the
+    # sequence's mean advantage, then a token mean.
+    m = mask.bool()
+    x = logp.detach().clone().requires_grad_()
+    total = 0.0
+    for i in range(3):
+        s_i = torch.exp((x[i] - old[i])[m[i]].mean())
+        total = total + m[i].sum() * -(s_i * adv[i][m[i]].mean())
+    (total / m.sum()).backward()
+    torch.testing.assert_close(logp.grad, x.grad)
+
+
+def _rs(**kw) -> RejectionSampling:
+    return RejectionSampling(**{"upper": 3.0, **kw})
+
+
+def test_rejection_sampling_token_mask_clamp_lower_and_none():
     prox = torch.zeros(1, 3)
     logp = torch.zeros(1, 3)  # ratio to the proximal policy is 1: only the behaviour weight matters
     behav = -logs([0.5, 2.0, 4.0])  # w = exp(prox - behav) = .5, 2, 4
     adv = row([1.0, 1.0, -1.0])
     mask = torch.ones(1, 3)
-    loss, stats = ppo_actor_loss(logp, prox, adv, mask, eps_clip=0.2, behav_logprobs=behav, behav_imp_weight_cap=3.0,
-                                 behav_imp_weight_mode="truncate")
-    assert loss.item() == pytest.approx((-0.5 - 2.0 + 3.0) / 3)
-    assert stats["behav_imp_weight"].item() == pytest.approx((0.5 + 2 + 3) / 3)
-    assert stats["behav_mask_frac"].item() == pytest.approx(1 / 3)
-    loss, stats = ppo_actor_loss(logp, prox, adv, mask, eps_clip=0.2, behav_logprobs=behav, behav_imp_weight_cap=3.0,
-                                 behav_imp_weight_mode="mask")
-    assert loss.item() == pytest.approx((-0.5 - 2.0 + 0.0) / 3)
+
+    def run(rs):
+        return ppo_actor_loss(logp, prox, adv, mask, eps_clip=0.2, behav_logprobs=behav, rejection_sampling=rs)
+
+    loss, stats = run(_rs())  # AReaL's default action: the token above the bound is dropped
+    assert loss.item() == pytest.approx((-0.5 - 2.0 + 0.0) / 3)  # it still counts in the denominator
     assert stats["behav_imp_weight"].item() == pytest.approx((0.5 + 2) / 3)
-    no_cap, _ = ppo_actor_loss(logp, prox, adv, mask, eps_clip=0.2, behav_logprobs=behav)
-    assert no_cap.item() == pytest.approx((-0.5 - 2.0 + 4.0) / 3)
+    assert stats["behav_filtered_frac"].item() == pytest.approx(1 / 3)
+    loss, stats = run(_rs(action="clamp"))
+    assert loss.item() == pytest.approx((-0.5 - 2.0 + 3.0) / 3)
+    assert stats["behav_filtered_frac"].item() == pytest.approx(1 / 3)
+    loss, _ = run(_rs(lower=0.6))
+    assert loss.item() == pytest.approx((0.0 - 2.0 + 0.0) / 3)
+    loss, _ = run(_rs(action="clamp", lower=0.6))
+    assert loss.item() == pytest.approx((-0.6 - 2.0 + 3.0) / 3)
+    loss, stats = run(None)  # no rejection sampling: no behaviour correction at all (AReaL)
+    assert loss.item() == pytest.approx((-1.0 - 1.0 + 1.0) / 3) and stats["behav_imp_weight"].item() == 1.0
 
 
 def test_decoupled_weight_multiplies_clipped_surrogate():
     logp = logs([1.5]).requires_grad_()
     prox = torch.zeros(1, 1)
     behav = -logs([2.0])
-    loss, _ = ppo_actor_loss(logp, prox, row([1.0]), torch.ones(1, 1), eps_clip=0.2, behav_logprobs=behav)
+    kw = dict(eps_clip=0.2, behav_logprobs=behav, rejection_sampling=_rs())
+    loss, _ = ppo_actor_loss(logp, prox, row([1.0]), torch.ones(1, 1), **kw)
     assert loss.item() == pytest.approx(2.0 * -1.2)  # w * max(-1.5, -1.2)
     logp2 = logs([0.9]).requires_grad_()
-    loss2, _ = ppo_actor_loss(logp2, prox, row([1.0]), torch.ones(1, 1), eps_clip=0.2, behav_logprobs=behav)
+    loss2, _ = ppo_actor_loss(logp2, prox, row([1.0]), torch.ones(1, 1), **kw)
     loss2.backward()
     assert logp2.grad.item() == pytest.approx(-2.0 * 0.9)  # unclipped: d(-w r A)/dlogp = -w r A
 
 
-def test_decoupled_sequence_level_weights():
+def test_rejection_sampling_sequence_level():
     logp = torch.zeros(2, 3)
     prox = torch.zeros(2, 3)
-    # Row 0: w = .5 and 2 -> geometric mean 1. Row 1: w = 4, 4 -> 4 (> cap 3: masked as a whole).
+    # Row 0: w = .5 and 2 -> geometric mean 1. Row 1: w = 4, 4 -> 4 (> 3: the whole row is judged out).
     behav = torch.stack([-logs([1.0, 0.5, 2.0])[0], -logs([1.0, 4.0, 4.0])[0]])
     mask = torch.tensor([[0, 1, 1], [0, 1, 1]])
     adv = torch.ones(2, 3)
-    loss, stats = ppo_actor_loss(logp, prox, adv, mask, eps_clip=0.2, behav_logprobs=behav, behav_imp_weight_cap=3.0,
-                                 behav_imp_weight_mode="mask", behav_imp_weight_level="sequence")
+
+    def run(rs):
+        return ppo_actor_loss(logp, prox, adv, mask, eps_clip=0.2, behav_logprobs=behav, rejection_sampling=rs)
+
+    loss, stats = run(_rs(level="sequence"))
+    # Every token of a kept row weighs the row's geometric mean (1); row 1 is dropped.
     assert loss.item() == pytest.approx((-1.0 - 1.0 + 0.0 + 0.0) / 4)
-    assert stats["behav_mask_frac"].item() == pytest.approx(0.5)
-    trunc, _ = ppo_actor_loss(logp, prox, adv, mask, eps_clip=0.2, behav_logprobs=behav, behav_imp_weight_cap=3.0,
-                              behav_imp_weight_mode="truncate", behav_imp_weight_level="sequence")
+    assert stats["behav_filtered_frac"].item() == pytest.approx(0.5)
+    trunc, _ = run(_rs(level="sequence", action="clamp"))
     assert trunc.item() == pytest.approx((-1.0 - 1.0 - 3.0 - 3.0) / 4)
+    # agg 'max' judges a row by its largest ratio: 2 and 4, both above 1.5, so both rows are dropped,
+    # while their geometric means (1 and 4) would keep row 0.
+    loss_max, _ = run(_rs(level="sequence", agg="max", upper=1.5))
+    assert loss_max.item() == pytest.approx(0.0)
+    loss_mean, _ = run(_rs(level="sequence", upper=1.5))
+    assert loss_mean.item() == pytest.approx(-2.0 / 4)
+    # KL metric: k2 per token = 0.5 * log(w)^2; row 0 sums to log(2)^2, row 1 to log(4)^2 = 1.92.
+    loss_kl, _ = run(_rs(level="sequence", metric="kl_k2", agg="sum", upper=1.0))
+    # For KL metrics the weight stays per token (.5 and 2 in row 0); row 1 is dropped.
+    assert loss_kl.item() == pytest.approx((-0.5 - 2.0) / 4)
+
+
+def test_rejection_sampling_kl_metric_token_level_matches_areal_definition():
+    # AReaL: metric kl_k3 of (log pi_prox, log pi_behav) = exp(r) - 1 - r with r = log pi_behav - log pi_prox.
+    prox = torch.tensor([[-0.1, -1.0, -3.0]])
+    behav = torch.tensor([[-0.2, -1.5, -1.0]])
+    r = behav - prox  # -0.1, -0.5, 2
+    k3 = torch.exp(r) - 1 - r  # 0.005, 0.107, 4.39
+    mask = torch.ones(1, 3)
+    loss, stats = ppo_actor_loss(prox.clone(), prox, torch.ones(1, 3), mask, eps_clip=0.2, behav_logprobs=behav,
+                                 rejection_sampling=RejectionSampling(metric="kl_k3", upper=1.0))
+    keep = k3 <= 1.0
+    w = torch.exp(prox - behav)
+    assert loss.item() == pytest.approx(float(-(w * keep).sum() / 3), rel=1e-6)
+    assert stats["behav_filtered_frac"].item() == pytest.approx(1 / 3)
+
+
+def test_rejection_sampling_validation():
+    with pytest.raises(ValueError, match="above 1"):
+        RejectionSampling(upper=1.0)
+    with pytest.raises(ValueError, match="needs metric 'ratio'"):
+        RejectionSampling(action="clamp", metric="kl_k2", upper=1.0)
+    with pytest.raises(ValueError, match="above upper"):
+        RejectionSampling(upper=2.0, lower=3.0)
 
 
 def test_entropy_bonus_and_kl_loss():
@@ -222,7 +375,7 @@ def test_entropy_bonus_and_kl_loss():
     mask = torch.tensor([[0, 1, 1]])
     entropy = row([9.0, 0.5, 1.5])
     loss, stats = ppo_actor_loss(logp, old, adv, mask, eps_clip=0.2, entropy=entropy, entropy_coef=0.1,
-                                 ref_logprobs=ref, kl_loss_coef=0.5, kl_estimator="k3")
+                                 ref_logprobs=ref, kl_loss_coef=0.5, kl_loss_type="k3")
     pg = (-1.0 + 1.0) / 2
     k3 = [math.exp(-1) + 1 - 1, math.exp(1) - 1 - 1]  # r = ref - logp = -1, +1
     expected = pg - 0.1 * (0.5 + 1.5) / 2 + 0.5 * sum(k3) / 2
@@ -231,6 +384,26 @@ def test_entropy_bonus_and_kl_loss():
     assert stats["kl_loss"].item() == pytest.approx(sum(k3) / 2, rel=1e-6)
     with pytest.raises(ValueError, match="ref_logprobs"):
         ppo_actor_loss(logp, old, adv, mask, eps_clip=0.2, kl_loss_coef=0.5)
+
+
+def test_entropy_bonus_gradient_is_the_analytic_entropy_gradient():
+    # Logits of 2 rows x 3 positions over a 6-token vocabulary; the entropy comes from the same
+    # function the engine uses, so this checks the bonus end to end: d(-c * mean H)/dz.
+    torch.manual_seed(1)
+    z = torch.randn(2, 3, 6, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 6, (2, 3))
+    logp, entropy = vocab_parallel_logprobs_entropy(z, targets)
+    mask = torch.tensor([[1, 1, 0], [0, 1, 1]])
+    coef = 0.3
+    loss, stats = ppo_actor_loss(logp, logp.detach(), torch.zeros(2, 3), mask, eps_clip=0.2, entropy=entropy,
+                                 entropy_coef=coef)
+    loss.backward()
+    p = torch.softmax(z.detach(), -1)
+    h = -(p * p.log()).sum(-1, keepdim=True)
+    grad_h = -p * (p.log() + h)  # dH/dz_j = -p_j (log p_j + H)
+    expected = -coef * grad_h * mask.unsqueeze(-1) / mask.sum()
+    torch.testing.assert_close(z.grad, expected)
+    assert stats["entropy"].item() == pytest.approx(float((h.squeeze(-1) * mask).sum() / mask.sum()))
 
 
 def test_seq_mean_modes_in_actor_loss():
@@ -297,6 +470,31 @@ def test_critic_clipped_value_loss():
     assert unclipped.item() == pytest.approx((0.5 + 0.5 + 0.0) / 3)
 
 
+def test_critic_huber_value_loss():
+    values = row([0.0, 0.0, 0.0]).requires_grad_()
+    returns = row([1.0, 3.0, -5.0])
+    loss, _ = ppo_critic_loss(values, values.detach(), returns, torch.ones(1, 3), loss_fn_type="huber",
+                              huber_delta=2.0)
+    # |d| = 1 < 2: 0.5 ; |d| = 3: 2 * (3 - 1) = 4 ; |d| = 5: 2 * (5 - 1) = 8
+    assert loss.item() == pytest.approx((0.5 + 4.0 + 8.0) / 3)
+    loss.backward()
+    torch.testing.assert_close(values.grad, row([-1.0 / 3, -2.0 / 3, 2.0 / 3]))
+    # With the value clip, the larger of the clipped and unclipped Huber losses wins.
+    old = row([0.0, 2.5, 0.0])
+    clipped, stats = ppo_critic_loss(values.detach(), old, returns, torch.ones(1, 3), value_eps_clip=0.5,
+                                     loss_fn_type="huber", huber_delta=2.0)
+    # token 2: v_clip = 2.0 -> |d| = 1 -> 0.5 < 4: unclipped wins; others unchanged.
+    assert clipped.item() == pytest.approx((0.5 + 4.0 + 8.0) / 3)
+    old = row([0.0, -0.5, 0.0])
+    clipped, stats = ppo_critic_loss(values.detach(), old, returns, torch.ones(1, 3), value_eps_clip=0.2,
+                                     loss_fn_type="huber", huber_delta=2.0)
+    # token 2: v_clip = -0.3 -> |d| = 3.3 -> 2 * 2.3 = 4.6 > 4
+    assert clipped.item() == pytest.approx((0.5 + 4.6 + 8.0) / 3)
+    assert stats["value_clip_frac"].item() == pytest.approx(1 / 3)
+    with pytest.raises(ValueError, match="mse' or 'huber"):
+        ppo_critic_loss(values, old, returns, torch.ones(1, 3), loss_fn_type="l1")
+
+
 # ---------------------------------------------------------------------------------------
 # the microbatch invariant the engine relies on
 # ---------------------------------------------------------------------------------------
@@ -347,10 +545,10 @@ def test_weighted_microbatch_losses_equal_full_batch(mode, kind):
         loss_fn = make_critic_loss_fn(value_eps_clip=0.3, agg_mode=mode, max_response_len=9)
         out_keys = {"attention_mask": batch["attention_mask"], "values": outputs["values"]}
     else:
-        extra = dict(use_decoupled_loss=True, importance_sampling_level="sequence", behav_imp_weight_cap=1.5,
-                     behav_imp_weight_mode="mask") if kind == "decoupled-gspo" else {}
+        extra = dict(use_decoupled_loss=True, importance_sampling_level="sequence",
+                     rejection_sampling=RejectionSampling(upper=1.5)) if kind == "decoupled-gspo" else {}
         loss_fn = make_actor_loss_fn(eps_clip=0.2, eps_clip_higher=0.3, c_clip=2.0, entropy_coef=0.01,
-                                     kl_loss_coef=0.1, kl_estimator="k3", agg_mode=mode, max_response_len=9, **extra)
+                                     kl_loss_coef=0.1, kl_loss_type="k3", agg_mode=mode, max_response_len=9, **extra)
         out_keys = {"attention_mask": batch["attention_mask"], "logprobs": outputs["logprobs"],
                     "entropy": outputs["entropy"]}
     leaves = {k: v.clone().requires_grad_() for k, v in out_keys.items() if k != "attention_mask"}
@@ -388,7 +586,7 @@ def test_weighted_microbatch_losses_equal_full_batch(mode, kind):
     elif kind == "actor":
         assert 0 < ref_stats["clip_frac"] < 1 and 0 < ref_stats["dual_clip_frac"] < 1
     else:
-        assert 0 < ref_stats["clip_frac"] < 1 and 0 < ref_stats["behav_mask_frac"] < 1
+        assert 0 < ref_stats["clip_frac"] < 1 and 0 < ref_stats["behav_filtered_frac"] < 1
 
 
 def test_loss_weight_counts():
@@ -405,7 +603,8 @@ def test_make_actor_loss_fn_reads_batch_keys():
           "old_logprobs": torch.zeros(1, 2)}
     plain = make_actor_loss_fn(eps_clip=0.2)({"logprobs": logp}, mb)[0]
     assert plain.item() == pytest.approx((-1.2 - 0.5) / 2)  # old_logprobs is the proximal policy
-    decoupled = make_actor_loss_fn(eps_clip=0.2, use_decoupled_loss=True)({"logprobs": logp}, mb)[0]
+    decoupled = make_actor_loss_fn(eps_clip=0.2, use_decoupled_loss=True,
+                                   rejection_sampling=RejectionSampling())({"logprobs": logp}, mb)[0]
     assert decoupled.item() == pytest.approx(2.0 * (-1.2 - 0.5) / 2)  # mb['logprobs'] is the behaviour policy
     with pytest.raises(ValueError, match="max_response_len"):
         make_actor_loss_fn(eps_clip=0.2, agg_mode="seq-mean-token-sum-norm")

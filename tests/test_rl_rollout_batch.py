@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from archon.rl.rollout_batch import Completion, build_rollout_batch, split_minibatches
+from archon.rl.rollout_batch import Completion, build_rollout_batch, ppo_minibatches, split_minibatches
 from archon.rl.trainer import rollout_seed
 
 
@@ -47,6 +47,33 @@ def test_minibatches_are_contiguous_trimmed_and_skip_empty():
     assert three[1]["input_ids"].tolist() == [[9, 10, 11, 12]] and three[1]["rewards"].tolist() == [0.0]
     with pytest.raises(ValueError, match="ppo_n_minibatches = 4"):
         split_minibatches(batch, 4)
+
+
+def _numbered_batch(rows: int) -> dict:
+    ids = torch.arange(rows).unsqueeze(1).repeat(1, 3) + 1
+    return {"input_ids": ids, "attention_mask": torch.ones(rows, 3, dtype=torch.long),
+            "loss_mask": torch.ones(rows, 3), "rewards": torch.arange(rows, dtype=torch.float32)}
+
+
+def test_ppo_epochs_and_seeded_shuffle():
+    batch = _numbered_batch(6)
+
+    def rows_of(mbs):
+        return [mb["rewards"].long().tolist() for mb in mbs]
+
+    plain = rows_of(ppo_minibatches(batch, 2, epochs=2))
+    assert plain == [[0, 1, 2], [3, 4, 5], [0, 1, 2], [3, 4, 5]]  # contiguous, the same every pass
+    shuffled = rows_of(ppo_minibatches(batch, 2, epochs=3, shuffle=True, seed=7))
+    passes = [shuffled[i] + shuffled[i + 1] for i in range(0, 6, 2)]
+    assert all(sorted(p) == list(range(6)) for p in passes)  # every pass covers every row once
+    assert len({tuple(p) for p in passes}) == 3  # and each pass has an order of its own
+    assert rows_of(ppo_minibatches(batch, 2, epochs=3, shuffle=True, seed=7)) == shuffled  # a function of the seed
+    assert rows_of(ppo_minibatches(batch, 2, epochs=3, shuffle=True, seed=8)) != shuffled
+    # Rows move with all their keys.
+    for mb in ppo_minibatches(batch, 3, shuffle=True, seed=1):
+        assert (mb["input_ids"][:, 0] - 1).tolist() == mb["rewards"].long().tolist()
+    with pytest.raises(ValueError, match="ppo_epochs = 0"):
+        list(ppo_minibatches(batch, 2, epochs=0))
 
 
 def test_rollout_seeds_depend_on_seed_step_and_index_only():

@@ -105,14 +105,41 @@ def test_resume_repeats_the_uninterrupted_run(rl_setup):
     assert steps == [1, 2, 3, 4]
 
 
+def test_dynamic_filter_adaptive_kl_and_shuffled_epochs_resume_exactly_on_another_allocation(rl_setup):
+    model, data, root = rl_setup
+    extra = {"total_train_steps": 3, "reward.fn": "reward_fns:crc_quarter", "dynamic_filter.enable": True,
+             "dynamic_filter.max_num_gen_batches": 3, "actor.kl_ctl": 0.05, "actor.kl_ctl_type": "adaptive",
+             "actor.kl_ctl_horizon": 100.0, "actor.ppo_epochs": 2, "actor.shuffle": True,
+             "actor.ppo_n_minibatches": 2, "actor.recompute_logprob": True, "saver.freq_steps": 1}
+    full = _run(1, overrides(model, data, root / "dyn_full", **extra))
+    # The filter really dropped groups and refilled before the checkpoint the resumed run starts from,
+    # so resuming exactly needs the loader position to include the extra prompts.
+    assert full[0]["dynamic_filter/refills"] >= 1 and full[0]["dynamic_filter/dropped_groups"] >= 1, full[0]
+    for r in full:
+        assert r["n_samples"] == 16 and 0 < r["reward_mean"] < 1  # a full batch of mixed groups
+    # The adaptive coefficient follows verl's rule: the step-1 KL is 0 (policy = reference), far below
+    # the target, so the coefficient shrinks by the clipped 20% times 16 samples / horizon 100.
+    coefs = [r["kl_ctl"] for r in full]
+    assert full[0]["kl_penalty"] == 0.0 and coefs[0] == 0.05 and coefs[1] == pytest.approx(0.05 * (1 - 0.2 * 0.16))
+    error = min(max(full[1]["kl_penalty"] / 0.1 - 1, -0.2), 0.2)
+    assert coefs[2] == pytest.approx(coefs[1] * (1 + error * 0.16)) and coefs[2] != coefs[1]
+    out = root / "dyn_resumed"
+    _run(1, overrides(model, data, out, **extra) + ["total_train_steps=1"])
+    resumed = _run(2, overrides(model, data, out, "archon:d2", **extra))
+    assert [r["step"] for r in resumed] == [2, 3]
+    for key in ("actor/loss", "actor/grad_norm", "reward_mean", "kl_ctl", "kl_penalty", "dynamic_filter/rounds",
+                "dynamic_filter/dropped_groups"):
+        assert [r[key] for r in resumed] == pytest.approx([r[key] for r in full[1:]], abs=1e-4), key
+
+
 def test_ppo_with_critic_trains_the_value_head(rl_setup):
     model, data, root = rl_setup
-    # Every completion earns 1 and rewards are not normalised: the return of every state is 1,
-    # so the value loss 0.5 * (V - 1)^2 must fall as the critic learns it.
+    # Every completion earns 1 and rewards are not normalised (PPO's default): when truncation ends
+    # the episode (verl's convention, no bootstrap), the return of every state is 1, so the value
+    # loss 0.5 * (V - 1)^2 must fall as the critic learns it.
     history = _run(1, overrides(model, data, root / "ppo", total_train_steps=4, **{
         "reward.fn": "reward_fns:one", "actor.adv_estimator": "gae", "actor.gae_lambda": 1.0,
-        "actor.reward_norm.mean_level": "none", "actor.reward_norm.std_level": "none",
-        "critic.optimizer.lr": 5e-3, "critic.ppo_n_minibatches": 2}))
+        "actor.bootstrap_truncated": False, "critic.optimizer.lr": 5e-3, "critic.ppo_n_minibatches": 2}))
     losses = [r["critic/value_loss"] for r in history]
     assert max(losses[1:]) < 0.2 * losses[0], losses
     assert history[-1]["critic/returns_mean"] == pytest.approx(1.0)

@@ -27,7 +27,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 from archon.alloc import AllocationError, ModelAllocation
-from archon.config.schema import INHERITED_ENGINE_FIELDS, Config, ConfigError
+from archon.config.schema import INHERITED_ENGINE_FIELDS, Config, ConfigError, NormConfig
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -77,6 +77,16 @@ def _all_keys(cls: type, prefix: str = "") -> list[str]:
     return keys
 
 
+# Keys Archon had or AReaL has under another name: the error says what replaces them.
+_RENAMED = {
+    "actor.behav_imp_weight_cap": "actor.rejection_sampling.upper",
+    "actor.behave_imp_weight_cap": "actor.rejection_sampling.upper",
+    "actor.behav_imp_weight_mode": "actor.rejection_sampling.action ('mask' or 'clamp')",
+    "actor.behave_imp_weight_mode": "actor.rejection_sampling.level and .action (e.g. token_mask = 'token' + 'mask')",
+    "actor.behav_imp_weight_level": "actor.rejection_sampling.level",
+}
+
+
 class _Builder:
     """Builds a dataclass tree from nested dicts, checking keys and types; remembers which keys were set."""
 
@@ -98,6 +108,9 @@ class _Builder:
         for key, value in data.items():
             dotted = prefix + key
             if key not in names:
+                if dotted in _RENAMED:
+                    raise ConfigError(f"config key '{dotted}' (from {self.where(dotted)}) was replaced by "
+                                      f"{_RENAMED[dotted]} (AReaL's rejection_sampling options)")
                 near = did_you_mean(key, names) or did_you_mean(dotted, _all_keys(Config))
                 raise ConfigError(f"unknown config key '{dotted}' (from {self.where(dotted)}){near}")
             self.explicit.add(dotted)
@@ -216,6 +229,7 @@ def load_config(config_path: str | Path | None = None, overrides: typing.Sequenc
     builder = _Builder(sources)
     cfg = builder.build(Config, tree)
     _inherit_from_actor(cfg, builder.explicit)
+    _apply_estimator_defaults(cfg, builder.explicit)
     if validate:
         validate_config(cfg, sources)
     return cfg
@@ -234,6 +248,18 @@ def _inherit_from_actor(cfg: Config, explicit: set[str]) -> None:
             elif dataclasses.is_dataclass(value):
                 # A partially set section (e.g. ref.archon.ac_mode) inherits its other keys.
                 setattr(target, name, _merge_section(getattr(cfg.actor, name), value, f"{engine}.{name}", explicit))
+
+
+def _apply_estimator_defaults(cfg: Config, explicit: set[str]) -> None:
+    """PPO with a critic gets standard PPO's normalisation unless the user set it: raw rewards
+    (AReaL leaves reward_norm unset) and batch-whitened advantages (AReaL's PPO recipe; verl
+    always whitens GAE advantages).  The schema's defaults are GRPO's."""
+    if cfg.actor.adv_estimator != "gae":
+        return
+    for name, level in (("reward_norm", "none"), ("adv_norm", "batch")):
+        key = f"actor.{name}"
+        if key not in explicit and not any(k.startswith(key + ".") for k in explicit):
+            setattr(cfg.actor, name, NormConfig(mean_level=level, std_level=level))
 
 
 def _copy(value: Any) -> Any:
@@ -293,10 +319,56 @@ def validate_config(cfg: Config, sources: dict[str, str] | None = None) -> None:
             and not cfg.actor.archon.enable_compile:
         raise ConfigError("actor.archon.ac_mode = 'memory_budget' needs torch.compile; set "
                           "actor.archon.enable_compile=true or choose ac_mode 'selective' or 'full'")
+    _validate_rl_options(cfg, sources)
     opt = cfg.actor.archon.selective_ac_option
     if opt != "op" and not (opt.isdigit() and int(opt) >= 1):
         raise ConfigError(f"actor.archon.selective_ac_option = '{opt}' must be 'op' or a positive integer N "
                           "(checkpoint every Nth block)")
+
+
+def _validate_rl_options(cfg: Config, sources: dict[str, str]) -> None:
+    """Cross-field checks of the RL algorithm options that hold for any run (whether a group-level
+    normalisation has groups to normalise over is checked when an RL run starts)."""
+    actor = cfg.actor
+
+    def where(key: str) -> str:
+        return sources.get(key, "the defaults")
+
+    for key, value in (("actor.ppo_epochs", actor.ppo_epochs), ("critic.ppo_epochs", cfg.critic.ppo_epochs),
+                       ("critic.ppo_n_minibatches", cfg.critic.ppo_n_minibatches)):
+        if value < 1:
+            raise ConfigError(f"{key} = {value} (from {where(key)}) must be at least 1")
+    if cfg.critic.loss_fn_type == "huber" and cfg.critic.huber_delta <= 0:
+        raise ConfigError(f"critic.huber_delta = {cfg.critic.huber_delta} must be positive for the Huber value loss")
+    if actor.kl_ctl_type == "adaptive":
+        if actor.kl_ctl <= 0:
+            raise ConfigError("actor.kl_ctl_type = 'adaptive' scales actor.kl_ctl multiplicatively; set an initial "
+                              "actor.kl_ctl > 0 (e.g. 0.05)")
+        if actor.kl_ctl_target <= 0 or actor.kl_ctl_horizon <= 0:
+            raise ConfigError(f"the adaptive KL controller needs actor.kl_ctl_target ({actor.kl_ctl_target}) and "
+                              f"actor.kl_ctl_horizon ({actor.kl_ctl_horizon}) above 0")
+    rs = actor.rejection_sampling
+    if rs.level != "none":
+        if rs.lower > rs.upper:
+            raise ConfigError(f"actor.rejection_sampling.lower = {rs.lower} is above upper = {rs.upper}")
+        if rs.metric == "ratio" and rs.upper <= 1.0:
+            raise ConfigError(f"actor.rejection_sampling.upper = {rs.upper} must be above 1 for metric 'ratio' "
+                              "(otherwise every token whose policies differ is rejected)")
+        if rs.metric == "ratio" and rs.lower != float("-inf") and rs.lower <= 0:
+            raise ConfigError(f"actor.rejection_sampling.lower = {rs.lower} must be positive for metric 'ratio' "
+                              "(or -inf for no lower bound)")
+        if rs.metric in ("kl_k2", "kl_k3") and rs.upper <= 0:
+            raise ConfigError(f"actor.rejection_sampling.upper = {rs.upper} must be positive for metric '{rs.metric}'")
+        if rs.action == "clamp" and rs.metric != "ratio":
+            raise ConfigError(f"actor.rejection_sampling.action = 'clamp' bounds the importance ratio and needs "
+                              f"metric 'ratio', not '{rs.metric}'; use action 'mask' with KL metrics")
+    dyn = cfg.dynamic_filter
+    if dyn.max_num_gen_batches < 0:
+        raise ConfigError(f"dynamic_filter.max_num_gen_batches = {dyn.max_num_gen_batches} must be 0 (no limit) or "
+                          "positive")
+    if dyn.enable and cfg.gconfig.n_samples < 2:
+        raise ConfigError("dynamic_filter.enable drops prompts whose samples all got the same reward, which with "
+                          "gconfig.n_samples = 1 is every prompt; set gconfig.n_samples > 1 or disable the filter")
 
 
 def _dims_of(alloc: ModelAllocation) -> str:

@@ -7,15 +7,19 @@ different allocations over the same ranks.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from archon.engine.engine import ArchonEngine
 from archon.rl.losses import aggregate, loss_weight, make_actor_loss_fn
-from archon.rl.rollout_batch import split_minibatches
+from archon.rl.rejection_sampling import RejectionSampling
+from archon.rl.rollout_batch import ppo_minibatches
 
 Batch = dict[str, torch.Tensor]
+logger = logging.getLogger("archon.rl")
 
 
 def mean_stats(per_step: list[dict[str, float]], prefix: str) -> dict[str, float]:
@@ -41,16 +45,19 @@ class PPOActor:
             eps_clip=cfg.eps_clip,
             eps_clip_higher=cfg.eps_clip_higher or None,
             c_clip=cfg.c_clip or None,
-            behav_imp_weight_cap=cfg.behav_imp_weight_cap or None,
-            behav_imp_weight_mode=cfg.behav_imp_weight_mode,
-            behav_imp_weight_level=cfg.behav_imp_weight_level,
+            rejection_sampling=RejectionSampling.from_config(cfg.rejection_sampling),
             importance_sampling_level=cfg.importance_sampling_level,
             entropy_coef=cfg.entropy_coef,
             kl_loss_coef=cfg.kl_loss_coef,
-            kl_estimator=cfg.kl_estimator,
+            kl_loss_type=cfg.kl_loss_type,
             agg_mode=cfg.loss_agg_mode,
             max_response_len=max_new_tokens,
         )
+        if cfg.importance_sampling_level == "sequence" and cfg.loss_agg_mode != "seq-mean-token-mean" and \
+                (not dist.is_initialized() or dist.get_rank() == 0):
+            logger.warning("GSPO (importance_sampling_level = 'sequence') with loss_agg_mode = '%s' weighs each "
+                           "sequence by its length, as AReaL's GSPO does; the GSPO objective (verl's gspo loss) "
+                           "needs loss_agg_mode = 'seq-mean-token-mean'", cfg.loss_agg_mode)
 
     @torch.no_grad()
     def compute_logprobs(self, batch: Batch) -> torch.Tensor:
@@ -66,16 +73,27 @@ class PPOActor:
         return loss, stats
 
     def ppo_update(self, batch: Batch) -> dict[str, float]:
-        """``ppo_n_minibatches`` optimizer steps over the batch; mean statistics under ``actor/``.
+        """``ppo_epochs`` passes of ``ppo_n_minibatches`` optimizer steps over the batch (rows
+        shuffled per pass with ``shuffle``); mean statistics under ``actor/``.
 
         The batch needs ``advantages``, ``loss_mask``, ``logprobs`` (behaviour) and, when the
-        proximal policy was recomputed, ``old_logprobs``; ``ref_logprobs`` for the KL loss.
+        proximal policy was recomputed, ``old_logprobs``; ``ref_logprobs`` for the KL loss;
+        ``seq_no_eos_mask`` for ``overlong_filtering`` (truncated rows leave the loss).
         """
+        cfg = self.cfg
+        if cfg.overlong_filtering:
+            keep = (~batch["seq_no_eos_mask"].bool()).float().unsqueeze(1)
+            batch = {**batch, "loss_mask": batch["loss_mask"] * keep}
+        if float(batch["loss_mask"].sum()) == 0:
+            return {}  # every response was filtered out: nothing to step on
         per_step = []
         first_diff = None
-        for i, mb in enumerate(split_minibatches(batch, self.cfg.ppo_n_minibatches)):
+        # The shuffle seed is the run seed and the optimizer step this update starts at: the
+        # same for every allocation, and restored with the engine on resume.
+        for mb in ppo_minibatches(batch, cfg.ppo_n_minibatches, epochs=cfg.ppo_epochs, shuffle=cfg.shuffle,
+                                  seed=self.engine.seed * 65_537 + self.engine.step):
             stats = self.engine.train_batch(mb, self._loss_with_mismatch, lambda m: loss_weight(m, self.agg_mode))
-            if i == 0:
+            if first_diff is None:
                 first_diff = stats.get("behav_logprob_diff")
             stats.pop("behav_logprob_diff", None)
             per_step.append(stats)

@@ -5,7 +5,9 @@ per-sequence tensors).  Per-token tensors are token-aligned: position ``i`` of a
 about token ``i`` (its logprob, the value of the state before it, its reward), and
 ``loss_mask[b, i] = 1`` on the completion tokens that are trained on.  The loss positions
 of a row are taken in order and treated as consecutive steps of one episode; the
-sequence reward sits on the last of them and the value after it is 0.
+sequence reward sits on the last of them.  The value after the last one is 0 when the
+response ended with EOS and, for GAE, the critic's value of the state after its last token
+when it was truncated (``bootstrap_truncated``, as AReaL; verl always uses 0).
 
 Samples of one prompt are consecutive rows, ``group_size`` rows per group.  Every rank
 holds the whole global batch, so batch-level statistics here are global without any
@@ -96,11 +98,13 @@ def normalize(
     """``(x - mean) / (std + eps)`` over the masked elements of each group or of the batch.
 
     ``x`` is ``[B]`` (sequence rewards) or ``[B, S]`` (token advantages; a group then
-    holds every masked token of its rows).  The std is always the spread of the values
-    around their own plain mean at ``std_level`` (also with a leave-one-out mean).  A unit
-    with too few elements for a std (0, or 1 when unbiased) is not scaled; a leave-one-out
-    mean of a single element is 0.  Statistics are in float64; the result is float32 and
-    0 outside ``mask``.
+    holds every masked token of its rows).  As in AReaL's ``Normalization``, the std is the
+    spread around the mean that was subtracted: ``sqrt(sum over the std_level unit of
+    (x - mean)^2 / dof)``, with each element's own mean (group, batch, leave-one-out, or 0
+    when ``mean_level`` is None).  With equal mean and std levels this is the usual std.  A
+    unit with too few elements for a std (0, or 1 when unbiased) is not scaled; a
+    leave-one-out mean of a single element is 0.  Statistics are in float64; the result is
+    float32 and 0 outside ``mask``.
     """
     cfg = NormConfig(mean_level, std_level, mean_leave1out, std_unbiased, eps, group_size)
     m = torch.ones_like(x, dtype=torch.float64) if mask is None else mask.to(torch.float64)
@@ -115,13 +119,12 @@ def normalize(
             mean = total / count.clamp(min=1)
         out = out - mean.expand_as(vu).reshape(v.shape)
     if cfg.std_level is not None:
-        vu, mu = _units(v, cfg.std_level, group_size), _units(m, cfg.std_level, group_size)
+        cu, mu = _units(out, cfg.std_level, group_size), _units(m, cfg.std_level, group_size)
         count = mu.sum(-1, keepdim=True)
-        plain_mean = vu.sum(-1, keepdim=True) / count.clamp(min=1)
-        sq = ((vu - plain_mean).square() * mu).sum(-1, keepdim=True)
+        sq = (cu.square() * mu).sum(-1, keepdim=True)
         dof = count - 1 if cfg.std_unbiased else count
         std = torch.where(dof > 0, (sq / dof.clamp(min=1)).sqrt() + cfg.eps, 1.0)
-        out = out / std.expand_as(vu).reshape(v.shape)
+        out = out / std.expand_as(cu).reshape(v.shape)
     return torch.where(m > 0, out, 0.0).float()
 
 
@@ -213,18 +216,23 @@ def gae_advantages(
     *,
     discount: float,
     gae_lambda: float,
+    end_values: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over the loss positions of each row.
 
     For consecutive loss positions ``t`` (next loss position ``t'``, or the end):
-    ``delta_t = r_t + discount * V_{t'} - V_t`` with ``V_end = 0``, and
-    ``A_t = delta_t + discount * gae_lambda * A_{t'}``.  Returns ``(advantages, returns)``
-    with ``returns = advantages + values``; both 0 outside ``loss_mask``.
+    ``delta_t = r_t + discount * V_{t'} - V_t`` and
+    ``A_t = delta_t + discount * gae_lambda * A_{t'}``, where ``V_end`` is ``end_values[b]``
+    (the value of the state after the row's last loss token; 0 when None).  Returns
+    ``(advantages, returns)`` with ``returns = advantages + values``; both 0 outside
+    ``loss_mask``.
     """
     m = loss_mask > 0
     r = torch.where(m, rewards.to(torch.float32), 0.0)
     v = torch.where(m, values.to(torch.float32), 0.0)
     next_value = torch.zeros(r.shape[0], dtype=torch.float32, device=r.device)
+    if end_values is not None:
+        next_value = next_value + end_values.to(torch.float32)
     next_adv = torch.zeros_like(next_value)
     adv = torch.zeros_like(r)
     for t in range(r.shape[1] - 1, -1, -1):
@@ -261,19 +269,31 @@ def rloo_rewards(seq_rewards: torch.Tensor, *, group_size: int) -> torch.Tensor:
 
 
 def reinforce_pp_advantages(
-    rewards: torch.Tensor, loss_mask: torch.Tensor, *, discount: float, eps: float = 1e-5
+    rewards: torch.Tensor, loss_mask: torch.Tensor, *, discount: float, eps: float = 1e-5,
+    norm_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++: discounted token returns, normalised by their mean and std over all loss
-    tokens of the batch.  ``rewards`` are token rewards (sequence reward on the last loss
-    token, optionally minus a KL penalty).  Returns ``(advantages, returns)``."""
+    tokens of the batch (over ``norm_mask`` when given).  ``rewards`` are token rewards
+    (sequence reward on the last loss token, optionally minus a KL penalty).  Returns
+    ``(advantages, returns)``."""
     returns = discounted_returns(rewards, loss_mask, discount=discount)
-    adv = normalize(returns, loss_mask, mean_level="batch", std_level="batch", eps=eps)
+    adv = normalize(returns, loss_mask if norm_mask is None else norm_mask, mean_level="batch", std_level="batch",
+                    eps=eps)
     return adv, returns
 
 
 # ----------------------------------------------------------------------------------------
 # The whole pipeline
 # ----------------------------------------------------------------------------------------
+
+
+def default_norms(adv_estimator: str) -> tuple[NormConfig | None, NormConfig | None]:
+    """``(reward_norm, adv_norm)`` of an estimator when the user sets neither: GRPO normalises
+    rewards by group mean/std; PPO with a critic (standard PPO) leaves rewards raw and whitens
+    advantages over the batch; RLOO and REINFORCE++ have their own baselines."""
+    if adv_estimator == "gae":
+        return None, NormConfig(mean_level="batch", std_level="batch")
+    return (NormConfig() if adv_estimator == "grpo" else None), None
 
 
 @dataclass(frozen=True)
@@ -307,16 +327,40 @@ class AdvantageConfig:
     max_new_tokens: int | None = None
     """Generation budget (needed by the overlong penalty)."""
     mask_no_eos_with_zero: bool = False
-    """Responses cut off without EOS get a final (normalised) reward of 0."""
-    reward_norm: NormConfig | None = NormConfig()
-    """Normalisation of sequence rewards for 'grpo' and 'gae'; None leaves them raw."""
-    adv_norm: NormConfig | None = None
-    """Final normalisation of token advantages over loss tokens; None disables it."""
+    """Responses cut off without EOS get a final (normalised) reward of 0; they still train."""
+    overlong_filtering: bool = False
+    """Responses cut off without EOS get advantage 0 and are left out of adv_norm (DAPO overlong filtering)."""
+    bootstrap_truncated: bool = True
+    """'gae': a truncated response's last step bootstraps from ``values_after`` (AReaL); False ends it (verl)."""
+    reward_norm: NormConfig | None | str = "default"
+    """Normalisation of sequence rewards for 'grpo' and 'gae'; None leaves them raw; 'default':
+    group mean/std for 'grpo', None for 'gae' (standard PPO, as AReaL leaves it unset)."""
+    adv_norm: NormConfig | None | str = "default"
+    """Final normalisation of token advantages over loss tokens; None disables it; 'default':
+    batch mean/std for 'gae' (AReaL's PPO recipe; verl always whitens GAE advantages), else None."""
 
     def __post_init__(self) -> None:
         if self.adv_estimator not in ADV_ESTIMATORS:
             raise ValueError(f"adv_estimator = '{self.adv_estimator}' is unknown; choose one of "
                              f"{', '.join(ADV_ESTIMATORS)}")
+        reward_norm, adv_norm = default_norms(self.adv_estimator)
+        if self.reward_norm == "default":
+            object.__setattr__(self, "reward_norm", reward_norm)
+        if self.adv_norm == "default":
+            object.__setattr__(self, "adv_norm", adv_norm)
+        used = [("adv_norm", self.adv_norm)]
+        if self.adv_estimator in ("grpo", "gae"):
+            used.insert(0, ("reward_norm", self.reward_norm))
+        for name, norm in used:
+            if norm is None or "group" not in (norm.mean_level, norm.std_level):
+                continue
+            size = norm.group_size or self.group_size
+            if size == 1:
+                raise ValueError(f"{name} normalises over groups of samples of one prompt, but every group has "
+                                 "one sample, so each value would be normalised against itself (GRPO would learn "
+                                 "nothing); sample several completions per prompt (gconfig.n_samples > 1, and "
+                                 f"actor.group_size 0 or > 1) or set {name}.mean_level/std_level to 'batch' or "
+                                 "'none'")
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"kl_estimator = '{self.kl_estimator}' is unknown; choose one of "
                              f"{', '.join(KL_ESTIMATORS)}")
@@ -342,16 +386,26 @@ def compute_advantages(batch: dict[str, torch.Tensor], cfg: AdvantageConfig) -> 
     """Token advantages for a rollout batch.
 
     Reads ``rewards [B]``, ``loss_mask``, and as needed ``seq_no_eos_mask [B]``,
-    ``values`` ('gae'), ``old_logprobs`` (or ``logprobs``) and ``ref_logprobs`` (``kl_ctl``).
+    ``values`` and ``values_after [B]`` ('gae'; the critic's value of the state after each
+    row's last token), ``old_logprobs`` (or ``logprobs``) and ``ref_logprobs`` (``kl_ctl``).
     Steps: overlong penalty, bias/scale/clip; the estimator's sequence baseline ('grpo'
     and 'gae': ``reward_norm``; 'rloo': leave-one-out group mean; 'reinforce++': none);
-    ``mask_no_eos_with_zero``; token rewards (+ KL penalty); then GAE with the critic, or
+    ``mask_no_eos_with_zero``; token rewards (+ KL penalty); then GAE with the critic
+    (truncated rows bootstrapped with ``values_after`` when ``bootstrap_truncated``), or
     the discounted reward-to-go (REINFORCE++ then normalises it over the batch); finally
-    ``adv_norm``.  Returns ``advantages``, ``returns``, ``token_rewards`` (``[B, S]``, 0
-    outside ``loss_mask``) and the shaped sequence ``rewards`` ``[B]``.
+    ``adv_norm``, over the loss tokens of the rows ``overlong_filtering`` keeps.  Returns
+    ``advantages``, ``returns``, ``token_rewards`` and ``kl`` (the per-token penalty KL, 0
+    without ``kl_ctl``) (``[B, S]``, 0 outside ``loss_mask``) and the shaped sequence
+    ``rewards`` ``[B]``.
     """
     loss_mask = batch["loss_mask"]
     m = loss_mask > 0
+    truncated = None
+    if cfg.mask_no_eos_with_zero or cfg.overlong_filtering or (cfg.adv_estimator == "gae" and cfg.bootstrap_truncated):
+        if "seq_no_eos_mask" not in batch:
+            raise ValueError("mask_no_eos_with_zero, overlong_filtering and GAE bootstrapping need "
+                             "'seq_no_eos_mask' [B] in the batch")
+        truncated = batch["seq_no_eos_mask"].bool()
     seq = shape_rewards(batch["rewards"], reward_bias=cfg.reward_bias, reward_scaling=cfg.reward_scaling,
                         reward_clip=cfg.reward_clip, response_lengths=m.sum(dim=1),
                         overlong_reward_penalty=cfg.overlong_reward_penalty, overlong_tokens=cfg.overlong_tokens,
@@ -361,29 +415,36 @@ def compute_advantages(batch: dict[str, torch.Tensor], cfg: AdvantageConfig) -> 
     elif cfg.adv_estimator == "rloo":
         seq = rloo_rewards(seq, group_size=cfg.group_size)
     if cfg.mask_no_eos_with_zero:
-        if "seq_no_eos_mask" not in batch:
-            raise ValueError("mask_no_eos_with_zero needs 'seq_no_eos_mask' [B] in the batch")
-        seq = torch.where(batch["seq_no_eos_mask"].bool(), 0.0, seq)
+        seq = torch.where(truncated, 0.0, seq)
 
-    kl = None
+    kl = torch.zeros_like(m, dtype=torch.float32)
     if cfg.kl_ctl != 0.0:
         if "ref_logprobs" not in batch:
             raise ValueError("kl_ctl is set but the batch has no 'ref_logprobs'; configure a reference model "
                              "or set kl_ctl = 0")
         logp = batch["old_logprobs"] if "old_logprobs" in batch else batch["logprobs"]
-        kl = kl_estimate(logp, batch["ref_logprobs"], cfg.kl_estimator)
+        kl = torch.where(m, kl_estimate(logp, batch["ref_logprobs"], cfg.kl_estimator), 0.0)
     rewards = token_rewards(seq, loss_mask, kl=kl, kl_ctl=cfg.kl_ctl)
+    # Overlong filtering drops truncated rows from the actor loss, so they take no part in
+    # batch statistics of advantages either.
+    adv_mask = torch.where(truncated.unsqueeze(1), 0, loss_mask) if cfg.overlong_filtering else loss_mask
 
     if cfg.adv_estimator == "gae":
         if "values" not in batch:
             raise ValueError("adv_estimator = 'gae' needs critic 'values' in the batch; add a critic "
                              "or use 'grpo'/'rloo'/'reinforce++'")
+        end_values = None
+        if cfg.bootstrap_truncated:
+            if "values_after" not in batch:
+                raise ValueError("bootstrap_truncated needs the critic's 'values_after' [B] in the batch "
+                                 "(PPOCritic.compute_values returns them)")
+            end_values = torch.where(truncated, batch["values_after"].to(torch.float32), 0.0)
         adv, returns = gae_advantages(rewards, batch["values"], loss_mask, discount=cfg.discount,
-                                      gae_lambda=cfg.gae_lambda)
+                                      gae_lambda=cfg.gae_lambda, end_values=end_values)
     elif cfg.adv_estimator == "reinforce++":
-        adv, returns = reinforce_pp_advantages(rewards, loss_mask, discount=cfg.discount)
+        adv, returns = reinforce_pp_advantages(rewards, loss_mask, discount=cfg.discount, norm_mask=adv_mask)
     else:
         adv = returns = discounted_returns(rewards, loss_mask, discount=cfg.discount)
 
-    adv = normalize_with(adv, loss_mask, _with_group_size(cfg.adv_norm, cfg.group_size))
-    return {"advantages": adv, "returns": returns, "token_rewards": rewards, "rewards": seq}
+    adv = normalize_with(adv, adv_mask, _with_group_size(cfg.adv_norm, cfg.group_size))
+    return {"advantages": adv, "returns": returns, "token_rewards": rewards, "kl": kl, "rewards": seq}

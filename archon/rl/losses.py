@@ -19,9 +19,20 @@ equals the aggregate over the global batch for any split into microbatches or ra
 ========================== ====================================================== ================================
 
 Sequences without any loss token take no part (they count neither as tokens nor as
-sequences).  Statistics are aggregated the same way so that they too can be averaged
-with these weights: as a token mean under ``token-mean`` and as a mean of per-sequence
-token means under the ``seq-mean-*`` modes.
+sequences).  Statistics are aggregated the same way so that they too can be averaged with
+these weights: as a token mean under ``token-mean`` and as a mean of per-sequence token
+means under the ``seq-mean-*`` modes.
+
+Scales against AReaL and verl.  ``token-mean``, ``seq-mean-token-sum`` and
+``seq-mean-token-mean`` equal verl's ``agg_loss`` over the global batch (AReaL has only
+``token-mean``).  ``seq-mean-token-sum-norm`` is Dr.GRPO's definition: the mean over
+sequences of ``token-loss sum / max_response_len`` with the constant
+``gconfig.max_new_tokens``.  verl's mode of that name divides by the padded response width
+of the micro-batch (unless ``loss_scale_factor`` is set) and sums, rather than averages, over
+the sequences of each micro-batch before its ``1 / gradient_accumulation`` scale, so (without
+``use_dynamic_bsz``) its loss is Archon's times verl's per-GPU micro-batch size
+(``ppo_micro_batch_size_per_gpu``): port a verl learning rate for this mode by multiplying
+it by that size.
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ from typing import Callable
 import torch
 
 from archon.rl.kl import kl_estimate
+from archon.rl.rejection_sampling import RejectionSampling, behaviour_weights
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -112,15 +124,13 @@ def ppo_actor_loss(
     eps_clip_higher: float | None = None,
     c_clip: float | None = None,
     behav_logprobs: torch.Tensor | None = None,
-    behav_imp_weight_cap: float | None = None,
-    behav_imp_weight_mode: str = "truncate",
-    behav_imp_weight_level: str = "token",
+    rejection_sampling: RejectionSampling | None = None,
     importance_sampling_level: str = "token",
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
     ref_logprobs: torch.Tensor | None = None,
     kl_loss_coef: float = 0.0,
-    kl_estimator: str = "k3",
+    kl_loss_type: str = "low_var_kl",
     agg_mode: str = "token-mean",
     max_response_len: int | None = None,
 ) -> tuple[torch.Tensor, Batch]:
@@ -134,34 +144,33 @@ def ppo_actor_loss(
       ``-c_clip * A``; None or 0 disables it.
     - ``importance_sampling_level='sequence'`` (GSPO): every token of a sequence uses the
       sequence ratio ``s = exp(mean over its loss tokens of (logprobs - old_logprobs))``
-      as its value, clipped like a token ratio; the gradient of token ``t`` flows through
-      its own logprob with factor ``s`` (``logprobs - sg(logprobs) + sg(log s)``, the
-      GSPO-token form verl uses; with one advantage per sequence it is GSPO exactly).
-      ``log s`` is bounded by 10.
+      as its value, clipped like a token ratio, and the sequence's mean advantage (as AReaL
+      does); the gradient of token ``t`` flows through its own logprob with factor ``s``
+      (``logprobs - sg(logprobs) + sg(log s)``, the GSPO-token form verl uses).  Under
+      ``seq-mean-token-mean`` this is the GSPO objective exactly (verl's ``gspo`` loss always
+      aggregates so); under ``token-mean`` every sequence weighs by its length, which is
+      AReaL's GSPO.  ``log s`` is bounded by 10.
     - Decoupled PPO (``behav_logprobs`` given): ``old_logprobs`` is the proximal policy
       recomputed by the trainer and ``behav_logprobs`` the rollout engine's.  The clipped
-      term is multiplied by ``w = exp(old_logprobs - behav_logprobs)`` (a constant),
-      per token or, with ``behav_imp_weight_level='sequence'``, the geometric mean over
-      each sequence's loss tokens.  Above ``behav_imp_weight_cap`` (None or 0: no cap),
-      ``'truncate'`` uses the cap and ``'mask'`` drops the token (weight 0; it still counts
-      in the normalisation, so loss weights stay a function of ``loss_mask`` alone).
+      term is multiplied by the behaviour importance weight of ``rejection_sampling``
+      (``archon.rl.rejection_sampling``: ``pi_prox / pi_behav``, with out-of-bounds tokens
+      masked or clamped; None applies no correction, as AReaL).  Masked tokens keep no
+      policy-gradient term but still count in the normalisation, so loss weights stay a
+      function of ``loss_mask`` alone; the entropy and KL terms keep every loss token.
     - ``entropy_coef * aggregate(entropy)`` is subtracted, ``kl_loss_coef *
-      aggregate(kl_estimate(logprobs, ref_logprobs, kl_estimator))`` added.
+      aggregate(kl_estimate(logprobs, ref_logprobs, kl_loss_type))`` added (``archon.rl.kl``
+      says which KL each estimator's gradient follows).
 
     Stats (detached scalars, see ``stats_agg_mode``): ``loss``, ``pg_loss``, ``clip_frac``
     (loss tokens where the clipped branch is active, i.e. where the ratio is outside the
     clip range in the direction the advantage pushes), ``dual_clip_frac``, ``ratio_mean``,
     ``approx_kl`` (k2 estimate ``0.5 * (logprobs - old_logprobs)**2``), ``advantages_mean``
     and, when used, ``entropy``, ``kl_loss``, ``behav_imp_weight`` (mean applied weight),
-    ``behav_mask_frac`` (tokens whose weight exceeded the cap) and ``behav_approx_kl``.
+    ``behav_filtered_frac`` (tokens rejected or clamped) and ``behav_approx_kl``.
     """
     _check_agg_mode(agg_mode, max_response_len)
     if importance_sampling_level not in ("token", "sequence"):
         raise ValueError(f"importance_sampling_level = '{importance_sampling_level}' must be 'token' or 'sequence'")
-    if behav_imp_weight_mode not in ("truncate", "mask"):
-        raise ValueError(f"behav_imp_weight_mode = '{behav_imp_weight_mode}' must be 'truncate' or 'mask'")
-    if behav_imp_weight_level not in ("token", "sequence"):
-        raise ValueError(f"behav_imp_weight_level = '{behav_imp_weight_level}' must be 'token' or 'sequence'")
     if c_clip and c_clip <= 1.0:
         raise ValueError(f"c_clip = {c_clip} must be greater than 1 (dual clip), or 0/None to disable it")
     mask = loss_mask > 0
@@ -171,10 +180,24 @@ def ppo_actor_loss(
     old_logprobs = old_logprobs.detach().to(dtype)
     adv = torch.where(mask, advantages.detach().to(dtype), 0.0)
 
+    stats_mode = stats_agg_mode(agg_mode)
+    f32 = torch.float32
+    stats: Batch = {}
+    keep, weight = mask, None
+    if behav_logprobs is not None:
+        weight, keep, filtered = behaviour_weights(old_logprobs, behav_logprobs.detach(), mask, rejection_sampling)
+        weight = weight.to(dtype)
+        behav_log_w = torch.where(keep, old_logprobs - behav_logprobs.detach().to(dtype), 0.0)
+        stats["behav_imp_weight"] = aggregate(weight.to(f32), mask, stats_mode)
+        stats["behav_filtered_frac"] = aggregate(filtered.to(f32), mask, stats_mode)
+        stats["behav_approx_kl"] = aggregate(torch.nan_to_num(behav_log_w).to(f32), mask, stats_mode)
+
     log_ratio = _masked_log_ratio(logprobs, old_logprobs, mask)
     if importance_sampling_level == "sequence":
-        seq_log_ratio = _seq_mean(log_ratio.detach(), mask).clamp(max=_MAX_SEQ_LOG_RATIO)
+        # The sequence ratio and advantage are means over the tokens that keep a gradient.
+        seq_log_ratio = _seq_mean(log_ratio.detach(), keep).clamp(max=_MAX_SEQ_LOG_RATIO)
         log_ratio = torch.where(mask, logprobs - logprobs.detach(), 0.0) + seq_log_ratio
+        adv = torch.where(keep, _seq_mean(adv, keep), 0.0)
     ratio = torch.exp(log_ratio)
 
     upper = eps_clip_higher if eps_clip_higher else eps_clip
@@ -189,24 +212,8 @@ def ppo_actor_loss(
         pg = torch.where(dual_mask, cap, pg)
     else:
         dual_mask = torch.zeros_like(mask)
-
-    stats_mode = stats_agg_mode(agg_mode)
-    f32 = torch.float32
-    stats: Batch = {}
-    if behav_logprobs is not None:
-        behav_log_w = _masked_log_ratio(old_logprobs, behav_logprobs.detach().to(old_logprobs.dtype), mask)
-        if behav_imp_weight_level == "sequence":
-            behav_log_w = torch.where(mask, _seq_mean(behav_log_w, mask), 0.0)
-        weight = torch.exp(behav_log_w)
-        over_cap = torch.zeros_like(mask)
-        if behav_imp_weight_cap:
-            over_cap = (weight > behav_imp_weight_cap) & mask
-            fill = 0.0 if behav_imp_weight_mode == "mask" else float(behav_imp_weight_cap)
-            weight = torch.where(over_cap, fill, weight)
+    if weight is not None:
         pg = pg * weight
-        stats["behav_imp_weight"] = aggregate(weight.to(f32), mask, stats_mode)
-        stats["behav_mask_frac"] = aggregate(over_cap.to(f32), mask, stats_mode)
-        stats["behav_approx_kl"] = aggregate(behav_log_w.to(f32), mask, stats_mode)
 
     pg_loss = aggregate(pg, mask, agg_mode, max_response_len)
     loss = pg_loss
@@ -222,7 +229,7 @@ def ppo_actor_loss(
             raise ValueError("kl_loss_coef is set but no ref_logprobs were given; configure a reference model")
         # Padding logprobs may be -inf/NaN; zero them before the estimator so no NaN reaches backward.
         ref = torch.where(mask, ref_logprobs.detach().to(dtype), 0.0)
-        kl = torch.where(mask, kl_estimate(torch.where(mask, logprobs, 0.0), ref, kl_estimator), 0.0)
+        kl = torch.where(mask, kl_estimate(torch.where(mask, logprobs, 0.0), ref, kl_loss_type), 0.0)
         loss = loss + kl_loss_coef * aggregate(kl, mask, agg_mode, max_response_len)
         stats["kl_loss"] = aggregate(kl.detach().to(f32), mask, stats_mode)
 
@@ -246,28 +253,43 @@ def ppo_critic_loss(
     loss_mask: torch.Tensor,
     *,
     value_eps_clip: float | None = None,
+    loss_fn_type: str = "mse",
+    huber_delta: float = 10.0,
     agg_mode: str = "token-mean",
     max_response_len: int | None = None,
 ) -> tuple[torch.Tensor, Batch]:
-    """Clipped value loss ``0.5 * max((v - R)^2, (v_clip - R)^2)`` with
+    """Clipped value loss ``max(f(v - R), f(v_clip - R))`` with
     ``v_clip = old + clamp(v - old, -value_eps_clip, value_eps_clip)`` (None or 0: unclipped).
+
+    ``f`` is ``0.5 * d^2`` (``loss_fn_type='mse'``) or the Huber loss ``0.5 * d^2`` for
+    ``|d| < huber_delta`` and ``huber_delta * (|d| - huber_delta / 2)`` beyond (``'huber'``;
+    AReaL's critic loss offers the same two, with delta 10).
 
     Stats: ``value_loss``, ``value_clip_frac`` (loss tokens where the clipped error is the
     larger one), ``values_mean``, ``returns_mean``.
     """
     _check_agg_mode(agg_mode, max_response_len)
+    if loss_fn_type not in ("mse", "huber"):
+        raise ValueError(f"critic loss_fn_type = '{loss_fn_type}' must be 'mse' or 'huber'")
+    if loss_fn_type == "huber" and huber_delta <= 0:
+        raise ValueError(f"huber_delta = {huber_delta} must be positive")
     mask = loss_mask > 0
     values = values.to(torch.promote_types(values.dtype, torch.float32))
     returns = returns.detach().to(values.dtype)
-    err = (values - returns).square()
+
+    def f(pred: torch.Tensor) -> torch.Tensor:
+        d = (pred - returns).abs()
+        if loss_fn_type == "mse":
+            return 0.5 * d.square()
+        return torch.where(d < huber_delta, 0.5 * d.square(), huber_delta * (d - 0.5 * huber_delta))
+
+    per_token = f(values)
     if value_eps_clip:
         old = old_values.detach().to(values.dtype)
-        v_clip = old + (values - old).clamp(min=-value_eps_clip, max=value_eps_clip)
-        err_clipped = (v_clip - returns).square()
-        per_token = 0.5 * torch.maximum(err, err_clipped)
-        clip_mask = (err_clipped > err) & mask
+        clipped = f(old + (values - old).clamp(min=-value_eps_clip, max=value_eps_clip))
+        clip_mask = (clipped > per_token) & mask
+        per_token = torch.maximum(per_token, clipped)
     else:
-        per_token = 0.5 * err
         clip_mask = torch.zeros_like(mask)
     loss = aggregate(per_token, mask, agg_mode, max_response_len)
     stats_mode = stats_agg_mode(agg_mode)
@@ -310,7 +332,8 @@ def make_actor_loss_fn(*, use_decoupled_loss: bool = False, **ppo_kwargs) -> Los
     return loss_fn
 
 
-def make_critic_loss_fn(*, value_eps_clip: float | None = None, agg_mode: str = "token-mean",
+def make_critic_loss_fn(*, value_eps_clip: float | None = None, loss_fn_type: str = "mse",
+                        huber_delta: float = 10.0, agg_mode: str = "token-mean",
                         max_response_len: int | None = None) -> LossFn:
     """A ``loss_fn(outputs, mb)`` for the critic engine: ``outputs['values']``, ``mb['old_values']``,
     ``mb['returns']``, ``mb['loss_mask']``."""
@@ -318,6 +341,7 @@ def make_critic_loss_fn(*, value_eps_clip: float | None = None, agg_mode: str = 
 
     def loss_fn(outputs: Batch, mb: Batch) -> tuple[torch.Tensor, Batch]:
         return ppo_critic_loss(outputs["values"], mb["old_values"], mb["returns"], mb["loss_mask"],
-                               value_eps_clip=value_eps_clip, agg_mode=agg_mode, max_response_len=max_response_len)
+                               value_eps_clip=value_eps_clip, loss_fn_type=loss_fn_type, huber_delta=huber_delta,
+                               agg_mode=agg_mode, max_response_len=max_response_len)
 
     return loss_fn

@@ -10,7 +10,7 @@ that token (it is what teaches the policy to stop).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -88,3 +88,23 @@ def split_minibatches(batch: dict[str, torch.Tensor], n: int) -> list[dict[str, 
             mb[key] = part[:, :width] if part.dim() >= 2 else part
         out.append(mb)
     return out
+
+
+def ppo_minibatches(batch: dict[str, torch.Tensor], n: int, *, epochs: int = 1, shuffle: bool = False,
+                    seed: int = 0) -> Iterator[dict[str, torch.Tensor]]:
+    """``epochs`` passes over the batch, each cut into ``n`` minibatches (``split_minibatches``).
+
+    With ``shuffle`` the rows are permuted before each pass by a generator seeded with
+    ``(seed, pass)`` only, so every allocation and a resumed run make the same optimizer steps.
+    """
+    if epochs < 1:
+        raise ValueError(f"ppo_epochs = {epochs} must be at least 1")
+    rows = batch["input_ids"].shape[0]
+    for epoch in range(epochs):
+        order = batch
+        if shuffle:
+            gen = torch.Generator().manual_seed((seed * 1_000_003 + epoch * 7_919 + 17) % (2**63 - 1))
+            perm = torch.randperm(rows, generator=gen)
+            order = {key: value[perm] if value.dim() >= 1 and value.shape[0] == rows else value
+                     for key, value in batch.items()}
+        yield from split_minibatches(order, n)

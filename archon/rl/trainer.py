@@ -24,7 +24,8 @@ from archon.engine.engine import ArchonEngine
 from archon.rl.actor import PPOActor, ReferenceModel
 from archon.rl.advantages import AdvantageConfig, compute_advantages
 from archon.rl.critic import PPOCritic
-from archon.rl.kl import kl_estimate
+from archon.rl.dynamic_filter import collect_mixed_groups
+from archon.rl.kl import KLController, kl_estimate
 from archon.rl.losses import aggregate
 from archon.rl.rollout_batch import Completion, build_rollout_batch
 
@@ -86,8 +87,14 @@ class RLTrainer:
         self.temperature = policy_temperature(cfg)
         self.use_ref = bool(cfg.actor.kl_ctl or cfg.actor.kl_loss_coef)
         self.use_critic = cfg.actor.adv_estimator == "gae"
-        self.adv_cfg = AdvantageConfig.from_actor_config(
-            dataclasses.replace(cfg.actor, group_size=self.group_size), max_new_tokens=cfg.gconfig.max_new_tokens)
+        try:
+            self.adv_cfg = AdvantageConfig.from_actor_config(
+                dataclasses.replace(cfg.actor, group_size=self.group_size), max_new_tokens=cfg.gconfig.max_new_tokens)
+        except ValueError as exc:
+            raise ConfigError(f"actor: {exc}") from None
+        # The reward's KL coefficient; adaptive controllers change it, so it is checkpointed.
+        self.kl_ctl = KLController(cfg.actor.kl_ctl, cfg.actor.kl_ctl_type, cfg.actor.kl_ctl_target,
+                                   cfg.actor.kl_ctl_horizon)
         # Built in run(); close() releases whatever was built.
         self.launcher = self.client = self.rewards = self.weight_sync = None
 
@@ -95,7 +102,7 @@ class RLTrainer:
     def _build_engines(self) -> None:
         cfg = self.cfg
         common = dict(seed=cfg.seed, device=cfg.device, temperature=self.temperature)
-        actor_steps = cfg.total_train_steps * cfg.actor.ppo_n_minibatches
+        actor_steps = cfg.total_train_steps * cfg.actor.ppo_n_minibatches * cfg.actor.ppo_epochs
         self.actor_engine = ArchonEngine(cfg.actor, name="actor", total_steps=actor_steps, **common).initialize()
         self.actor = PPOActor(self.actor_engine, cfg.actor, max_new_tokens=cfg.gconfig.max_new_tokens)
         self.engines: dict[str, ArchonEngine] = {"actor": self.actor_engine}
@@ -105,7 +112,7 @@ class RLTrainer:
             self.ref = ReferenceModel(ref_engine)
         self.critic = None
         if self.use_critic:
-            critic_steps = cfg.total_train_steps * cfg.critic.ppo_n_minibatches
+            critic_steps = cfg.total_train_steps * cfg.critic.ppo_n_minibatches * cfg.critic.ppo_epochs
             critic_engine = ArchonEngine(cfg.critic, name="critic", is_critic=True, total_steps=critic_steps,
                                          **common).initialize()
             self.critic = PPOCritic(critic_engine, cfg.critic, agg_mode=cfg.actor.loss_agg_mode,
@@ -170,13 +177,22 @@ class RLTrainer:
         run_on_rank0(start, "starting the reward workers")
 
     # ------------------------------------------------------------------ one step
-    def _rollout(self, step: int) -> tuple[list[Completion], list[float], dict[str, float]]:
+    def _collect_rollouts(self, step: int) -> tuple[list[Completion], list[float], dict[str, float]]:
+        """One rollout round, or with ``dynamic_filter`` as many as it takes (``archon.rl.dynamic_filter``)."""
+        dyn = self.cfg.dynamic_filter
+        if not dyn.enable:
+            return self._rollout(step)
+        return collect_mixed_groups(lambda round_idx: self._rollout(step, round_idx),
+                                    group_size=self.cfg.gconfig.n_samples, max_rounds=dyn.max_num_gen_batches)
+
+    def _rollout(self, step: int, round_idx: int = 0) -> tuple[list[Completion], list[float], dict[str, float]]:
         """Rank 0 generates and scores; every rank gets the same completions and rewards."""
         prompts = self.loader.next_rollout_batch()
+        first_index = round_idx * len(prompts)  # refill rounds of a step sample with seeds of their own
 
         def generate_and_score() -> tuple[list[Completion], list[float], dict[str, float]]:
             t0 = time.perf_counter()
-            params = [{**self.sampling, "sampling_seed": rollout_seed(self.cfg.seed, step, i)}
+            params = [{**self.sampling, "sampling_seed": rollout_seed(self.cfg.seed, step, first_index + i)}
                       for i in range(len(prompts))]
             results = self.client.generate_many([p.input_ids for p in prompts], params,
                                                 max_concurrency=self.cfg.rollout.max_concurrent_rollouts)
@@ -206,10 +222,15 @@ class RLTrainer:
             policy = batch.get("old_logprobs", batch["logprobs"])
             metrics["kl_ref"] = float(aggregate(kl_estimate(policy, batch["ref_logprobs"], "k1"), mask, "token-mean"))
         if self.critic is not None:
-            batch["values"] = self.critic.compute_values(batch)
-        adv = compute_advantages(batch, self.adv_cfg)
+            batch["values"], batch["values_after"] = self.critic.compute_values(batch)
+        adv = compute_advantages(batch, dataclasses.replace(self.adv_cfg, kl_ctl=self.kl_ctl.value))
         batch["advantages"] = adv["advantages"]
         batch["returns"] = adv["returns"]
+        if self.kl_ctl.value:
+            # verl's measure: the mean over sequences of each sequence's mean penalty KL.
+            seq_kl = aggregate(adv["kl"], mask, "seq-mean-token-mean")
+            metrics.update(kl_ctl=self.kl_ctl.value, kl_penalty=float(seq_kl))
+            self.kl_ctl.update(float(seq_kl), n_samples=int(mask.shape[0]))
         if self.critic is not None:
             batch["old_values"] = batch["values"]
         metrics["advantages_abs_mean"] = float(aggregate(batch["advantages"].abs(), mask, "token-mean"))
@@ -217,7 +238,7 @@ class RLTrainer:
 
     def _step(self, step: int) -> dict[str, Any]:
         t_start = time.perf_counter()
-        completions, rewards, timing = self._rollout(step)
+        completions, rewards, timing = self._collect_rollouts(step)
         batch = build_rollout_batch(completions, rewards, pad_token_id=self.pad_token_id)
         t_train = time.perf_counter()
         record: dict[str, Any] = {"step": step, "epoch": self.loader.epoch, "kl_ref": None,
@@ -265,6 +286,8 @@ class RLTrainer:
         start = 0
         if extra is not None:
             self.loader.load_state_dict(extra["loader"])
+            if "kl_ctl" in extra:
+                self.kl_ctl.load_state_dict(extra["kl_ctl"])
             start = int(extra["step"])
             if self.rank0:
                 logger.info("resumed from %s at RL step %d", ckpt.latest(), start)
@@ -286,7 +309,8 @@ class RLTrainer:
                     metrics_log.log(record)
                     freq = cfg.saver.freq_steps
                     if (freq and step % freq == 0) or step == cfg.total_train_steps:
-                        ckpt.save(step, self.engines, {"loader": self.loader.state_dict(), "step": step})
+                        ckpt.save(step, self.engines, {"loader": self.loader.state_dict(), "step": step,
+                                                       "kl_ctl": self.kl_ctl.state_dict()})
             finally:
                 metrics_log.close()
             if cfg.saver.export_hf:
