@@ -38,6 +38,7 @@ from archon.config.schema import (
     SGLangConfig,
     SaverConfig,
     TrainEngineConfig,
+    VLLMConfig,
 )
 from archon.config.show import allocation_table, describe_section, main, to_dict, to_toml
 
@@ -60,6 +61,7 @@ __all__ = [
     "SGLangConfig",
     "SaverConfig",
     "TrainEngineConfig",
+    "VLLMConfig",
     "allocation_table",
     "describe_section",
     "field_docs",
