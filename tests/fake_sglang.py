@@ -48,10 +48,12 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
-import torch
 from aiohttp import web
+
+if TYPE_CHECKING:
+    import torch
 
 VOCAB = 1000
 _SAMPLING_EPS = 1e-6
@@ -65,6 +67,8 @@ _CONTEXT_LENGTH_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "mod
 
 def fake_logits(context: Sequence[int], n_updates: int = 0) -> torch.Tensor:
     """The fake model: next-token logits ``[VOCAB]`` after ``context`` with the weights of ``n_updates``."""
+    import torch  # lazily: a launched fake answers /health without paying for it
+
     h = (n_updates * 1_000_003 + len(context)) % (2**61 - 1)
     for t in context:
         h = (h * 31 + int(t) + 1) % (2**61 - 1)
@@ -73,6 +77,8 @@ def fake_logits(context: Sequence[int], n_updates: int = 0) -> torch.Tensor:
 
 def sglang_sample(logits: torch.Tensor, params: dict[str, Any], uniform: float) -> tuple[int, float]:
     """One token and its reported logprob by SGLang 0.5.23's rules (SamplingParams, Sampler)."""
+    import torch
+
     temperature = float(params.get("temperature", 1.0))
     top_k = int(params.get("top_k", -1))
     top_p = float(params.get("top_p", 1.0))
@@ -104,6 +110,8 @@ def fake_completion(input_ids: list[int], params: dict[str, Any], n_updates: int
     Greedy requests (temperature 0 or top_k 1) do not depend on the seed.  ``tokenizer``: a
     server started without --skip-tokenizer-init, where min_new_tokens masks stop tokens.
     """
+    import torch
+
     n = int(params.get("max_new_tokens", 128))
     ignore_eos = bool(params.get("ignore_eos", False))
     stops = set() if ignore_eos else set(params.get("stop_token_ids") or []) | set(eos_token_ids)

@@ -38,10 +38,12 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from aiohttp import web
+
+if TYPE_CHECKING:
+    import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fake_sglang import VOCAB, fake_logits, model_context_length  # noqa: E402
@@ -53,6 +55,8 @@ KNOBS = ("fail_reload", "delay_s")
 def vllm_sample(raw: torch.Tensor, params: dict[str, Any], masked: set[int], uniform: float,
                 mode: str) -> tuple[int, float]:
     """One token and the logprob vLLM reports under ``mode`` (vllm/v1/sample/sampler.py)."""
+    import torch  # lazily: a launched fake answers /health without paying for it
+
     raw_logprobs = torch.log_softmax(raw.float(), -1)
     logits = raw.float().clone()
     if masked:
@@ -87,6 +91,8 @@ def vllm_sample(raw: torch.Tensor, params: dict[str, Any], masked: set[int], uni
 def vllm_completion(prompt: list[int], body: dict[str, Any], n_updates: int = 0, *, seed: int, eos: int | None,
                     mode: str) -> tuple[list[int], list[float], str, int | None]:
     """(token ids, logprobs, finish_reason, stop_reason) of a completions request."""
+    import torch
+
     # vLLM's neutral defaults (the launcher passes --generation-config vllm).
     params = {key: default if body.get(key) is None else body[key]
               for key, default in (("temperature", 1.0), ("top_k", 0), ("top_p", 1.0), ("min_p", 0.0))}

@@ -306,7 +306,7 @@ def _check_rollout_backend(cfg: Config, rollout: ModelAllocation) -> None:
     if rollout.backend == "sglang" and g.min_new_tokens > 0:
         # SGLang 0.5.23: raise_if_tokenizer_required (HTTP 400), and BatchedMinNewTokensPenalizer acts on the logits.
         raise ConfigError(f"gconfig.min_new_tokens = {g.min_new_tokens} cannot be used with rollout.backend = "
-                          f"'{rollout}': SGLang started with --skip-tokenizer-init (as Archon starts it) answers HTTP "
+                          f"'{cfg.rollout.backend}': SGLang started with --skip-tokenizer-init (as Archon starts it) answers HTTP "
                           "400, and with a tokenizer it renormalises the reported logprobs without the stop tokens, "
                           "unlike the trainer's recomputation; set gconfig.min_new_tokens = 0")
     if rollout.backend == "sglang" and cfg.sglang.enable_deterministic_inference and g.min_p > 0:
