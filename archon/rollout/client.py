@@ -38,6 +38,7 @@ from typing import Any, Coroutine, Sequence, TypeVar
 
 import aiohttp
 
+from archon.alloc import ModelAllocation
 from archon.config import GenerationConfig, RolloutConfig
 from archon.rollout.server_api import (  # noqa: F401 - RolloutError, RolloutRequestError, GenerateResult are public here
     HEALTH_PROBE_TIMEOUT_S,
@@ -170,8 +171,6 @@ class RolloutClient:
     @classmethod
     def from_config(cls, cfg: RolloutConfig, addrs: Sequence[str]) -> "RolloutClient":
         """A client of ``addrs`` speaking the API of ``cfg.backend``'s servers."""
-        from archon.alloc import ModelAllocation
-
         return cls(addrs, request_timeout=cfg.request_timeout, retries=cfg.request_retries,
                    setup_timeout=cfg.setup_timeout, api=api_for_backend(ModelAllocation.from_str(cfg.backend).backend))
 
@@ -452,10 +451,9 @@ class RolloutClient:
         # that the trainer abandons because of this failure.
         errors = await _cancel_on_first_error(tasks)
         if errors:
-            what = plans[0][-1].path if plans and plans[0] else "the call"
             if len(errors) == 1:
                 raise errors[0]  # type: ignore[misc]
-            raise RolloutError(f"{len(errors)} rollout servers failed {what}: " + "; ".join(map(str, errors)))
+            raise RolloutError(f"{len(errors)} rollout servers failed: " + "; ".join(map(str, errors)))
         return {s.url: t.result() for s, t in zip(targets, tasks)}
 
     def _no_distributed_weights(self) -> RolloutError:

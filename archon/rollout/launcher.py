@@ -231,9 +231,8 @@ def build_launch_specs(cfg: Config, run_dir: str | Path | None = None, *, host: 
     tp, pp = rollout.parallel.tp_size, rollout.parallel.pp_size
     if rollout.backend == "sglang":
         check_sglang_options(cfg.sglang, tp, str(rollout))
-    elif rollout.backend == "vllm":
-        check_vllm_config(cfg)
     if rollout.backend == "vllm":
+        check_vllm_config(cfg)
         context = resolve_context_length(cfg.vllm.max_model_len, model_path, "vllm.max_model_len")
     else:
         context = resolve_context_length(cfg.sglang.context_length, model_path, "sglang.context_length")
