@@ -1,24 +1,41 @@
 """A small fake of an SGLang server for tests of the rollout client, launcher and weight sync.
 
-It speaks the subset of SGLang's HTTP protocol Archon uses.  ``/generate`` is deterministic
-(``fake_completion``: tokens and logprobs are a function of the prompt and of how many
-weight updates the server has taken), so tests can predict every answer.  Weight updates are
-real: ``/init_weights_update_group`` joins the group with ``archon.rollout.weight_group``
-and ``/update_weights_from_distributed`` receives the broadcast tensors;
-``/update_weights_from_disk`` reads the safetensors of the folder.  Tests read what arrived
-from ``.weights`` (in-process) or ``GET /fake/weights`` (a subprocess).
+It speaks the subset of SGLang's HTTP protocol Archon uses and behaves like SGLang 0.5.23 (read
+from its source) wherever a difference would break or bias a run:
+
+- The model is ``fake_logits``: deterministic float32 logits over ``VOCAB`` tokens for a context
+  (and the number of weight updates taken).  ``fake_completion`` samples from it with SGLang's
+  rules (``sglang_sample``): temperature 0 means top_k = 1, and top_k = 1 takes the greedy path,
+  whose logprobs are unscaled ``log_softmax(logits)``; otherwise ``log_softmax(logits / T)``
+  before filtering, top-k and top-p applied jointly to the unfiltered distribution, then min-p.
+  Stop tokens are checked before the length budget (EOS as the last allowed token is ``stop``).
+- ``sampling_seed`` only counts with ``--enable-deterministic-inference`` (default seed 42);
+  otherwise draws come from the server's own generator, so a seed does not replay a rollout.
+- ``min_new_tokens > 0`` is refused with HTTP 400 under ``--skip-tokenizer-init`` (Archon
+  always starts SGLang so); with a tokenizer, stop tokens are masked before the logprobs are
+  computed, so they are renormalised without them, as SGLang's penalizer does.
+- ``--context-length`` above the model's own context (from ``config.json``, SGLang's rule)
+  makes the server exit at startup.
+- ``/health`` answers after a one-token generation, about a second (``health_delay_s``).
+- Every weight update that carries a ``weight_version`` sets it, bucket by bucket.
+
+Weight updates are real: ``/init_weights_update_group`` joins the group with
+``archon.rollout.weight_group`` and ``/update_weights_from_distributed`` receives the broadcast
+tensors; ``/update_weights_from_disk`` reads the safetensors of the folder.  Tests read what
+arrived from ``.weights`` (in-process) or ``GET /fake/weights`` (a subprocess).
 
 Knobs (attributes, or ``POST /fake/config`` with a JSON object): ``fail_next`` (answer the
 next N generate requests with HTTP 500), ``hang`` (generate never answers), ``delay_s``
 (each generate takes this long), ``die_after`` (the generate request after the first N makes the
 server drop every connection, in-flight requests included, and stop listening, like a
-killed process), ``fail_weight_update``
-(weight updates answer success=false with this message), ``join_group`` (False: record
-group requests without joining).
+killed process), ``fail_weight_update`` (weight updates answer success=false with this
+message), ``fail_after_buckets`` (N >= 0: distributed updates after the next N fail with
+success=false), ``join_group`` (False: record group requests without joining).
 
 In-process: ``FakeSGLang(...).start()`` runs it on a free port on its own thread.  As a
-script: ``python tests/fake_sglang.py --port P [--delay-s S] [--crash-on-start MSG]``;
-unknown SGLang-style arguments are accepted and ignored.
+script: ``python tests/fake_sglang.py --port P [SGLang arguments] [--delay-s S] [--health-delay-s S]
+[--crash-on-start MSG]``; ``as_fake(cmd)`` turns the launcher's ``sglang.launch_server`` command
+line into this script's, and unknown SGLang-style arguments are accepted and ignored.
 """
 
 from __future__ import annotations
@@ -26,50 +43,133 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from aiohttp import web
 
+if TYPE_CHECKING:
+    import torch
+
 VOCAB = 1000
-KNOBS = ("fail_next", "hang", "delay_s", "die_after", "fail_weight_update", "join_group")
+_SAMPLING_EPS = 1e-6
+_DETERMINISTIC_DEFAULT_SEED = 42  # SGLang's seed for requests without sampling_seed
+KNOBS = ("fail_next", "hang", "delay_s", "die_after", "fail_weight_update", "fail_after_buckets", "join_group",
+         "health_delay_s")
+# SGLang's get_context_length: the first of these keys in config.json, times a rope scaling factor.
+_CONTEXT_LENGTH_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length",
+                        "max_position_embeddings")
 
 
-def fake_completion(input_ids: list[int], params: dict[str, Any], n_updates: int = 0,
-                    vocab: int = VOCAB) -> tuple[list[int], list[float], dict[str, Any]]:
-    """(output ids, logprobs, finish_reason) the fake answers for a prompt after ``n_updates`` weight updates."""
-    n = int(params.get("max_new_tokens", 16))
-    stops = set(params.get("stop_token_ids") or [])
-    base = sum(input_ids) * 31 + len(input_ids) + n_updates * 1009
+def fake_logits(context: Sequence[int], n_updates: int = 0) -> torch.Tensor:
+    """The fake model: next-token logits ``[VOCAB]`` after ``context`` with the weights of ``n_updates``."""
+    import torch  # lazily: a launched fake answers /health without paying for it
+
+    h = (n_updates * 1_000_003 + len(context)) % (2**61 - 1)
+    for t in context:
+        h = (h * 31 + int(t) + 1) % (2**61 - 1)
+    return torch.randn(VOCAB, generator=torch.Generator().manual_seed(h)) * 2.0
+
+
+def sglang_sample(logits: torch.Tensor, params: dict[str, Any], uniform: float) -> tuple[int, float]:
+    """One token and its reported logprob by SGLang 0.5.23's rules (SamplingParams, Sampler)."""
+    import torch
+
+    temperature = float(params.get("temperature", 1.0))
+    top_k = int(params.get("top_k", -1))
+    top_p = float(params.get("top_p", 1.0))
+    min_p = float(params.get("min_p", 0.0))
+    if 0 <= temperature < _SAMPLING_EPS:
+        temperature, top_k = 1.0, 1  # SamplingParams.__post_init__: greedy is top_k = 1
+    if top_k == 1:  # is_all_greedy: argmax, logprobs of the unscaled logits
+        tok = int(torch.argmax(logits))
+        return tok, float(torch.log_softmax(logits, -1)[tok])
+    probs = torch.softmax(logits.double() / temperature, -1)
+    sorted_probs, order = torch.sort(probs, descending=True, stable=True)
+    mass_before = torch.cumsum(sorted_probs, -1) - sorted_probs
+    kept = sorted_probs.clone()
+    if top_k > 0:
+        kept[top_k:] = 0.0
+    kept[mass_before > top_p] = 0.0  # joint: the mass of the unfiltered distribution
+    kept[kept < min_p * kept[0]] = 0.0
+    cdf = torch.cumsum(kept, -1)
+    idx = min(int(torch.searchsorted(cdf, uniform * cdf[-1], right=True)), VOCAB - 1)
+    tok = int(order[idx])
+    return tok, float(torch.log(probs[tok]))  # before filtering
+
+
+def fake_completion(input_ids: list[int], params: dict[str, Any], n_updates: int = 0, *,
+                    seed: int = _DETERMINISTIC_DEFAULT_SEED, eos_token_ids: Sequence[int] = (),
+                    tokenizer: bool = False) -> tuple[list[int], list[float], dict[str, Any]]:
+    """(output ids, logprobs, finish_reason) for a prompt whose draws come from ``seed``.
+
+    Greedy requests (temperature 0 or top_k 1) do not depend on the seed.  ``tokenizer``: a
+    server started without --skip-tokenizer-init, where min_new_tokens masks stop tokens.
+    """
+    import torch
+
+    n = int(params.get("max_new_tokens", 128))
+    ignore_eos = bool(params.get("ignore_eos", False))
+    stops = set() if ignore_eos else set(params.get("stop_token_ids") or []) | set(eos_token_ids)
+    min_new = int(params.get("min_new_tokens", 0))
+    draws = torch.Generator().manual_seed(int(seed) % 2**64)
     ids: list[int] = []
     logprobs: list[float] = []
     for j in range(n):
-        tok = (base + 7 * j * j + 3 * j) % vocab
+        logits = fake_logits(list(input_ids) + ids, n_updates)
+        if tokenizer and j < min_new and stops:
+            logits[sorted(stops)] = float("-inf")  # SGLang's min-new-tokens penalizer acts on the logits
+        tok, lp = sglang_sample(logits, params, float(torch.rand(1, generator=draws)))
         ids.append(tok)
-        logprobs.append(-0.01 * (tok % 97 + 1))
-        if tok in stops and not params.get("ignore_eos", False) and j + 1 >= int(params.get("min_new_tokens", 0)):
+        logprobs.append(lp)
+        if tok in stops:  # before the length check, as in Req.update_finish_state
             return ids, logprobs, {"type": "stop", "matched": tok}
     return ids, logprobs, {"type": "length", "length": n}
+
+
+def model_context_length(model_path: str) -> int | None:
+    """The context SGLang derives from ``<model_path>/config.json`` (None without one)."""
+    path = Path(model_path) / "config.json"
+    if not path.is_file():
+        return None
+    cfg = json.loads(path.read_text())
+    factor = 1.0
+    rope = cfg.get("rope_scaling")
+    if rope and "original_max_position_embeddings" not in rope and rope.get("rope_type") != "llama3":
+        factor = rope.get("factor", 1)
+    for key in _CONTEXT_LENGTH_KEYS:
+        if cfg.get(key) is not None:
+            return int(factor * cfg[key])
+    return 2048
 
 
 class FakeSGLang:
     """State and handlers of one fake server."""
 
     def __init__(self, *, host: str = "127.0.0.1", port: int = 0, delay_s: float = 0.0,
-                 context_length: int = 4096, model_path: str = "fake-model"):
+                 context_length: int = 4096, model_path: str = "fake-model", health_delay_s: float = 1.0,
+                 skip_tokenizer_init: bool = True, deterministic: bool = False, random_seed: int = 0,
+                 eos_token_ids: Sequence[int] = ()):
         self.host = host
         self.port = port
         self.context_length = context_length
         self.model_path = model_path
+        self.skip_tokenizer_init = skip_tokenizer_init
+        self.deterministic = deterministic
+        self.eos_token_ids = tuple(eos_token_ids)
+        self._rng = random.Random(random_seed)
         # knobs
         self.fail_next = 0
         self.hang = False
         self.delay_s = delay_s
+        self.health_delay_s = health_delay_s
         self.die_after: int | None = None
         self.fail_weight_update = ""
+        self.fail_after_buckets = -1
         self.join_group = True
         # observations
         self.generate_count = 0
@@ -80,6 +180,7 @@ class FakeSGLang:
         self.n_updates = 0
         self.weights: dict[str, Any] = {}
         self.update_calls: list[list[str]] = []
+        self.versions_after_update: list[str] = []
         self.group_requests: list[dict[str, Any]] = []
         self.disk_loads: list[str] = []
         self.flushes = 0
@@ -113,6 +214,8 @@ class FakeSGLang:
         return app
 
     async def health(self, request: web.Request) -> web.Response:
+        # SGLang's /health submits a one-token generation and checks for an answer after 1 s.
+        await asyncio.sleep(self.health_delay_s)
         return web.Response(text="ok")
 
     async def model_info(self, request: web.Request) -> web.Response:
@@ -134,8 +237,13 @@ class FakeSGLang:
         batched = bool(input_ids) and isinstance(input_ids[0], list)
         prompts = input_ids if batched else [input_ids]
         params = body.get("sampling_params") or {}
+        min_new = int(params.get("min_new_tokens") or 0)
+        if min_new > 0 and self.skip_tokenizer_init:
+            msg = (f"min_new_tokens={min_new} is unavailable when skip_tokenizer_init=True (requires tokenizer "
+                   "for eos_token_id).")
+            return web.json_response({"error": {"message": msg}}, status=400)
         for p in prompts:
-            if len(p) + int(params.get("max_new_tokens", 16)) > self.context_length:
+            if len(p) + int(params.get("max_new_tokens", 128)) > self.context_length:
                 msg = (f"Requested token count exceeds the model's maximum context length of "
                        f"{self.context_length} tokens")
                 return web.json_response({"error": {"message": msg}}, status=400)
@@ -154,7 +262,13 @@ class FakeSGLang:
         self.served += 1
         outs = []
         for p in prompts:
-            ids, lps, finish = fake_completion(p, params, self.n_updates)
+            if self.deterministic:
+                seed = params.get("sampling_seed")
+                seed = _DETERMINISTIC_DEFAULT_SEED if seed is None else int(seed)
+            else:
+                seed = self._rng.randrange(2**63)  # sampling_seed is ignored, as in SGLang
+            ids, lps, finish = fake_completion(p, params, self.n_updates, seed=seed, eos_token_ids=self.eos_token_ids,
+                                               tokenizer=not self.skip_tokenizer_init)
             meta: dict[str, Any] = {"id": body.get("rid") or "x", "finish_reason": finish,
                                     "prompt_tokens": len(p), "completion_tokens": len(ids),
                                     "weight_version": self.version}
@@ -223,6 +337,10 @@ class FakeSGLang:
         failed = self._fail_update()
         if failed is not None:
             return failed
+        if self.fail_after_buckets == 0:
+            return web.json_response({"success": False, "message": "fake bucket failure"}, status=400)
+        if self.fail_after_buckets > 0:
+            self.fail_after_buckets -= 1
         pg = self._groups.get(body["group_name"])
         if pg is None:
             return web.json_response({"success": False, "message": f"no group {body['group_name']}"}, status=400)
@@ -243,12 +361,16 @@ class FakeSGLang:
         self.update_calls.append(list(body["names"]))
         if body.get("flush_cache", True):
             self.flushes += 1
-            self._new_version(body.get("weight_version"))
+        # SGLang (TokenizerControlMixin.update_weights_from_distributed) sets the version after every
+        # successful call that carries one, whether or not it is the last bucket.
+        self._new_version(body.get("weight_version"))
+        self.versions_after_update.append(self.version)
         return web.json_response({"success": True, "message": "updated"})
 
     def _new_version(self, version: Any) -> None:
-        self.n_updates += 1
-        self.version = str(version) if version is not None else str(self.n_updates)
+        self.n_updates += 1  # the weights changed
+        if version is not None:
+            self.version = str(version)
 
     async def configure(self, request: web.Request) -> web.Response:
         for key, value in (await request.json()).items():
@@ -261,6 +383,7 @@ class FakeSGLang:
         return web.json_response({
             "version": self.version, "n_updates": self.n_updates, "generate_count": self.generate_count,
             "served": self.served, "max_in_flight": self.max_in_flight, "update_calls": self.update_calls,
+            "versions_after_update": self.versions_after_update,
             "group_requests": self.group_requests, "disk_loads": self.disk_loads, "flushes": self.flushes,
             "weight_names": sorted(self.weights)})
 
@@ -338,13 +461,23 @@ def fake_command(port: int, *extra: str) -> list[str]:
     return [sys.executable, str(Path(__file__).resolve()), "--port", str(port), *extra]
 
 
+def as_fake(cmd: list[str], *extra: str) -> list[str]:
+    """The launcher's ``python -m sglang.launch_server ARGS`` as ``python fake_sglang.py ARGS`` (all args kept)."""
+    assert cmd[1:3] == ["-m", "sglang.launch_server"], cmd
+    return [sys.executable, str(Path(__file__).resolve()), *cmd[3:], *extra]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="fake SGLang server for tests")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--model-path", default="fake-model")
-    parser.add_argument("--context-length", type=int, default=4096)
+    parser.add_argument("--context-length", type=int, default=None)
+    parser.add_argument("--random-seed", type=int, default=0)
+    parser.add_argument("--skip-tokenizer-init", action="store_true")
+    parser.add_argument("--enable-deterministic-inference", action="store_true")
     parser.add_argument("--delay-s", type=float, default=0.0)
+    parser.add_argument("--health-delay-s", type=float, default=1.0)
     parser.add_argument("--startup-delay-s", type=float, default=0.0)
     parser.add_argument("--crash-on-start", default="")
     args, ignored = parser.parse_known_args(argv)
@@ -355,11 +488,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.crash_on_start:
         print(args.crash_on_start, flush=True)
         return 3
-    server = FakeSGLang(host=args.host, port=args.port, delay_s=args.delay_s, context_length=args.context_length,
-                        model_path=args.model_path)
+    derived = model_context_length(args.model_path)
+    context = args.context_length or derived or 4096
+    if derived is not None and args.context_length is not None and args.context_length > derived:
+        # SGLang's ModelConfig._derive_context_length refuses this unless an environment variable allows it.
+        print(f"ValueError: User-specified context_length ({args.context_length}) is greater than the derived "
+              f"context_length ({derived}). To allow overriding this maximum, set the env var "
+              "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1", flush=True)
+        return 1
+    eos: list[int] = []
+    config = Path(args.model_path) / "config.json"
+    if config.is_file():
+        value = json.loads(config.read_text()).get("eos_token_id")
+        eos = [value] if isinstance(value, int) else list(value or [])
+    server = FakeSGLang(host=args.host, port=args.port, delay_s=args.delay_s, context_length=context,
+                        model_path=args.model_path, health_delay_s=args.health_delay_s,
+                        skip_tokenizer_init=args.skip_tokenizer_init,
+                        deterministic=args.enable_deterministic_inference, random_seed=args.random_seed,
+                        eos_token_ids=eos)
     web.run_app(server.app(), host=args.host, port=args.port, shutdown_timeout=0.5, print=None, access_log=None)
     return 0
-
 
 
 def fetch_state(addr: str) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from archon.rollout.client import RolloutClient, RolloutError, RolloutRequestErr
 from dist_utils import find_free_port
 from fake_sglang import FakeSGLang, fake_completion
 
-PARAMS = {"max_new_tokens": 6, "temperature": 1.0}
+PARAMS = {"max_new_tokens": 6, "temperature": 0.0}  # greedy: predictable on any fake server
 
 
 @pytest.fixture
@@ -75,8 +75,9 @@ def test_least_loaded_sends_more_to_the_faster_server(make_servers):
 def test_per_prompt_sampling_params_and_stop_tokens(make_servers):
     servers = make_servers(2)
     prompts = _prompts(4)
-    first = fake_completion(prompts[1], {"max_new_tokens": 8})[0]
-    per = [dict(PARAMS), {"max_new_tokens": 8, "stop_token_ids": [first[2]]}, dict(PARAMS), {"max_new_tokens": 2}]
+    first = fake_completion(prompts[1], {**PARAMS, "max_new_tokens": 8})[0]
+    per = [dict(PARAMS), {**PARAMS, "max_new_tokens": 8, "stop_token_ids": [first[2]]}, dict(PARAMS),
+           {**PARAMS, "max_new_tokens": 2}]
     with _client(servers) as client:
         results = client.generate_many(prompts, per)
         with pytest.raises(ValueError, match="4 prompts but 3 sampling_params"):

@@ -268,11 +268,36 @@ def test_stop_tokens_eos_min_new_tokens_and_length(qwen3):
     # min_new_tokens: neither stop nor EOS can be chosen before eos_at + 2 tokens exist.
     expected = greedy_reference(qwen3, p, 24, banned=({stop, eos}, eos_at + 2), stop={stop, eos})
     assert held.output_ids == expected and not {stop, eos} & set(held.output_ids[:eos_at + 2])
-    matched = expected[-1] in (stop, eos) and len(expected) < 24  # at 24 tokens length wins
+    matched = expected[-1] in (stop, eos)  # even as the 24th token: stop is checked before length
     assert held.finish_reason == ({"type": "stop", "matched": expected[-1]} if matched
                                   else {"type": "length", "length": 24})
     assert length.output_ids == full[:2] and length.finish_reason == {"type": "length", "length": 2}
     assert zero.output_ids == [] and zero.finish_reason == {"type": "length", "length": 0}
+
+
+def test_eos_as_the_last_allowed_token_is_stop_as_in_sglang(qwen3):
+    p = random_tokens(6, 61)
+    full = greedy_reference(qwen3, p, 24)
+    eos, at = _first_new_token(full, 3)
+    with Generator(qwen3, eos_token_ids=[eos]) as gen:
+        last, before = gen.generate([_greedy(p, at + 1), _greedy(p, at)])
+    # SGLang checks stop tokens before the length budget (Req.update_finish_state).
+    assert last.output_ids == full[:at + 1] and last.finish_reason == {"type": "stop", "matched": eos}
+    assert before.output_ids == full[:at] and before.finish_reason == {"type": "length", "length": at}
+
+
+def test_top_k_one_is_greedy_with_unscaled_logprobs_as_in_sglang(qwen3):
+    p = random_tokens(7, 62)
+    with Generator(qwen3) as gen:
+        top1, greedy = gen.generate([
+            GenerationRequest(p, SamplingParams(max_new_tokens=10, temperature=0.6, top_k=1, sampling_seed=4),
+                              return_logprob=True),
+            _greedy(p, 10)])
+    assert top1.output_ids == greedy.output_ids == greedy_reference(qwen3, p, 10)
+    # SGLang's all-greedy path (every top_k <= 1) reports log_softmax(logits), not of logits / T.
+    ref = logprob_reference(qwen3, p, top1.output_ids, 1.0)
+    assert (torch.tensor(top1.output_logprobs) - ref).abs().max() < ATOL
+    assert (torch.tensor(top1.output_logprobs) - logprob_reference(qwen3, p, top1.output_ids, 0.6)).abs().max() > 1e-2
 
 
 def test_eos_ids_come_from_config_and_generation_config(tmp_path):

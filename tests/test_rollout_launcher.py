@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -54,11 +53,12 @@ def test_sglang_d4t2_on_three_nodes_with_a_pipelined_actor(tmp_path):
         assert _flag(s.cmd, "--random-seed") == str(5 + i)
         assert _flag(s.cmd, "--dtype") == "bfloat16"
         assert _flag(s.cmd, "--mem-fraction-static") == "0.8"
-        assert _flag(s.cmd, "--context-length") == "32768"
         assert _flag(s.cmd, "--log-level") == "warning"
         assert "--skip-tokenizer-init" in s.cmd
+        # No context length unless the user sets one: SGLang derives the model's own.
         for absent in ("--dp-size", "--ep-size", "--enable-dp-attention", "--disable-cuda-graph",
-                       "--max-running-requests", "--attention-backend"):
+                       "--max-running-requests", "--attention-backend", "--context-length",
+                       "--enable-deterministic-inference"):
             assert absent not in s.cmd
         # Trainer ranks on the other nodes must reach the servers: bind every interface.
         assert _flag(s.cmd, "--host") == "0.0.0.0" and s.host == "0.0.0.0"
@@ -164,8 +164,8 @@ def test_launch_two_fake_servers_wait_log_and_stop(tmp_path):
             with urllib.request.urlopen(f"http://{addr}/health", timeout=5) as resp:
                 assert resp.status == 200
         with RolloutClient(launcher.addrs, setup_timeout=5) as client:
-            results = client.generate_many([[1, 2], [3, 4], [5, 6], [7]], {"max_new_tokens": 3})
-        assert [r.output_ids for r in results] == [fake_completion(p, {"max_new_tokens": 3})[0]
+            results = client.generate_many([[1, 2], [3, 4], [5, 6], [7]], {"max_new_tokens": 3, "temperature": 0})
+        assert [r.output_ids for r in results] == [fake_completion(p, {"max_new_tokens": 3, "temperature": 0})[0]
                                                    for p in ([1, 2], [3, 4], [5, 6], [7])]
         assert {r.server for r in results} == {f"http://{a}" for a in launcher.addrs}
     assert not any(pid_alive(p) for p in pids)

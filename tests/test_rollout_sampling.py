@@ -29,18 +29,20 @@ def _sample(logits, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0, seed=0):
 
 
 def _allowed(logits_row: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> dict[int, float]:
-    """The filtered, renormalised distribution by the definitions, one token at a time."""
+    """The filtered, renormalised distribution by SGLang's definitions, one token at a time.
+
+    Top-k and top-p are joint on the unfiltered distribution (SGLang 0.5.23's PyTorch sampler
+    zeroes ranks >= k and tokens whose preceding mass of the *full* softmax exceeds top_p;
+    FlashInfer's ``filter_apply_order="joint"`` keeps the same support).
+    """
     probs = torch.softmax(logits_row.double() / temperature, -1).tolist()
     order = sorted(range(V), key=lambda t: -probs[t])
-    if top_k > 0:
-        order = order[:top_k]
-    mass = sum(probs[t] for t in order)
     kept, before = [], 0.0
-    for t in order:  # top-p on the renormalised top-k distribution
-        if before >= top_p and top_p < 1.0:
+    for rank, t in enumerate(order):
+        if (top_k > 0 and rank >= top_k) or (before >= top_p and top_p < 1.0):
             break
         kept.append(t)
-        before += probs[t] / mass
+        before += probs[t]
     best = max(probs[t] for t in kept)
     kept = [t for t in kept if probs[t] >= min_p * best]
     total = sum(probs[t] for t in kept)
@@ -86,6 +88,20 @@ def test_sampling_matches_the_filtered_distribution(kw):
         p = expected.get(t, 0.0)
         # 5 standard deviations of a binomial frequency: fails only on a real mismatch.
         assert abs(counts[t].item() - p) <= 5 * math.sqrt(p * (1 - p) / n) + 1e-9, (t, counts[t].item(), p)
+
+
+def test_top_k_and_top_p_filter_jointly_not_one_after_the_other():
+    # Masses 0.4, 0.3, 0.2, 0.1: top_k=2 then top_p=0.5 on the renormalised pair (0.57, 0.43) would
+    # keep one token; SGLang filters jointly on the full distribution (mass before the second
+    # token is 0.4 < 0.5), so both stay and each is drawn in proportion 4:3.
+    logits = torch.log(torch.tensor([0.1, 0.4, 0.2, 0.3]))[None].expand(20000, 4).contiguous()
+    b = logits.shape[0]
+    uniforms = torch.rand(b, generator=torch.Generator().manual_seed(11))
+    tokens = sample_tokens(logits, torch.ones(b), torch.full((b,), 2), torch.full((b,), 0.5), torch.zeros(b),
+                           uniforms)
+    counts = torch.bincount(tokens, minlength=4).double() / b
+    assert counts[0] == counts[2] == 0
+    assert abs(counts[1].item() - 4 / 7) < 0.02 and abs(counts[3].item() - 3 / 7) < 0.02
 
 
 def test_a_row_does_not_depend_on_the_other_rows():

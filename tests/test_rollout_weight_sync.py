@@ -79,7 +79,7 @@ def servers(tmp_path_factory) -> Iterator[list[str]]:
 @pytest.fixture(autouse=True)
 def reset_knobs(servers):
     for addr in servers:
-        configure(addr, fail_weight_update="")
+        configure(addr, fail_weight_update="", fail_after_buckets=-1)
 
 
 def _snapshot(addrs: list[str]) -> list[dict[str, Any]]:
@@ -123,6 +123,8 @@ def test_distributed_sync_sends_exact_full_tensors_in_buckets(servers):
         assert [(g["rank_offset"], g["world_size"], g["backend"]) for g in group] == [(1 + i, 3, "gloo")]
         assert snap1["state"]["update_calls"] == v1_buckets
         assert snap1["state"]["version"] == "1"
+        # SGLang sets the version after every bucket that carries one: only the last one does.
+        assert snap1["state"]["versions_after_update"] == ["0", "0", "0", "1"]
         assert snap1["state"]["flushes"] == 1  # only the last bucket flushes the cache
         assert set(snap1["weights"]) == set(NAMES)
         for name in NAMES:
@@ -130,6 +132,7 @@ def test_distributed_sync_sends_exact_full_tensors_in_buckets(servers):
             assert torch.equal(snap1["weights"][name], full_tensor(name, 0)), name
         assert snap2["state"]["update_calls"] == v1_buckets + v2_buckets
         assert snap2["state"]["version"] == "2"
+        assert snap2["state"]["versions_after_update"] == ["0", "0", "0", "1", "1", "1", "2"]
         for name in NAMES:
             assert snap2["weights"][name].dtype == torch.bfloat16
             assert torch.equal(snap2["weights"][name], full_tensor(name, 1).to(torch.bfloat16)), name
@@ -198,6 +201,34 @@ def test_a_server_refusing_a_bucket_fails_every_rank(servers):
     msgs = run_distributed(_failing_bucket_worker, 2, servers, timeout=120)
     assert servers[1] in msgs[0] and "out of GPU memory" in msgs[0]
     assert msgs[1].startswith("weight sync failed on trainer rank 0:") and "out of GPU memory" in msgs[1]
+
+
+def _half_sync_worker(addrs: list[str]) -> dict[str, Any]:
+    client = RolloutClient(addrs, setup_timeout=30, backoff_s=0.01)
+    sync = DistributedWeightSync(ShardedEngine(step=2), client, chunk_mb=1, backend="gloo",
+                                 master_address="127.0.0.1", group_name="wsync_half")
+    sync.setup()
+    out: dict[str, Any] = {}
+    if dist.get_rank() == 0:
+        out["before"] = [fetch_state(a)["version"] for a in addrs]
+        configure(addrs[1], fail_after_buckets=2)  # buckets 1 and 2 arrive, bucket 3 of 4 fails
+    try:
+        sync.sync("half")
+        out["error"] = "no error"
+    except WeightSyncError as exc:
+        out["error"] = str(exc)
+    if dist.get_rank() == 0:
+        out["after"] = [fetch_state(a) for a in addrs]
+    return out
+
+
+def test_a_sync_failing_half_way_keeps_the_old_version(servers):
+    out = run_distributed(_half_sync_worker, 2, servers, timeout=120)[0]
+    assert "fake bucket failure" in out["error"]
+    # Half of the buckets reached the servers, yet none reports the new version on those weights.
+    assert [s["version"] for s in out["after"]] == out["before"]
+    assert "half" not in out["after"][1]["versions_after_update"]
+    assert len(out["after"][1]["update_calls"]) >= 2
 
 
 def _refused_setup_worker(addrs: list[str]) -> str:

@@ -40,6 +40,7 @@ from archon.config.schema import (
     SGLangConfig,
     SaverConfig,
     TrainEngineConfig,
+    VLLMConfig,
 )
 from archon.config.show import allocation_table, describe_section, main, to_dict, to_toml
 
@@ -64,6 +65,7 @@ __all__ = [
     "SGLangConfig",
     "SaverConfig",
     "TrainEngineConfig",
+    "VLLMConfig",
     "allocation_table",
     "describe_section",
     "field_docs",

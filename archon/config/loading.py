@@ -296,6 +296,7 @@ def validate_config(cfg: Config, sources: dict[str, str] | None = None) -> None:
         check_cluster_fit(allocs, cfg.cluster.n_nodes, cfg.cluster.n_gpus_per_node)
     except AllocationError as exc:
         raise ConfigError(str(exc)) from None
+    _check_rollout_backend(cfg, allocs["rollout"])
     positive = {
         "total_train_steps": cfg.total_train_steps, "train_dataset.batch_size": cfg.train_dataset.batch_size,
         "actor.mb_spec.n_mbs": cfg.actor.mb_spec.n_mbs,
@@ -369,6 +370,25 @@ def _validate_rl_options(cfg: Config, sources: dict[str, str]) -> None:
     if dyn.enable and cfg.gconfig.n_samples < 2:
         raise ConfigError("dynamic_filter.enable drops prompts whose samples all got the same reward, which with "
                           "gconfig.n_samples = 1 is every prompt; set gconfig.n_samples > 1 or disable the filter")
+
+
+def _check_rollout_backend(cfg: Config, rollout: ModelAllocation) -> None:
+    """Sampling options the rollout servers would refuse, or report logprobs for that the trainer cannot match."""
+    g = cfg.gconfig
+    if rollout.backend == "sglang" and g.min_new_tokens > 0:
+        # SGLang 0.5.23: raise_if_tokenizer_required (HTTP 400), and BatchedMinNewTokensPenalizer acts on the logits.
+        raise ConfigError(f"gconfig.min_new_tokens = {g.min_new_tokens} cannot be used with rollout.backend = "
+                          f"'{cfg.rollout.backend}': SGLang started with --skip-tokenizer-init (as Archon starts it) answers HTTP "
+                          "400, and with a tokenizer it renormalises the reported logprobs without the stop tokens, "
+                          "unlike the trainer's recomputation; set gconfig.min_new_tokens = 0")
+    if rollout.backend == "sglang" and cfg.sglang.enable_deterministic_inference and g.min_p > 0:
+        # Deterministic inference switches SGLang to its PyTorch sampler, which asserts on min-p with seeds.
+        raise ConfigError(f"gconfig.min_p = {g.min_p} with sglang.enable_deterministic_inference = true would crash "
+                          "SGLang's seeded sampler; set gconfig.min_p = 0 or turn deterministic inference off")
+    if rollout.backend == "vllm":
+        from archon.rollout.vllm import check_vllm_config
+
+        check_vllm_config(cfg)
 
 
 def _dims_of(alloc: ModelAllocation) -> str:

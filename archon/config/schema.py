@@ -185,7 +185,7 @@ class ActorConfig(TrainEngineConfig):
     rejection_sampling: RejectionSamplingConfig = field(default_factory=RejectionSamplingConfig)
     """Decoupled loss: behaviour importance weight pi_prox/pi_behav and which tokens keep it (AReaL's rejection_sampling); Archon's default is on (ratio <= 5, token mask) where AReaL's is off."""
     temperature: float = 0.0
-    """Trainer logprobs are of logits / temperature; 0 follows gconfig.temperature (1 when greedy), as the server reports."""
+    """Trainer logprobs are of logits / temperature; 0 follows gconfig.temperature (1 when greedy: temperature 0 or top_k 1), as the server reports."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus: entropy_coef * (entropy aggregated like the loss) is subtracted from the actor loss (verl's entropy_coeff)."""
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
@@ -275,7 +275,7 @@ class GenerationConfig:
 @dataclass
 class RolloutConfig:
     backend: str = "local:d1"
-    """Inference allocation: 'sglang:dNtM' (N servers of M GPUs) or 'local:dN' (N built-in CPU servers)."""
+    """Inference allocation: 'sglang:dNtM' (N servers of M GPUs), 'vllm:dNtMpK' (N servers of M*K GPUs) or 'local:dN' (N built-in CPU servers)."""
     server_addrs: list[str] = field(default_factory=list)
     """host:port of servers already running; when set, no servers are launched."""
     request_timeout: float = 3600.0
@@ -285,7 +285,7 @@ class RolloutConfig:
     setup_timeout: float = 300.0
     """Seconds to wait for launched servers to become healthy."""
     weight_sync: Literal["distributed", "disk"] = "distributed"
-    """How new weights reach the servers: a broadcast group, or an HF folder on shared disk."""
+    """How new weights reach the servers: a broadcast group, or an HF folder on shared disk (vllm: disk only)."""
     weight_chunk_mb: int = 512
     """Bucket size of the distributed weight broadcast."""
     max_concurrent_rollouts: int = 0
@@ -300,8 +300,8 @@ class SGLangConfig:
     """Server-side sampling seed."""
     dtype: str = "bfloat16"
     """Inference dtype."""
-    context_length: int = 32768
-    """Maximum context of a request."""
+    context_length: int = 0
+    """Maximum context of a request; 0 is the model's own (SGLang refuses more, so larger values are clamped to it)."""
     mem_fraction_static: float = 0.8
     """Fraction of GPU memory SGLang reserves for weights and KV cache."""
     dp_size: int = 1
@@ -316,10 +316,34 @@ class SGLangConfig:
     """Cap on concurrent requests per server; 0 keeps SGLang's default."""
     attention_backend: str = ""
     """SGLang attention backend; empty keeps SGLang's default."""
+    enable_deterministic_inference: bool = False
+    """Batch-invariant kernels and seeded sampling; without it SGLang ignores the per-request sampling_seed."""
     log_level: str = "warning"
     """SGLang server log level."""
     extra_args: list[str] = field(default_factory=list)
     """Further raw arguments appended to `python -m sglang.launch_server`."""
+
+
+@dataclass
+class VLLMConfig:
+    model: str = ""
+    """Model the servers start from; empty uses `actor.path`."""
+    seed: int = 1
+    """Server seed (server i gets seed + i); requests carry their own sampling seed."""
+    dtype: str = "bfloat16"
+    """Inference dtype."""
+    max_model_len: int = 0
+    """Maximum context of a request; 0 is the model's own (vLLM refuses more, so larger values are clamped to it)."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of GPU memory vLLM uses for weights, activations and KV cache."""
+    max_num_seqs: int = 0
+    """Cap on concurrent requests per server; 0 keeps vLLM's default."""
+    enforce_eager: bool = False
+    """Turn off CUDA graphs (debugging, faster start)."""
+    batch_invariant: bool = False
+    """VLLM_BATCH_INVARIANT=1: logits that do not depend on the batch, so seeded rollouts replay exactly."""
+    extra_args: list[str] = field(default_factory=list)
+    """Further raw arguments appended to `vllm serve`."""
 
 
 @dataclass
@@ -382,6 +406,8 @@ class Config:
     """Rollout servers."""
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     """Options passed to each SGLang server."""
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    """Options passed to each vLLM server."""
     gconfig: GenerationConfig = field(default_factory=GenerationConfig)
     """Sampling of completions."""
     train_dataset: DatasetConfig = field(default_factory=DatasetConfig)

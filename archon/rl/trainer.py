@@ -45,9 +45,15 @@ def resolved_group_size(cfg: Config) -> int:
 
 
 def policy_temperature(cfg: Config) -> float:
-    """What the trainer divides logits by, matching what the server reports (1 when greedy)."""
-    t = cfg.actor.temperature or cfg.gconfig.temperature
-    return t if t > 0 else 1.0
+    """What the trainer divides logits by, matching what the server reports (1 when greedy).
+
+    Greedy is temperature 0 or ``top_k = 1``: SGLang (and the built-in server) sample ``top_k = 1``
+    on their greedy path, whose logprobs are unscaled whatever the temperature.
+    """
+    if cfg.actor.temperature:
+        return cfg.actor.temperature
+    t = cfg.gconfig.temperature
+    return t if t > 0 and cfg.gconfig.top_k != 1 else 1.0
 
 
 class RankZeroError(JobError):
@@ -159,8 +165,9 @@ class RLTrainer:
             self.client.wait_healthy(cfg.rollout.setup_timeout)
 
         run_on_rank0(connect, "starting the rollout servers")
-        # SGLang serves in its own dtype; the built-in server in the actor's.
-        dtype = to_dtype(cfg.sglang.dtype) if rollout_alloc.backend == "sglang" else to_dtype(cfg.actor.dtype)
+        # SGLang and vLLM serve in their own dtype; the built-in server in the actor's.
+        dtype = to_dtype({"sglang": cfg.sglang.dtype, "vllm": cfg.vllm.dtype}.get(rollout_alloc.backend,
+                                                                                  cfg.actor.dtype))
         self.weight_sync = build_weight_sync(
             cfg.rollout.weight_sync, self.actor_engine, self.client, folder=cfg.run_dir / "weights",
             chunk_mb=cfg.rollout.weight_chunk_mb, ranks_per_server=ranks_per_server(rollout_alloc), dtype=dtype)

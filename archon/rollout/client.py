@@ -16,6 +16,11 @@ must never silently come back with stale weights.
 
 Control calls (pause, flush, weight updates) fan out to every server that is up, and any
 server that fails or answers ``success: false`` is an error that names it.
+
+How a request is spelled on the wire is the job of a ``ServerAPI`` (``server_api.py``): by
+default SGLang's HTTP protocol (which the built-in server speaks too); ``archon.rollout.vllm.VLLMAPI``
+maps the same calls onto vLLM's OpenAI completions API and its weight-reload endpoints.  The
+trainer only ever sees ``RolloutClient`` and ``GenerateResult``.
 """
 
 from __future__ import annotations
@@ -33,28 +38,24 @@ from typing import Any, Coroutine, Sequence, TypeVar
 
 import aiohttp
 
+from archon.alloc import ModelAllocation
 from archon.config import GenerationConfig, RolloutConfig
+from archon.rollout.server_api import (  # noqa: F401 - RolloutError, RolloutRequestError, GenerateResult are public here
+    HEALTH_PROBE_TIMEOUT_S,
+    Call,
+    GenerateResult,
+    RolloutError,
+    RolloutRequestError,
+    ServerAPI,
+    api_for_backend,
+)
 
 logger = logging.getLogger("archon.rollout.client")
 
 T = TypeVar("T")
 
-_HEALTH_PROBE_TIMEOUT_S = 5.0
+_ABORT_TIMEOUT_S = 5.0
 _MAX_BACKOFF_S = 30.0
-
-
-class RolloutError(RuntimeError):
-    """A rollout server failed, refused a request, or cannot be reached; the message names it."""
-
-
-class RolloutRequestError(RolloutError):
-    """A server rejected a request with an HTTP 4xx; retrying the same request would not help."""
-
-    def __init__(self, server: str, status: int, message: str):
-        super().__init__(f"rollout server {server} rejected the request with HTTP {status}: {message}")
-        self.server = server
-        self.status = status
-        self.message = message
 
 
 class _ServerFailure(Exception):
@@ -64,26 +65,6 @@ class _ServerFailure(Exception):
         super().__init__(message)
         self.refused = refused
         self.timed_out = timed_out
-
-
-@dataclass
-class GenerateResult:
-    """One completion and its behaviour-policy logprobs."""
-
-    output_ids: list[int]
-    """Generated token ids (prompt excluded)."""
-    output_logprobs: list[float]
-    """Logprob of each generated token under the server's weights; empty if logprobs were not asked for."""
-    finish_reason: str
-    """'stop' (EOS or a stop token), 'length' (max_new_tokens or context) or 'abort'."""
-    prompt_tokens: int
-    """Prompt length as the server counted it."""
-    weight_version: str
-    """Version of the weights that produced the completion."""
-    server: str
-    """Address of the server that answered."""
-    matched_stop: int | None = None
-    """Token id that ended the completion when finish_reason is 'stop' (None if unknown)."""
 
 
 @dataclass
@@ -104,6 +85,8 @@ class _Server:
     """Marked down: receives no more requests."""
     last_error: str = ""
     """Most recent failure, for error messages."""
+    weight_version: str = ""
+    """Version of the last weight update this client made on the server ("" before any)."""
 
 
 def normalize_addr(addr: str) -> str:
@@ -150,39 +133,12 @@ def _error_message(body: Any, text: str) -> str:
     return text.strip()[:2000] or "(empty body)"
 
 
-def _parse_generate(body: Any, server: str, return_logprob: bool) -> GenerateResult:
-    if not isinstance(body, dict) or "output_ids" not in body or "meta_info" not in body:
-        raise RolloutError(f"rollout server {server} answered /generate without output_ids/meta_info "
-                           f"(got {str(body)[:200]!r}); is it an SGLang-protocol server started with "
-                           "--skip-tokenizer-init?")
-    meta = body["meta_info"]
-    output_ids = [int(t) for t in body["output_ids"]]
-    logprobs: list[float] = []
-    if return_logprob:
-        entries = meta.get("output_token_logprobs") or []
-        logprobs = [float(e[0]) for e in entries]
-        if len(logprobs) != len(output_ids):
-            raise RolloutError(f"rollout server {server} returned {len(output_ids)} tokens but {len(logprobs)} "
-                               "logprobs; the completion cannot be trained on")
-    finish = meta.get("finish_reason")
-    matched = None
-    if isinstance(finish, dict):
-        reason = str(finish.get("type", ""))
-        if isinstance(finish.get("matched"), int):
-            matched = finish["matched"]
-    else:
-        reason = str(finish or "")
-    return GenerateResult(output_ids=output_ids, output_logprobs=logprobs, finish_reason=reason,
-                          prompt_tokens=int(meta.get("prompt_tokens", 0)),
-                          weight_version=str(meta.get("weight_version", "")), server=server,
-                          matched_stop=matched)
-
-
 class RolloutClient:
     """Sends generate and control requests to a fixed set of rollout servers."""
 
     def __init__(self, addrs: Sequence[str], *, request_timeout: float = 3600.0, retries: int = 3,
-                 backoff_s: float = 0.5, setup_timeout: float = 300.0, down_after: int = 3):
+                 backoff_s: float = 0.5, setup_timeout: float = 300.0, down_after: int = 3,
+                 api: ServerAPI | None = None):
         if not addrs:
             raise ValueError("RolloutClient needs at least one server address (host:port); launch servers with "
                              "RolloutLauncher or set rollout.server_addrs")
@@ -194,6 +150,7 @@ class RolloutClient:
             raise ValueError(f"rollout server address(es) {', '.join(dupes)} listed more than once; list each "
                              "server once")
         self._servers = [_Server(i, u) for i, u in enumerate(urls)]
+        self.api = api or ServerAPI()
         self.request_timeout = request_timeout
         self.retries = retries
         self.backoff_s = backoff_s
@@ -213,8 +170,9 @@ class RolloutClient:
 
     @classmethod
     def from_config(cls, cfg: RolloutConfig, addrs: Sequence[str]) -> "RolloutClient":
+        """A client of ``addrs`` speaking the API of ``cfg.backend``'s servers."""
         return cls(addrs, request_timeout=cfg.request_timeout, retries=cfg.request_retries,
-                   setup_timeout=cfg.setup_timeout)
+                   setup_timeout=cfg.setup_timeout, api=api_for_backend(ModelAllocation.from_str(cfg.backend).backend))
 
     # ------------------------------------------------------------------ loop plumbing
     def _run_loop(self) -> None:
@@ -325,10 +283,10 @@ class RolloutClient:
         return min(self.backoff_s * (2 ** attempt), _MAX_BACKOFF_S)
 
     # ------------------------------------------------------------------ health
-    async def _probe(self, server: _Server) -> str | None:
-        """None if /health answers 200, else why not."""
+    async def _probe(self, server: _Server, timeout: float) -> str | None:
+        """None if /health answers 200 within ``timeout`` s, else why not."""
         try:
-            await self._http(server, "GET", "/health", timeout=_HEALTH_PROBE_TIMEOUT_S)
+            await self._http(server, "GET", "/health", timeout=timeout)
             return None
         except (_ServerFailure, RolloutRequestError) as exc:
             return str(exc)
@@ -339,7 +297,8 @@ class RolloutClient:
         pending = [s for s in self._servers if not s.down]
         delay = 0.05
         while True:
-            reasons = await asyncio.gather(*(self._probe(s) for s in pending))
+            probe_s = min(HEALTH_PROBE_TIMEOUT_S, max(deadline - time.monotonic(), 0.1))
+            reasons = await asyncio.gather(*(self._probe(s, probe_s) for s in pending))
             pending, why = ([s for s, r in zip(pending, reasons) if r is not None],
                             [r for r in reasons if r is not None])
             if not pending:
@@ -370,26 +329,26 @@ class RolloutClient:
                         return_logprob: bool = True) -> GenerateResult:
         """One completion; retried on other servers after connection errors, timeouts and 5xx."""
         await self._ensure_healthy()
-        payload = {"input_ids": [int(t) for t in input_ids], "sampling_params": dict(sampling_params),
-                   "return_logprob": return_logprob}
+        ids = [int(t) for t in input_ids]
         tried: set[str] = set()
         last = ""
         attempts = self.retries + 1
         for attempt in range(attempts):
             server = self._pick(tried)
-            payload["rid"] = uuid.uuid4().hex
+            rid = uuid.uuid4().hex
+            payload = self.api.generate_payload(ids, sampling_params, return_logprob, rid)
             server.in_flight += 1
             server.sent += 1
             self._counters["requests"] += 1
             if attempt:
                 self._counters["retries"] += 1
             try:
-                body = await self._http(server, "POST", "/generate", payload)
+                body = await self._http(server, "POST", self.api.generate_path, payload)
             except _ServerFailure as exc:
                 self._record_failure(server, exc)
                 if exc.timed_out:
                     # The server may still be working on it; free its slot (best effort).
-                    self._loop.create_task(self._abort_quietly(server, payload["rid"]))
+                    self._loop.create_task(self._abort_quietly(server, rid))
                 tried.add(server.url)
                 last = f"{server.url}: {exc}"
                 logger.debug("generate attempt %d/%d failed on %s: %s", attempt + 1, attempts, server.url, exc)
@@ -399,15 +358,18 @@ class RolloutClient:
             finally:
                 server.in_flight -= 1
             server.consecutive_failures = 0
-            return _parse_generate(body, server.url, return_logprob)
+            return self.api.parse_generate(body, server.url, return_logprob, server.weight_version)
         if all(s.down for s in self._servers):
             raise self._all_down_error()
         raise RolloutError(f"generate request failed after {attempts} attempt(s) on {', '.join(sorted(tried))}; "
                            f"last error from {last}; check the server logs or raise rollout.request_retries")
 
     async def _abort_quietly(self, server: _Server, rid: str) -> None:
+        call = self.api.abort(rid)
+        if call is None:
+            return
         try:
-            await self._http(server, "POST", "/abort_request", {"rid": rid}, timeout=_HEALTH_PROBE_TIMEOUT_S)
+            await self._http(server, call.method, call.path, call.payload, timeout=_ABORT_TIMEOUT_S)
         except (RolloutError, _ServerFailure):
             pass
 
@@ -452,54 +414,69 @@ class RolloutClient:
                                               return_logprob=return_logprob))
 
     # ------------------------------------------------------------------ control fan-out
-    async def _control_one(self, server: _Server, method: str, path: str, payload: Any, retry: bool,
+    async def _control_one(self, server: _Server, calls: Sequence[Call], retry: bool,
                            timeout: float | None) -> Any:
+        """Make ``calls`` in order on one server; returns the last answer."""
         attempts = self.retries + 1 if retry else 1
-        for attempt in range(attempts):
-            try:
-                body = await self._http(server, method, path, payload, timeout)
-                break
-            except _ServerFailure as exc:
-                if attempt + 1 == attempts:
-                    raise RolloutError(f"rollout server {server.url} failed {path}: {exc}") from None
-                await asyncio.sleep(self._backoff(attempt))
-        if isinstance(body, dict) and body.get("success") is False:
-            raise RolloutError(f"rollout server {server.url} answered {path} with success=false: "
-                               f"{body.get('message', '(no message)')}")
+        body: Any = None
+        for call in calls:
+            for attempt in range(attempts):
+                try:
+                    body = await self._http(server, call.method, call.path, call.payload, timeout)
+                    break
+                except RolloutRequestError as exc:
+                    if exc.status == 404:
+                        raise RolloutError(f"rollout server {server.url} has no {call.path.split('?')[0]} "
+                                           f"(HTTP 404){self.api.missing_endpoint_hint}") from None
+                    raise
+                except _ServerFailure as exc:
+                    if attempt + 1 == attempts:
+                        raise RolloutError(f"rollout server {server.url} failed {call.path}: {exc}") from None
+                    await asyncio.sleep(self._backoff(attempt))
+            if isinstance(body, dict) and body.get("success") is False:
+                raise RolloutError(f"rollout server {server.url} answered {call.path} with success=false: "
+                                   f"{body.get('message', '(no message)')}")
         return body
 
-    async def _fan_out(self, method: str, path: str, payload: Any = None, *, retry: bool = False,
-                       servers: Sequence[_Server] | None = None, per_server: Sequence[Any] | None = None,
+    async def _fan_out(self, calls: Sequence[Call] = (), *, retry: bool = False,
+                       servers: Sequence[_Server] | None = None, per_server: Sequence[Sequence[Call]] | None = None,
                        timeout: float | None = None) -> dict[str, Any]:
         targets = list(servers) if servers is not None else [s for s in self._servers if not s.down]
         if not targets:
             raise self._all_down_error()
-        bodies = per_server if per_server is not None else [payload] * len(targets)
-        tasks = [self._loop.create_task(self._control_one(s, method, path, b, retry, timeout))
-                 for s, b in zip(targets, bodies)]
+        plans = per_server if per_server is not None else [calls] * len(targets)
+        tasks = [self._loop.create_task(self._control_one(s, plan, retry, timeout))
+                 for s, plan in zip(targets, plans)]
         # Fail fast: during a weight update the other servers may wait forever for a broadcast
         # that the trainer abandons because of this failure.
         errors = await _cancel_on_first_error(tasks)
         if errors:
             if len(errors) == 1:
                 raise errors[0]  # type: ignore[misc]
-            raise RolloutError(f"{len(errors)} rollout servers failed {path}: " + "; ".join(map(str, errors)))
+            raise RolloutError(f"{len(errors)} rollout servers failed: " + "; ".join(map(str, errors)))
         return {s.url: t.result() for s, t in zip(targets, tasks)}
 
+    def _no_distributed_weights(self) -> RolloutError:
+        return RolloutError(f"{self.api.name} rollout servers cannot join a weight-update group; set "
+                            "rollout.weight_sync = 'disk' so that new weights reach them through a folder")
+
     async def apause_generation(self) -> dict[str, Any]:
-        return await self._fan_out("POST", "/pause_generation", {}, retry=True)
+        return await self._fan_out(self.api.pause(), retry=True)
 
     async def acontinue_generation(self) -> dict[str, Any]:
-        return await self._fan_out("POST", "/continue_generation", {}, retry=True)
+        return await self._fan_out(self.api.resume(), retry=True)
 
     async def aflush_cache(self) -> dict[str, Any]:
-        return await self._fan_out("POST", "/flush_cache", None, retry=True)
+        return await self._fan_out(self.api.flush_cache(), retry=True)
 
     async def aupdate_weights_from_disk(self, path: str, version: int | str, *,
                                        abort_all_requests: bool = False) -> dict[str, Any]:
-        return await self._fan_out("POST", "/update_weights_from_disk",
-                                   {"model_path": str(path), "weight_version": str(version),
-                                    "abort_all_requests": abort_all_requests})
+        targets = [s for s in self._servers if not s.down]
+        result = await self._fan_out(self.api.update_weights_from_disk(str(path), str(version), abort_all_requests),
+                                     servers=targets)
+        for s in targets:
+            s.weight_version = str(version)
+        return result
 
     def weight_group_layout(self, ranks_per_server: int) -> tuple[int, list[int]]:
         """(world size, rank offset of each up server) of a weight-update group; the trainer is rank 0."""
@@ -511,18 +488,30 @@ class RolloutClient:
     async def ainit_weights_update_group(self, master_address: str, master_port: int, group_name: str,
                                          backend: str, ranks_per_server: int = 1) -> dict[str, Any]:
         """Ask every up server to join ``group_name``; server i's processes are ranks 1+i*t .. t+i*t."""
+        if not self.api.distributed_weights:
+            raise self._no_distributed_weights()
         members = [s for s in self._servers if not s.down]
         world_size, offsets = self.weight_group_layout(ranks_per_server)
-        bodies = [{"master_address": master_address, "master_port": int(master_port), "rank_offset": off,
-                   "world_size": world_size, "group_name": group_name, "backend": backend} for off in offsets]
-        result = await self._fan_out("POST", "/init_weights_update_group", servers=members, per_server=bodies)
+        plans = [[Call("POST", "/init_weights_update_group",
+                       {"master_address": master_address, "master_port": int(master_port), "rank_offset": off,
+                        "world_size": world_size, "group_name": group_name, "backend": backend})]
+                 for off in offsets]
+        result = await self._fan_out(servers=members, per_server=plans)
         self._group_members[group_name] = members
         return result
 
     async def aupdate_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[str],
                                                shapes: Sequence[Sequence[int]], group_name: str,
-                                               version: int | str, *, flush_cache: bool = True) -> dict[str, Any]:
-        """Tell the group's servers to receive these tensors; the trainer broadcasts them meanwhile."""
+                                               version: int | str | None, *, flush_cache: bool = True
+                                               ) -> dict[str, Any]:
+        """Tell the group's servers to receive these tensors; the trainer broadcasts them meanwhile.
+
+        SGLang sets its weight version after every call that carries one, so a sync in several
+        buckets passes ``version`` with the last bucket only (None for the others): a sync that
+        fails half-way never reports new weights on half-updated ones.
+        """
+        if not self.api.distributed_weights:
+            raise self._no_distributed_weights()
         members = self._group_members.get(group_name)
         if members is None:
             raise RolloutError(f"weight-update group '{group_name}' was not initialised by this client; call "
@@ -532,8 +521,14 @@ class RolloutClient:
             raise RolloutError(f"rollout server(s) {', '.join(down)} of weight-update group '{group_name}' are down, "
                                "so the broadcast cannot complete; restart the servers and the run")
         payload = {"names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
-                   "group_name": group_name, "weight_version": str(version), "flush_cache": flush_cache}
-        return await self._fan_out("POST", "/update_weights_from_distributed", payload, servers=members)
+                   "group_name": group_name, "flush_cache": flush_cache}
+        if version is not None:
+            payload["weight_version"] = str(version)
+        result = await self._fan_out([Call("POST", "/update_weights_from_distributed", payload)], servers=members)
+        if version is not None:
+            for s in members:
+                s.weight_version = str(version)
+        return result
 
     def pause_generation(self) -> dict[str, Any]:
         return self._wait(self.apause_generation())
@@ -554,7 +549,7 @@ class RolloutClient:
                                                           ranks_per_server))
 
     def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[str],
-                                        shapes: Sequence[Sequence[int]], group_name: str, version: int | str, *,
-                                        flush_cache: bool = True) -> dict[str, Any]:
+                                        shapes: Sequence[Sequence[int]], group_name: str,
+                                        version: int | str | None, *, flush_cache: bool = True) -> dict[str, Any]:
         return self._wait(self.aupdate_weights_from_distributed(names, dtypes, shapes, group_name, version,
                                                                 flush_cache=flush_cache))

@@ -8,7 +8,9 @@ that finished; the KV cache (``kv_cache.BatchedKVCache``) keeps one row per runn
 
 Logprobs follow the contract in ``archon.rollout.sampling``: ``log_softmax(logits / T)`` of
 the sampled token, in float32, from the raw logits (before stop-token suppression and before
-top-k / top-p / min-p), with T = 1 for greedy requests.
+top-k / top-p / min-p), with T = 1 for greedy requests (temperature 0, or top_k = 1 as in SGLang).
+A stop token (EOS or ``stop_token_ids``) finishes a request with reason ``stop`` even when it
+is the last token ``max_new_tokens`` allows, as in SGLang.
 
 Control semantics (the server's endpoints map onto these one to one):
 
@@ -24,6 +26,7 @@ Control semantics (the server's endpoints map onto these one to one):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -247,6 +250,9 @@ class Generator:
         if request.rid is None:
             request.rid = uuid.uuid4().hex
         params = request.sampling_params
+        if params.top_k == 1 and params.temperature != 0.0:
+            # SGLang samples top_k = 1 on its greedy path, whose logprobs are unscaled (T = 1).
+            params = request.sampling_params = dataclasses.replace(params, temperature=0.0)
         # As in SGLang, ignore_eos switches off stop_token_ids too.
         stop_ids = set() if params.ignore_eos else set(params.stop_token_ids) | self.eos_token_ids
         future: Future = Future()
@@ -554,11 +560,11 @@ class Generator:
             s.output_ids.append(tok)
             if logprobs is not None and s.request.return_logprob:
                 s.logprobs.append(logprobs[i])
-            # Length is checked before stop tokens, as SGLang does.
-            if len(s.output_ids) >= p.max_new_tokens:
-                self._finish(s, {"type": "length", "length": p.max_new_tokens})
-            elif tok in s.stop_ids:
+            # Stop tokens are checked before length, as SGLang does: EOS as the last allowed token is 'stop'.
+            if tok in s.stop_ids:
                 self._finish(s, {"type": "stop", "matched": tok})
+            elif len(s.output_ids) >= p.max_new_tokens:
+                self._finish(s, {"type": "length", "length": p.max_new_tokens})
             else:
                 keep.append(first_row + i)
         self._retire(keep)

@@ -2,10 +2,13 @@
 
 ``build_launch_specs(cfg)`` turns the rollout allocation into one command line and
 environment per server: ``sglang:dNtM`` gives N ``python -m sglang.launch_server`` processes of
-M GPUs each, with ``CUDA_VISIBLE_DEVICES`` from the cluster plan (rollout takes global devices
-``[0, R)``); ``local:dN`` gives N built-in CPU servers (``python -m archon.rollout.server``).
+M GPUs each, ``vllm:dNtMpK`` N ``vllm serve`` processes of M*K GPUs each (``archon.rollout.vllm``),
+with ``CUDA_VISIBLE_DEVICES`` from the cluster plan (rollout takes global devices ``[0, R)``);
+``local:dN`` gives N built-in CPU servers (``python -m archon.rollout.server``).
 The ``[sglang]`` options only shape a server's internals (DP attention, expert parallel, ...);
 they never change how many GPUs a server gets, so they are checked against its tp size.
+A context length is passed only when the user sets one (``sglang.context_length``,
+``vllm.max_model_len``), clamped to the model's own: both servers refuse to start above it.
 
 ``RolloutLauncher`` starts the specs, each in its own session (so stopping reaches the
 server's own children), logs to ``<run_dir>/rollout/server_<i>.log``, waits for ``/health``,
@@ -20,6 +23,7 @@ error asking the user to start it there and pass its address in ``rollout.server
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import os
 import signal
@@ -38,10 +42,15 @@ from typing import Any, Sequence
 from archon.alloc import ModelAllocation
 from archon.config import Config, ConfigError, SGLangConfig
 from archon.plan import ServerPlacement, check_cluster_fit
+from archon.rollout.server_api import HEALTH_PROBE_TIMEOUT_S
+from archon.rollout.vllm import check_vllm_config, vllm_command, vllm_env
 
 logger = logging.getLogger("archon.rollout.launcher")
 
 _LOG_TAIL_LINES = 40
+# SGLang's get_context_length (vLLM's rule is alike): the first of these keys, times a rope scaling factor.
+_CONTEXT_LENGTH_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length",
+                        "max_position_embeddings")
 
 
 class RolloutLaunchError(RuntimeError):
@@ -113,13 +122,48 @@ def check_sglang_options(sg: SGLangConfig, tp_size: int, alloc: str) -> None:
                           "a t > 1 in rollout.backend or turn it off")
 
 
-def sglang_command(cfg: Config, model_path: str, host: str, port: int, seed: int, tp_size: int) -> list[str]:
+def model_context_length(model_path: str) -> int | None:
+    """The context SGLang derives from ``<model_path>/config.json``; None if there is no such file here."""
+    path = Path(model_path) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    cfg = {**cfg, **(cfg.get("text_config") or {})}
+    factor = 1.0
+    rope = cfg.get("rope_scaling")
+    if isinstance(rope, dict) and "original_max_position_embeddings" not in rope and rope.get("rope_type") != "llama3":
+        factor = float(rope.get("factor", 1))
+    for key in _CONTEXT_LENGTH_KEYS:
+        if cfg.get(key) is not None:
+            return int(factor * cfg[key])
+    return 2048
+
+
+def resolve_context_length(requested: int, model_path: str, key: str) -> int | None:
+    """``requested`` clamped to the model's own context; None (pass nothing, the server derives it) when 0."""
+    if requested <= 0:
+        return None
+    own = model_context_length(model_path)
+    if own is not None and requested > own:
+        logger.warning("%s = %d exceeds the context of %s (%d, from its config.json), above which SGLang and vLLM "
+                       "refuse to start; using %d", key, requested, model_path, own, own)
+        return own
+    return requested
+
+
+def sglang_command(cfg: Config, model_path: str, host: str, port: int, seed: int, tp_size: int,
+                   context_length: int | None = None) -> list[str]:
     """``python -m sglang.launch_server ...`` for one server."""
     sg = cfg.sglang
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host,
            "--port", str(port), "--tp-size", str(tp_size), "--skip-tokenizer-init", "--dtype", sg.dtype,
-           "--mem-fraction-static", str(sg.mem_fraction_static), "--context-length", str(sg.context_length),
-           "--random-seed", str(seed), "--log-level", sg.log_level]
+           "--mem-fraction-static", str(sg.mem_fraction_static), "--random-seed", str(seed),
+           "--log-level", sg.log_level]
+    if context_length is not None:
+        cmd += ["--context-length", str(context_length)]
+    if sg.enable_deterministic_inference:
+        cmd += ["--enable-deterministic-inference"]
     if sg.dp_size > 1:
         cmd += ["--dp-size", str(sg.dp_size)]
     if sg.ep_size > 1:
@@ -135,17 +179,21 @@ def sglang_command(cfg: Config, model_path: str, host: str, port: int, seed: int
     return cmd + list(sg.extra_args)
 
 
-def local_command(cfg: Config, model_path: str, host: str, port: int, seed: int) -> list[str]:
+def local_command(cfg: Config, model_path: str, host: str, port: int, seed: int,
+                  context_length: int | None = None) -> list[str]:
     """``python -m archon.rollout.server ...`` for one built-in CPU server."""
-    return [sys.executable, "-m", "archon.rollout.server", "--model-path", model_path, "--host", host,
-            "--port", str(port), "--dtype", cfg.actor.dtype, "--random-seed", str(seed),
-            "--context-length", str(cfg.sglang.context_length)]
+    cmd = [sys.executable, "-m", "archon.rollout.server", "--model-path", model_path, "--host", host,
+           "--port", str(port), "--dtype", cfg.actor.dtype, "--random-seed", str(seed)]
+    if context_length is not None:
+        cmd += ["--context-length", str(context_length)]
+    return cmd
 
 
-def _server_model_path(cfg: Config) -> str:
-    path = cfg.sglang.model_path or cfg.actor.path
+def _server_model_path(cfg: Config, backend: str) -> str:
+    key = "vllm.model" if backend == "vllm" else "sglang.model_path"
+    path = (cfg.vllm.model if backend == "vllm" else cfg.sglang.model_path) or cfg.actor.path
     if not path:
-        raise ConfigError("rollout servers need a model to start from: set sglang.model_path or actor.path to a "
+        raise ConfigError(f"rollout servers need a model to start from: set {key} or actor.path to a "
                           "Hugging Face folder (or pass rollout.server_addrs of servers you started)")
     return path
 
@@ -172,7 +220,7 @@ def build_launch_specs(cfg: Config, run_dir: str | Path | None = None, *, host: 
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     _check_single_node(rollout, plan.servers)
-    model_path = _server_model_path(cfg)
+    model_path = _server_model_path(cfg, rollout.backend)
     # One node: loopback suffices; with several nodes trainer ranks elsewhere must reach the servers.
     bind = host or ("127.0.0.1" if cfg.cluster.n_nodes == 1 else "0.0.0.0")
     connect = "" if bind not in ("0.0.0.0", "::") or cfg.cluster.n_nodes == 1 else socket.gethostname()
@@ -180,21 +228,26 @@ def build_launch_specs(cfg: Config, run_dir: str | Path | None = None, *, host: 
     if len(ports) != len(plan.servers):
         raise ValueError(f"{len(ports)} ports given for {len(plan.servers)} rollout servers")
     log_dir = Path(run_dir if run_dir is not None else cfg.run_dir) / "rollout"
-    tp = rollout.parallel.tp_size
+    tp, pp = rollout.parallel.tp_size, rollout.parallel.pp_size
     if rollout.backend == "sglang":
         check_sglang_options(cfg.sglang, tp, str(rollout))
-    elif rollout.backend != "local":
-        raise ConfigError(f"rollout.backend = '{rollout}': Archon launches 'sglang' and 'local' servers; start "
-                          f"{rollout.backend} servers yourself and pass their host:port in rollout.server_addrs")
+    if rollout.backend == "vllm":
+        check_vllm_config(cfg)
+        context = resolve_context_length(cfg.vllm.max_model_len, model_path, "vllm.max_model_len")
+    else:
+        context = resolve_context_length(cfg.sglang.context_length, model_path, "sglang.context_length")
     specs = []
     for placement, port in zip(plan.servers, ports):
-        seed = cfg.sglang.random_seed + placement.index
         env = {"PYTHONUNBUFFERED": "1"}
+        gpus = ",".join(map(str, placement.local_devices))
         if rollout.backend == "sglang":
-            cmd = sglang_command(cfg, model_path, bind, port, seed, tp)
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, placement.local_devices))
+            cmd = sglang_command(cfg, model_path, bind, port, cfg.sglang.random_seed + placement.index, tp, context)
+            env["CUDA_VISIBLE_DEVICES"] = gpus
+        elif rollout.backend == "vllm":
+            cmd = vllm_command(cfg, model_path, bind, port, cfg.vllm.seed + placement.index, tp, pp, context)
+            env.update(vllm_env(cfg), CUDA_VISIBLE_DEVICES=gpus)
         else:
-            cmd = local_command(cfg, model_path, bind, port, seed)
+            cmd = local_command(cfg, model_path, bind, port, cfg.sglang.random_seed + placement.index, context)
             env["CUDA_VISIBLE_DEVICES"] = ""  # the built-in server is a CPU process
         specs.append(LaunchSpec(placement.index, cmd, env, bind, port,
                                 log_dir / f"server_{placement.index}.log", connect))
@@ -213,9 +266,10 @@ def _tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
 _NO_PROXY_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-def _healthy(addr: str) -> bool:
+def _healthy(addr: str, timeout: float = HEALTH_PROBE_TIMEOUT_S) -> bool:
+    # SGLang's /health is a one-token generation: about a second, more on a busy server.
     try:
-        with _NO_PROXY_OPENER.open(f"http://{addr}/health", timeout=2.0) as resp:
+        with _NO_PROXY_OPENER.open(f"http://{addr}/health", timeout=timeout) as resp:
             return resp.status == 200
     except (urllib.error.URLError, OSError, ValueError):
         return False
@@ -319,7 +373,7 @@ class RolloutLauncher:
                     raise RolloutLaunchError(
                         f"rollout server {run.spec.index} ({run.spec.addr}) exited with code {code} during startup; "
                         f"last lines of {run.spec.log_path}:\n{_tail(run.spec.log_path)}")
-                if _healthy(run.spec.addr):
+                if _healthy(run.spec.addr, min(HEALTH_PROBE_TIMEOUT_S, max(deadline - time.monotonic(), 0.5))):
                     pending.remove(run)
             if not pending:
                 return

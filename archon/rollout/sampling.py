@@ -3,12 +3,14 @@
 The logprob contract (the trainer relies on it): the logprob reported for a sampled token is
 ``log_softmax(logits / T)[token]`` computed in float32 from the model's raw logits of that
 step, i.e. *before* any filtering: before ``min_new_tokens`` suppression of stop tokens and
-before top-k / top-p / min-p.  For temperature 0 (greedy) ``T`` is taken as 1, as SGLang does.
+before top-k / top-p / min-p.  For greedy requests ``T`` is taken as 1, as SGLang does: temperature
+0, and ``top_k = 1`` whatever the temperature (the generator turns those into temperature 0).
 A trainer that recomputes ``log_softmax(model(prompt + completion).logits / T)`` with the same
 weights therefore gets the same numbers.
 
-Sampling applies, per row: temperature, then top-k, then top-p on the renormalised top-k
-distribution, then min-p (relative to the most likely token), and draws one token by
+Sampling applies, per row: temperature, then top-k and top-p jointly on the unfiltered
+distribution (a token survives if it is among the top k and within the top-p nucleus of the
+full softmax, as in SGLang), then min-p (relative to the most likely token), and draws one token by
 inverting the CDF of what is left with a single uniform number from the request's own
 ``torch.Generator``.  One uniform per token per request means a request's tokens depend only
 on its seed and its logits, not on which other requests share the batch.
@@ -34,7 +36,7 @@ class SamplingParams:
     top_p: float = 1.0
     """Nucleus sampling: keep the smallest set of most likely tokens with mass >= top_p."""
     top_k: int = -1
-    """Keep the top_k most likely tokens; -1 disables."""
+    """Keep the top_k most likely tokens; -1 disables; 1 is greedy (logprobs at T = 1, as in SGLang)."""
     min_p: float = 0.0
     """Drop tokens whose probability is below ``min_p`` times that of the most likely token."""
     stop_token_ids: list[int] = field(default_factory=list)
@@ -97,12 +99,14 @@ def _sample_sorted(
     sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
     ranks = torch.arange(vocab, device=scaled.device)
     k = torch.where((top_k > 0) & (top_k < vocab), top_k, torch.full_like(top_k, vocab))
-    sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= k[:, None], float("-inf"))
+    # Top-k and top-p are applied jointly to the unfiltered distribution, as SGLang does (FlashInfer's
+    # filter_apply_order="joint", and its PyTorch sampler): the top-p mass is that of the full
+    # softmax, not of the renormalised top-k.  Keep a token while the mass ranked before it is
+    # below top_p (the first one always stays); rows with top_p == 1 skip this, so rounding
+    # cannot drop their tail tokens.
     probs = torch.softmax(sorted_logits, dim=-1)
-    # Keep a token while the mass ranked before it is below top_p (the first one always stays).
-    # Rows with top_p == 1 skip this: rounding could otherwise drop their tail tokens.
     mass_before = torch.cumsum(probs, dim=-1) - probs
-    drop = (mass_before >= top_p[:, None]) & (top_p < 1.0)[:, None]
+    drop = (ranks[None, :] >= k[:, None]) | ((mass_before >= top_p[:, None]) & (top_p < 1.0)[:, None])
     probs = probs.masked_fill(drop, 0.0)
     probs = probs.masked_fill(probs < min_p[:, None] * probs[:, :1], 0.0)
     return order.gather(1, _sample_from_cdf(probs, uniforms)[:, None]).squeeze(1)

@@ -7,10 +7,11 @@ Two ways, chosen by ``rollout.weight_sync``:
   (a collective that gathers one full tensor at a time); rank 0 packs them into buckets of at
   most ``chunk_mb`` MiB, and for each bucket tells the servers the names, dtypes and shapes
   (``/update_weights_from_distributed``) while it broadcasts the bucket's tensors in that order.
-  Only one bucket is ever held in memory.
+  Only one bucket is ever held in memory, and only the last one carries the new weight version.
 - ``disk``: the engine exports an HF folder (a collective; rank 0 writes) into a fresh temp
   dir, rank 0 renames it atomically to ``<folder>/v<version>`` and asks the servers to load it
-  (``/update_weights_from_disk``).  The folder must be visible to the servers.
+  (SGLang's ``/update_weights_from_disk``; vLLM's reload sequence, see ``archon.rollout.vllm``).
+  The folder must be visible to the servers.  This is the only way into vLLM servers.
 
 The engine is duck-typed (``named_full_tensors(dtype=None)``, ``export_hf(path, dtype=None)``),
 so this module does not import ``archon.engine``.  ``torch.distributed`` must be initialised
@@ -314,9 +315,11 @@ class DistributedWeightSync:
 
     def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], version: str, flush: bool) -> None:
         names = [n for n, _ in bucket]
+        # SGLang sets its weight version after every bucket that carries one: only the last bucket
+        # (the one that flushes) carries it, so a sync failing half-way leaves the old version.
         request = self.client.submit(self.client.aupdate_weights_from_distributed(
             names, [dtype_name(t.dtype) for _, t in bucket], [list(t.shape) for _, t in bucket], self.group_name,
-            version, flush_cache=flush))
+            version if flush else None, flush_cache=flush))
         works = [dist.broadcast(t, src=0, group=self._pg, async_op=True) for _, t in bucket]
         # Poll instead of blocking in wait(): a server that refuses the bucket never receives, and its
         # HTTP error must not be hidden behind a broadcast that waits for the group timeout.

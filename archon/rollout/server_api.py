@@ -1,0 +1,143 @@
+"""How the rollout client's requests are spelled for one server family.
+
+``ServerAPI`` is SGLang's HTTP protocol (which the built-in server speaks too):
+``/generate`` with ``input_ids`` and ``sampling_params``, and SGLang's control endpoints.
+Other backends subclass it (``archon.rollout.vllm.VLLMAPI``); ``RolloutClient`` owns the
+connections, retries and fan-out, and every backend returns the same ``GenerateResult``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# SGLang's /health runs a one-token generation and answers after at least 1 s, up to its own
+# 20 s HEALTH_CHECK_TIMEOUT under load; a shorter probe would call a busy server dead.
+HEALTH_PROBE_TIMEOUT_S = 30.0
+
+class RolloutError(RuntimeError):
+    """A rollout server failed, refused a request, or cannot be reached; the message names it."""
+
+
+class RolloutRequestError(RolloutError):
+    """A server rejected a request with an HTTP 4xx; retrying the same request would not help."""
+
+    def __init__(self, server: str, status: int, message: str):
+        super().__init__(f"rollout server {server} rejected the request with HTTP {status}: {message}")
+        self.server = server
+        self.status = status
+        self.message = message
+
+
+@dataclass
+class GenerateResult:
+    """One completion and its behaviour-policy logprobs."""
+
+    output_ids: list[int]
+    """Generated token ids (prompt excluded)."""
+    output_logprobs: list[float]
+    """Logprob of each generated token under the server's weights; empty if logprobs were not asked for."""
+    finish_reason: str
+    """'stop' (EOS or a stop token), 'length' (max_new_tokens or context) or 'abort'."""
+    prompt_tokens: int
+    """Prompt length as the server counted it."""
+    weight_version: str
+    """Version of the weights that produced the completion."""
+    server: str
+    """Address of the server that answered."""
+    matched_stop: int | None = None
+    """Token id that ended the completion when finish_reason is 'stop' (None if unknown)."""
+
+
+@dataclass(frozen=True)
+class Call:
+    """One HTTP call of a control operation."""
+
+    method: str
+    """HTTP method."""
+    path: str
+    """Path, with its query string if any."""
+    payload: Any = None
+    """JSON body (None: no body)."""
+
+
+class ServerAPI:
+    """How the client's requests are spelled for one server family: SGLang's HTTP protocol.
+
+    Subclasses map the same operations onto another server's API; each control operation is
+    a list of calls made in order on every server.
+    """
+
+    name = "SGLang"
+    """Server family, for error messages."""
+    generate_path = "/generate"
+    """Path of a generate request."""
+    distributed_weights = True
+    """Whether the servers can join a weight-update group (update_weights_from_distributed)."""
+    missing_endpoint_hint = ""
+    """Appended to the error when a control endpoint answers HTTP 404."""
+
+    def generate_payload(self, input_ids: list[int], params: dict[str, Any], return_logprob: bool,
+                         rid: str) -> dict[str, Any]:
+        """Body of one generate request; ``params`` are SGLang ``sampling_params``."""
+        return {"input_ids": input_ids, "sampling_params": dict(params), "return_logprob": return_logprob,
+                "rid": rid}
+
+    def parse_generate(self, body: Any, server: str, return_logprob: bool, weight_version: str) -> GenerateResult:
+        """The answer to a generate request; ``weight_version`` is what the client last set on the server."""
+        if not isinstance(body, dict) or "output_ids" not in body or "meta_info" not in body:
+            raise RolloutError(f"rollout server {server} answered /generate without output_ids/meta_info "
+                               f"(got {str(body)[:200]!r}); is it an SGLang-protocol server started with "
+                               "--skip-tokenizer-init?")
+        meta = body["meta_info"]
+        output_ids = [int(t) for t in body["output_ids"]]
+        logprobs: list[float] = []
+        if return_logprob:
+            entries = meta.get("output_token_logprobs") or []
+            logprobs = [float(e[0]) for e in entries]
+            check_logprob_count(server, output_ids, logprobs)
+        finish = meta.get("finish_reason")
+        matched = None
+        if isinstance(finish, dict):
+            reason = str(finish.get("type", ""))
+            if isinstance(finish.get("matched"), int):
+                matched = finish["matched"]
+        else:
+            reason = str(finish or "")
+        return GenerateResult(output_ids=output_ids, output_logprobs=logprobs, finish_reason=reason,
+                              prompt_tokens=int(meta.get("prompt_tokens", 0)),
+                              weight_version=str(meta.get("weight_version", weight_version)), server=server,
+                              matched_stop=matched)
+
+    def abort(self, rid: str) -> Call | None:
+        """Frees a timed-out request's slot (None: the server does that when the connection drops)."""
+        return Call("POST", "/abort_request", {"rid": rid})
+
+    def pause(self) -> list[Call]:
+        return [Call("POST", "/pause_generation", {})]
+
+    def resume(self) -> list[Call]:
+        return [Call("POST", "/continue_generation", {})]
+
+    def flush_cache(self) -> list[Call]:
+        return [Call("POST", "/flush_cache")]
+
+    def update_weights_from_disk(self, path: str, version: str, abort_all_requests: bool) -> list[Call]:
+        return [Call("POST", "/update_weights_from_disk", {"model_path": path, "weight_version": version,
+                                                          "abort_all_requests": abort_all_requests})]
+
+
+def check_logprob_count(server: str, output_ids: list[int], logprobs: list[float]) -> None:
+    """A completion is only trainable with one logprob per token."""
+    if len(logprobs) != len(output_ids):
+        raise RolloutError(f"rollout server {server} returned {len(output_ids)} tokens but {len(logprobs)} "
+                           "logprobs; the completion cannot be trained on")
+
+
+def api_for_backend(backend: str) -> ServerAPI:
+    """The ServerAPI of an inference backend of the allocation grammar (sglang, vllm, local)."""
+    if backend == "vllm":
+        from archon.rollout.vllm import VLLMAPI
+
+        return VLLMAPI()
+    return ServerAPI()

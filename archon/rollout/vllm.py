@@ -1,0 +1,209 @@
+"""vLLM rollout servers: the launch command line and the client's adapter to vLLM's HTTP API.
+
+Written against vLLM 0.33.0's own source (``vllm/entrypoints/openai/completion``,
+``vllm/entrypoints/rl/online/api_router.py``, ``vllm/entrypoints/serve/dev``,
+``vllm/v1/sample/sampler.py``):
+
+- Generation goes through the OpenAI completions API with the prompt as token ids,
+  ``logprobs: 0`` (the sampled token's logprob only), ``return_token_ids`` (the generated ids,
+  EOS or stop token included) and ``return_tokens_as_token_ids`` (``"token_id:N"`` strings, so
+  the ids are checked against the logprobs).  SGLang-style ``sampling_params`` are translated
+  field by field (``max_new_tokens`` -> ``max_tokens``, ``min_new_tokens`` -> ``min_tokens``,
+  ``sampling_seed`` -> ``seed``, ...); penalties are sent neutral so no server-side generation
+  config applies.  Finish reasons are ``stop`` (EOS or a stop token, checked before the length
+  budget, as in SGLang), ``length`` and ``abort``.
+- Logprobs: vLLM reports ``raw_logprobs`` (``log_softmax`` of the raw logits, before
+  temperature and every filter) by default, or ``processed_logprobs`` (after temperature,
+  min-tokens, min-p, top-k and top-p).  The trainer recomputes ``log_softmax(logits / T)``
+  before filtering, so ``vllm_logprobs_mode`` picks ``raw_logprobs`` where T = 1 (temperature
+  1, greedy, or top_k = 1, which the trainer treats as greedy) and ``processed_logprobs`` for
+  another temperature when nothing filters; any other combination has no matching vLLM mode
+  and is refused at config check.
+- Weights come from disk only: ``/pause?mode=wait`` (drain), ``/collective_rpc`` with method
+  ``reload_weights`` and ``weights_path`` (in-place reload of the folder's safetensors),
+  ``/reset_prefix_cache``, ``/update_weight_version`` and ``/resume``.  These are development
+  endpoints: vLLM serves them only with ``VLLM_SERVER_DEV_MODE=1``, which the launcher sets.
+  If a reload fails the server stays paused, so it never generates from half-loaded weights.
+  Completions report the weights that produced them (``return_weight_versions``).
+- Per-request seeds are always honoured by vLLM's sampler, but the logits themselves depend on
+  the batch unless ``VLLM_BATCH_INVARIANT=1`` (``vllm.batch_invariant``).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from archon.config import Config, ConfigError, GenerationConfig
+from archon.rollout.server_api import Call, GenerateResult, RolloutError, ServerAPI, check_logprob_count
+
+RAW_LOGPROBS = "raw_logprobs"
+PROCESSED_LOGPROBS = "processed_logprobs"
+
+# SGLang sampling_params key -> vLLM completions field.
+_FIELDS = {
+    "max_new_tokens": "max_tokens",
+    "min_new_tokens": "min_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "stop_token_ids": "stop_token_ids",
+    "ignore_eos": "ignore_eos",
+    "sampling_seed": "seed",
+    "n": "n",
+    "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty",
+    "repetition_penalty": "repetition_penalty",
+    "skip_special_tokens": "skip_special_tokens",
+    "spaces_between_special_tokens": "spaces_between_special_tokens",
+}
+# SGLang's defaults where vLLM's differ (vLLM: max_tokens 16, model generation config for the rest).
+_DEFAULTS = {"max_tokens": 128, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+             "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0}
+_TOKEN_ID_PREFIX = "token_id:"
+
+
+def vllm_logprobs_mode(g: GenerationConfig) -> str:
+    """The ``--logprobs-mode`` under which vLLM reports what the trainer recomputes for ``g``."""
+    if g.temperature == 0 or g.temperature == 1.0 or g.top_k == 1:
+        return RAW_LOGPROBS  # T = 1 for the trainer: the raw logprobs are exactly log_softmax(logits)
+    filters = [f"{name} = {value}" for name, value, on in (
+        ("gconfig.top_k", g.top_k, g.top_k not in (-1, 0)), ("gconfig.top_p", g.top_p, g.top_p < 1.0),
+        ("gconfig.min_p", g.min_p, g.min_p > 0.0), ("gconfig.min_new_tokens", g.min_new_tokens, g.min_new_tokens > 0))
+        if on]
+    if filters:
+        raise ConfigError(
+            f"gconfig.temperature = {g.temperature} with {', '.join(filters)} cannot be trained on with vLLM rollouts: "
+            "vLLM reports logprobs either before temperature (raw_logprobs) or after filtering (processed_logprobs), "
+            "never log_softmax(logits / T) before filtering as the trainer recomputes them; use temperature 1, drop "
+            "the filters, or use sglang rollouts")
+    return PROCESSED_LOGPROBS
+
+
+def check_vllm_config(cfg: Config) -> None:
+    """Config check for vllm rollouts: weights from disk, and a logprob mode the trainer can match."""
+    if cfg.rollout.weight_sync != "disk":
+        raise ConfigError(f"rollout.backend = '{cfg.rollout.backend}' gets new weights from disk only, but "
+                          f"rollout.weight_sync = '{cfg.rollout.weight_sync}'; set rollout.weight_sync = 'disk' "
+                          "(the run directory must be visible to the servers)")
+    vllm_logprobs_mode(cfg.gconfig)
+
+
+def vllm_command(cfg: Config, model_path: str, host: str, port: int, seed: int, tp_size: int, pp_size: int,
+                 max_model_len: int | None) -> list[str]:
+    """``vllm serve MODEL ...`` (run as ``python -m vllm.entrypoints.cli.main``, the same interpreter)."""
+    v = cfg.vllm
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model_path, "--host", host,
+           "--port", str(port), "--tensor-parallel-size", str(tp_size), "--pipeline-parallel-size", str(pp_size),
+           "--dtype", v.dtype, "--gpu-memory-utilization", str(v.gpu_memory_utilization), "--seed", str(seed),
+           "--logprobs-mode", vllm_logprobs_mode(cfg.gconfig),
+           # No sampling defaults from the model's generation_config.json: requests carry every field.
+           "--generation-config", "vllm"]
+    if max_model_len is not None:
+        cmd += ["--max-model-len", str(max_model_len)]
+    if v.max_num_seqs > 0:
+        cmd += ["--max-num-seqs", str(v.max_num_seqs)]
+    if v.enforce_eager:
+        cmd += ["--enforce-eager"]
+    return cmd + list(v.extra_args)
+
+
+def vllm_env(cfg: Config) -> dict[str, str]:
+    """Environment of a launched vLLM server (CUDA_VISIBLE_DEVICES is added by the launcher)."""
+    env = {"VLLM_SERVER_DEV_MODE": "1"}  # /pause, /resume, /collective_rpc, /update_weight_version
+    if cfg.vllm.batch_invariant:
+        env["VLLM_BATCH_INVARIANT"] = "1"
+    return env
+
+
+class VLLMAPI(ServerAPI):
+    """RolloutClient's requests spelled in vLLM's OpenAI completions and RL endpoints."""
+
+    name = "vLLM"
+    generate_path = "/v1/completions"
+    distributed_weights = False
+    missing_endpoint_hint = ("; vLLM serves its pause, resume and weight-reload endpoints only with "
+                             "VLLM_SERVER_DEV_MODE=1 (set for launched servers; set it yourself for "
+                             "rollout.server_addrs) and Archon uses the API of vLLM 0.33")
+
+    def generate_payload(self, input_ids: list[int], params: dict[str, Any], return_logprob: bool,
+                         rid: str) -> dict[str, Any]:
+        unknown = sorted(set(params) - set(_FIELDS))
+        if unknown:
+            raise ValueError(f"sampling_params {unknown} have no vLLM equivalent here; use "
+                             f"{', '.join(sorted(_FIELDS))}")
+        body: dict[str, Any] = dict(_DEFAULTS)
+        body.update({_FIELDS[k]: v for k, v in params.items()})
+        if body["max_tokens"] is None:
+            raise ValueError("sampling_params.max_new_tokens = None (up to the context length) has no vLLM "
+                             "equivalent; give a number")
+        if body.get("seed") is None:
+            body.pop("seed", None)
+        if body.get("ignore_eos"):
+            body["stop_token_ids"] = []  # SGLang's ignore_eos ignores stop_token_ids too; vLLM's does not
+        body.update({"prompt": input_ids, "request_id": rid, "stream": False, "echo": False,
+                     "return_token_ids": True, "return_tokens_as_token_ids": True, "return_weight_versions": True})
+        if return_logprob:
+            body["logprobs"] = 0
+        return body
+
+    def parse_generate(self, body: Any, server: str, return_logprob: bool, weight_version: str) -> GenerateResult:
+        choices = body.get("choices") if isinstance(body, dict) else None
+        if not choices or not isinstance(choices[0], dict):
+            raise RolloutError(f"vLLM server {server} answered /v1/completions without choices "
+                               f"(got {str(body)[:200]!r}); is it a vLLM server?")
+        choice = choices[0]
+        if choice.get("token_ids") is None:
+            raise RolloutError(f"vLLM server {server} answered without token_ids; Archon needs a vLLM whose "
+                               "completions API honours return_token_ids (0.10.2 or later)")
+        output_ids = [int(t) for t in choice["token_ids"]]
+        logprobs: list[float] = []
+        if return_logprob:
+            lp = choice.get("logprobs") or {}
+            values = lp.get("token_logprobs") or []
+            if any(v is None for v in values):
+                raise RolloutError(f"vLLM server {server} returned a null logprob; the completion cannot be "
+                                   "trained on")
+            logprobs = [float(v) for v in values]
+            check_logprob_count(server, output_ids, logprobs)
+            tokens = lp.get("tokens") or []
+            named = [int(t[len(_TOKEN_ID_PREFIX):]) for t in tokens if str(t).startswith(_TOKEN_ID_PREFIX)]
+            if len(named) == len(tokens) and named and named != output_ids:
+                raise RolloutError(f"vLLM server {server} returned logprobs for tokens {named[:8]}.. but token_ids "
+                                   f"{output_ids[:8]}..; the completion cannot be trained on")
+        reason = str(choice.get("finish_reason") or "")
+        stop_reason = choice.get("stop_reason")
+        matched = None
+        if reason == "stop" and output_ids:
+            # vLLM names the stop token in stop_reason; EOS leaves it null but is the last token.
+            matched = stop_reason if isinstance(stop_reason, int) else output_ids[-1]
+        spans = choice.get("weight_versions") or []
+        latest = spans[-1].get("version") if spans and isinstance(spans[-1], dict) else None
+        version = weight_version if latest is None else str(latest)
+        prompt_ids = choice.get("prompt_token_ids")
+        usage = body.get("usage") or {}
+        prompt_tokens = len(prompt_ids) if prompt_ids is not None else int(usage.get("prompt_tokens", 0))
+        return GenerateResult(output_ids=output_ids, output_logprobs=logprobs, finish_reason=reason,
+                              prompt_tokens=prompt_tokens, weight_version=version, server=server,
+                              matched_stop=matched)
+
+    def abort(self, rid: str) -> Call | None:
+        return None  # vLLM aborts a request whose connection drops (with_cancellation)
+
+    def pause(self) -> list[Call]:
+        return [Call("POST", "/pause?mode=abort")]  # like SGLang's: running requests end with 'abort'
+
+    def resume(self) -> list[Call]:
+        return [Call("POST", "/resume")]
+
+    def flush_cache(self) -> list[Call]:
+        return [Call("POST", "/reset_prefix_cache")]
+
+    def update_weights_from_disk(self, path: str, version: str, abort_all_requests: bool) -> list[Call]:
+        # Drained first, so no request mixes weights; resumed only after every step succeeded.
+        return [Call("POST", f"/pause?mode={'abort' if abort_all_requests else 'wait'}"),
+                Call("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}}),
+                Call("POST", "/reset_prefix_cache"),
+                Call("POST", "/update_weight_version", {"new_version": version}),
+                Call("POST", "/resume")]
