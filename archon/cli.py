@@ -15,8 +15,11 @@ class JobError(RuntimeError):
     """A job failed for a reason every rank knows and can state in one line (no traceback needed)."""
 
 
-def run_job(job: Callable[[Config], Any], description: str, argv: Sequence[str] | None = None) -> int:
+def run_job(job: Callable[[Config], Any], description: str, argv: Sequence[str] | None = None,
+            kind: str = "rl") -> int:
     """Parse ``--config x.toml [dotted.key=value ...]``, run ``job(cfg)``, leave the process group.
+
+    ``kind`` ('rl' or 'sft') is the run's kind for the config check: SFT starts no rollout server.
 
     User errors (config, allocation, data: ``ValueError``) exit with 2 and one line on stderr;
     a ``JobError`` exits with 1 and one line.  The closing barrier is skipped after a failure,
@@ -29,7 +32,7 @@ def run_job(job: Callable[[Config], Any], description: str, argv: Sequence[str] 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     ok = False
     try:
-        job(load_config(args.config, args.overrides))
+        job(load_config(args.config, args.overrides, job=kind))
         ok = True
     except (ConfigError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
