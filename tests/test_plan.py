@@ -223,3 +223,12 @@ def test_selection_errors_are_one_sentence():
         selected_device(torchrun_env(1, 1, 4), count=4, plan=plan)
     with pytest.raises(ValueError, match="training rank 4 is not in the plan, which has 4"):
         selected_device(torchrun_env(4, 4, 5), plan=plan)
+
+
+def test_launcher_starts_servers_on_the_plan_gpus_and_training_takes_the_rest(tmp_path):
+    from archon.rollout.launcher import build_launch_specs
+
+    cfg = load_config(None, ["rollout.backend=sglang:d2t2", "actor.backend=archon:d4", "actor.path=/models/x"])
+    specs = build_launch_specs(cfg, tmp_path, ports=[30000, 30001])
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["0,1", "2,3"]
+    assert plan_for_config(cfg).train_gpus(0) == (4, 5, 6, 7)
