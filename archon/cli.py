@@ -8,7 +8,7 @@ import sys
 from typing import Any, Callable, Sequence
 
 from archon.config import Config, ConfigError, load_config
-from archon.engine.dist import shutdown_distributed
+from archon.engine.dist import init_distributed, resolve_device_type, shutdown_distributed
 
 
 class JobError(RuntimeError):
@@ -43,3 +43,14 @@ def run_job(job: Callable[[Config], Any], description: str, argv: Sequence[str] 
     finally:
         shutdown_distributed(barrier=ok)
     return 0
+
+
+def init_run(cfg: Config, job: str) -> str:
+    """Start a training process of a run of ``cfg`` (job 'rl' or 'sft'): its GPU from the cluster plan,
+    then the process group.  Returns the device type.  The RL trainer and SFT call this before any engine.
+    """
+    from archon.plan import plan_for_config
+
+    device_type = resolve_device_type(cfg.device)
+    init_distributed(device_type, plan=plan_for_config(cfg, job) if device_type == "cuda" else None)
+    return device_type

@@ -38,7 +38,7 @@ def run_sft(cfg: Config) -> list[dict[str, Any]]:
     from archon.data.sampler import EpochSampler
     from archon.data.sft_dataset import SFTDataset
     from archon.engine.checkpoint import CheckpointManager
-    from archon.engine.dist import init_run
+    from archon.cli import init_run
     from archon.engine.engine import ArchonEngine
     from archon.metrics import MetricsLogger, peak_memory_gb
 

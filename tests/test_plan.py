@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from archon.alloc import AllocationError, ModelAllocation
+from archon.cli import init_run
 from archon.config import ConfigError, load_config
 from archon.engine import dist as archon_dist
 from archon.plan import ClusterPlan, plan_cluster, plan_for_config
@@ -165,7 +166,7 @@ def selected_device(env: dict[str, str], count: int = 8, cfg=None, plan=None, jo
             p.start()
         try:
             if cfg is not None:
-                assert archon_dist.init_run(cfg, job) == "cuda"
+                assert init_run(cfg, job) == "cuda"
             else:
                 archon_dist.init_distributed("cuda", plan=plan)
             return archon_dist.current_device("cuda")

@@ -62,3 +62,11 @@ def test_a_layout_that_cannot_train_is_one_line(monkeypatch):
     with pytest.raises(RehearsalError, match=r"rank \d failed: .*op-level selective AC") as info:
         rehearse(cfg, steps=1)
     assert "\n" not in str(info.value) and "Traceback" in info.value.details
+
+
+@pytest.mark.slow
+def test_dense_recipe_full_16_rank_layout_trains_like_one_device(monkeypatch):
+    # archon:d4p2t2 with Interleaved1F1B: FSDP x pipeline x tensor parallel, ~1 minute on 2 cores.
+    monkeypatch.chdir(REPO)
+    _, result = rehearse(load_config(DENSE, job="sft"), steps=2)
+    assert result.ok, result.first_difference

@@ -29,8 +29,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from archon.config import Config
-    from archon.plan import ClusterPlan, Job
+    from archon.plan import ClusterPlan
 
 
 class DeviceSelectionError(RuntimeError):
@@ -113,18 +112,6 @@ def init_distributed(device_type: str, timeout_s: float = 1800.0, plan: "Cluster
     else:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
                                 world_size=1, timeout=timeout)
-
-
-def init_run(cfg: "Config", job: "Job") -> str:
-    """Start a training process of a run of ``cfg``: its GPU from the cluster plan, then the process group.
-
-    Returns the device type.  The entry points (RL trainer, SFT) call this before any engine.
-    """
-    from archon.plan import plan_for_config
-
-    device_type = resolve_device_type(cfg.device)
-    init_distributed(device_type, plan=plan_for_config(cfg, job) if device_type == "cuda" else None)
-    return device_type
 
 
 def current_device(device_type: str) -> torch.device:

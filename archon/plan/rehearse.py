@@ -27,6 +27,7 @@ import socket
 import tempfile
 import time
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -195,8 +196,10 @@ def _child(conn: Any, rank: int, world: int, port: int, fn: Callable, args: tupl
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-    # torch's pipeline runtime logs the whole schedule of every rank on a failure; the report says enough.
+    # torch's pipeline runtime logs the whole schedule of every rank on a failure, and DTensor/FSDP warn
+    # about CPU meshes once per rank; the report says what matters.
     logging.getLogger("torch.distributed.pipelining").setLevel(logging.CRITICAL)
+    warnings.simplefilter("ignore", UserWarning)
     # One intra-op thread per rank: forked ranks must not open OpenMP regions, and the ranks share the cores.
     torch.set_num_threads(1)
     try:

@@ -252,7 +252,7 @@ class RLTrainer:
     # ------------------------------------------------------------------ run
     def run(self) -> list[dict[str, Any]]:
         from archon.engine.checkpoint import CheckpointManager
-        from archon.engine.dist import init_run
+        from archon.cli import init_run
         from archon.metrics import MetricsLogger
 
         cfg = self.cfg
