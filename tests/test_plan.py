@@ -233,3 +233,24 @@ def test_launcher_starts_servers_on_the_plan_gpus_and_training_takes_the_rest(tm
     specs = build_launch_specs(cfg, tmp_path, ports=[30000, 30001])
     assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["0,1", "2,3"]
     assert plan_for_config(cfg).train_gpus(0) == (4, 5, 6, 7)
+
+
+def test_cli_prints_the_plan_table_and_the_memory_verdict(capsys, monkeypatch):
+    import json
+
+    from archon.plan.show import main
+
+    monkeypatch.chdir(REPO)
+    run = lambda *a: (main(["--config", str(MOE), *a]), *capsys.readouterr())  # noqa: E731
+    code, out, err = run()
+    assert code == 0, err
+    assert "server 3 (sglang:d4t4)" in out and "rank 15 (pp3 cp1 tp1)" in out
+    assert "fits," in out and "the run fits on 80 GiB GPUs" in out
+    code, out, _ = run("--json")
+    data = json.loads(out)
+    assert code == 0 and data == plan_for_config(load_config(MOE)).to_dict()
+    assert data["processes"][4] == {"role": "train", "index": 0, "node": 2, "gpus": [0], "local_index": 0}
+    code, out, _ = run("cluster.gpu_memory_gb=40")
+    assert code == 1 and "does not fit" in out and "the run does not fit" in out
+    code, _, err = run("cluster.n_nodes=3")
+    assert code == 2 and "Traceback" not in err and "gives 24" in " ".join(err.split())

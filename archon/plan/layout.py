@@ -27,6 +27,7 @@ The plan is what launchers consume::
     plan.train_gpus(n)                       # node n's training GPUs in rank order (CUDA_VISIBLE_DEVICES)
     plan.first_rank(n)                       # global rank of node n's first training rank
     plan.rank(r)                             # training rank r's Process
+    plan.to_dict()                           # plain data (python -m archon.plan --json)
 
 A Slurm launcher starts one step per rollout node (its servers, each with
 ``CUDA_VISIBLE_DEVICES`` = the server's ``gpus``) and one torchrun step over ``train_nodes``
@@ -145,6 +146,13 @@ class ClusterPlan:
     def idle_gpus(self, node: int) -> tuple[int, ...]:
         used = {g for p in self.on_node(node) for g in p.gpus}
         return tuple(g for g in range(self.n_gpus_per_node) if g not in used)
+
+    def to_dict(self) -> dict:
+        """The plan as plain data (what ``python -m archon.plan --json`` prints), e.g. for a launcher's script."""
+        return {"n_nodes": self.n_nodes, "n_gpus_per_node": self.n_gpus_per_node, "rollout": self.rollout,
+                "train": self.train,
+                "processes": [{"role": p.role, "index": p.index, "node": p.node, "gpus": list(p.gpus),
+                               "local_index": p.local_index} for p in self.processes]}
 
     def rank(self, rank: int) -> Process:
         """Training rank ``rank``'s process."""

@@ -1,6 +1,6 @@
 """``python -m archon.plan``: the cluster plan as a table, and the memory check; ``rehearse`` runs a layout.
 
-    python -m archon.plan --config x.toml [--job rl|sft] [dotted.key=value ...]
+    python -m archon.plan --config x.toml [--job rl|sft] [--json] [dotted.key=value ...]
     python -m archon.plan rehearse --config x.toml [--steps N] [dotted.key=value ...]
 
 Neither needs a GPU.  The plan exits with 0 when the run fits, 1 when the memory check says it
@@ -11,6 +11,7 @@ device.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import Sequence
 
@@ -103,6 +104,7 @@ def main_plan(argv: Sequence[str]) -> int:
     parser.add_argument("--job", choices=("rl", "sft"), default="rl", help="sft starts no rollout server")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="estimate memory for GPU ranks (default) or CPU processes")
+    parser.add_argument("--json", action="store_true", help="print only the plan, as JSON (for launchers)")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
     args = parser.parse_args(argv)
     console = Console() if sys.stdout.isatty() else Console(width=200)
@@ -112,6 +114,9 @@ def main_plan(argv: Sequence[str]) -> int:
     except (ConfigError, ValueError) as exc:
         Console(stderr=True).print(f"[bold red]error:[/] {exc}", highlight=False)
         return 2
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=1))
+        return 0
     console.print(plan_table(plan))
     if plan.shared_nodes:
         console.print(f"node(s) {', '.join(map(str, plan.shared_nodes))} hold both rollout servers and training "
