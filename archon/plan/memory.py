@@ -28,10 +28,9 @@ ways) and the KV cache SGLang fits into ``sglang.mem_fraction_static`` of the GP
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -201,15 +200,16 @@ class _Layout:
             n = numel / (self.ep * self.etp if self.ep > 1 else self.tp)
         else:
             n = float(numel)
-        if fsdp and self.fsdp:
-            if kind == "expert" and self.ep > 1:
-                n /= self.dp_shard * self.cp * self.tp // (self.ep * self.etp)
-            else:
-                n /= self.dp_shard * self.cp
+        if fsdp and kind == "expert" and self.ep > 1:
+            # Expert weights have their own FSDP units over the ranks EP left (efsdp), always.
+            n /= self.dp_shard * self.cp * self.tp // (self.ep * self.etp)
+        elif fsdp and self.fsdp:
+            n /= self.dp_shard * self.cp
         return n
 
 
-def _rank_layers(n_layers: int, lay: _Layout, engine: "TrainEngineConfig", pp_rank: int) -> tuple[list[int], list[int], int]:
+def _rank_layers(n_layers: int, lay: _Layout, engine: "TrainEngineConfig",
+                 pp_rank: int) -> tuple[list[int], list[int], int]:
     """(this pp rank's stage ids, its layer ids, stage count)."""
     if lay.pp == 1:
         return [0], list(range(n_layers)), 1

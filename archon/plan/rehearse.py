@@ -167,7 +167,8 @@ def _batch(step: int, sequences: int, vocab: int) -> dict[str, Any]:
     return {"input_ids": ids, "attention_mask": attn, "loss_mask": mask}
 
 
-def _train(engine_cfg: Any, model_dir: str, steps: int, sequences: int, vocab: int, seed: int) -> list[dict[str, float]]:
+def _train(engine_cfg: Any, model_dir: str, steps: int, sequences: int, vocab: int,
+           seed: int) -> list[dict[str, float]]:
     import torch.distributed as dist
 
     from archon.engine.engine import ArchonEngine
