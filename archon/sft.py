@@ -38,6 +38,7 @@ def run_sft(cfg: Config) -> list[dict[str, Any]]:
     from archon.data.sampler import EpochSampler
     from archon.data.sft_dataset import SFTDataset
     from archon.engine.checkpoint import CheckpointManager
+    from archon.cli import init_run
     from archon.engine.engine import ArchonEngine
     from archon.metrics import MetricsLogger, peak_memory_gb
 
@@ -45,6 +46,7 @@ def run_sft(cfg: Config) -> list[dict[str, Any]]:
         raise ConfigError("actor.path is empty; SFT needs a Hugging Face model folder with a tokenizer")
     if not cfg.train_dataset.path:
         raise ConfigError("train_dataset.path is empty; point it at a jsonl file of {\"prompt\", \"completion\"}")
+    init_run(cfg, "sft")
     engine = ArchonEngine(cfg.actor, name="actor", seed=cfg.seed, device=cfg.device,
                           total_steps=cfg.total_train_steps).initialize()
     rank0 = dist.get_rank() == 0

@@ -61,12 +61,22 @@ class _Recorder:
             self.logged = True
 
 
-def _ignore_profiler_ranges() -> None:
+def _ignore_fsdp_unshard_ops() -> None:
     # An FSDP unit nested inside a checkpointed block (the experts under expert parallel)
-    # opens more profiler ranges in recompute than in forward (its root pre-forward runs
-    # again).  SAC matches ops between the two by count; ranges hold no tensors, so skip them.
-    SAC_IGNORED_OPS.update({torch.ops.profiler._record_function_enter_new.default,
-                            torch.ops.profiler._record_function_exit._RecordFunction})
+    # may gather its parameters in recompute but not in forward, or the other way round: under
+    # pipeline parallel they stay unsharded between microbatches, so whether the unit gathers
+    # depends on what ran before.  SAC matches ops between forward and recompute by count, so
+    # skip the ops of a gather (and the profiler ranges around it).  The save list never holds
+    # them, so they would be recomputed anyway.
+    ops = {torch.ops.profiler._record_function_enter_new.default,
+           torch.ops.profiler._record_function_exit._RecordFunction, torch.ops.aten.copy_.default}
+    for name in ("all_gather_copy_in", "split_with_sizes_copy"):
+        if hasattr(torch.ops.fsdp, name):
+            ops.add(getattr(torch.ops.fsdp, name).default)
+    for name in ("_allgather_base_", "allgather_into_tensor_coalesced", "allgather_"):
+        if hasattr(torch.ops.c10d, name):
+            ops.add(getattr(torch.ops.c10d, name).default)
+    SAC_IGNORED_OPS.update(ops)
 
 
 def _context_fn(save_ops: set, recorder: _Recorder | None):
@@ -88,7 +98,7 @@ def _wrap(block: nn.Module, name: str, save_ops: set | None, preserve_rng_state:
     recorder = _Recorder(name) if debug else None
     kwargs = dict(preserve_rng_state=preserve_rng_state)
     if save_ops is not None or debug:
-        _ignore_profiler_ranges()
+        _ignore_fsdp_unshard_ops()
         kwargs["context_fn"] = _context_fn(save_ops or set(), recorder)
     return checkpoint_wrapper(block, **kwargs)
 

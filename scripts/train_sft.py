@@ -13,4 +13,4 @@ from archon.cli import run_job
 from archon.sft import run_sft
 
 if __name__ == "__main__":
-    sys.exit(run_job(run_sft, __doc__))
+    sys.exit(run_job(run_sft, __doc__, kind="sft"))

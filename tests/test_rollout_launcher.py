@@ -43,8 +43,13 @@ def _flag(cmd: list[str], name: str) -> str:
 def test_sglang_d4t2_on_three_nodes_with_a_pipelined_actor(tmp_path):
     cfg = _cfg("rollout.backend=sglang:d4t2", "actor.backend=archon:d4p2t2", "cluster.n_nodes=3",
                "cluster.n_gpus_per_node=8", "sglang.random_seed=5")
-    specs = build_launch_specs(cfg, tmp_path, ports=[30000, 30001, 30002, 30003])
+    # The plan gives node 0 to rollout and nodes 1-2 to training: the trainer (rank 0 on node 1)
+    # must not start them on its own node; a cluster launcher starts node 0's.
+    with pytest.raises(ConfigError, match=r"server 0 on node 0 \(GPUs 0,1\).*its own node 1"):
+        build_launch_specs(cfg, tmp_path)
+    specs = build_launch_specs(cfg, tmp_path, ports=[30000, 30001, 30002, 30003], node=0)
     assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["0,1", "2,3", "4,5", "6,7"]
+    assert build_launch_specs(cfg, tmp_path, node=1) == []
     for i, s in enumerate(specs):
         assert s.cmd[:3] == [sys.executable, "-m", "sglang.launch_server"]
         assert _flag(s.cmd, "--model-path") == "/models/tiny"
@@ -72,7 +77,7 @@ def test_sglang_d2t4_with_extra_options(tmp_path):
                "sglang.disable_cuda_graph=true", "sglang.max_running_requests=64",
                "sglang.attention_backend=fa3", "sglang.mem_fraction_static=0.6", "sglang.dtype=float16",
                "sglang.extra_args=['--chunked-prefill-size', '4096']")
-    specs = build_launch_specs(cfg, tmp_path)
+    specs = build_launch_specs(cfg, tmp_path, node=0)
     assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["0,1,2,3", "4,5,6,7"]
     ports = [s.port for s in specs]
     assert len(set(ports)) == 2 and all(p > 0 for p in ports)
@@ -90,16 +95,20 @@ def test_sglang_d4t4_with_dp_attention_and_expert_parallel(tmp_path):
     moe = ["rollout.backend=sglang:d4t4", "actor.backend='archon:(attn:d1p4t2c2|ffn:d1p4t1e4)'",
            "sglang.dp_size=4", "sglang.ep_size=4", "sglang.enable_dp_attention=true"]
     # Internal DP/EP never changes GPU counts: still 4 servers x 4 GPUs.
-    specs = build_launch_specs(_cfg(*moe, "cluster.n_nodes=2", "cluster.n_gpus_per_node=16"), tmp_path)
+    specs = build_launch_specs(_cfg(*moe, "cluster.n_nodes=2", "cluster.n_gpus_per_node=16"), tmp_path, node=0)
     assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["0,1,2,3", "4,5,6,7", "8,9,10,11", "12,13,14,15"]
     for s in specs:
         assert _flag(s.cmd, "--tp-size") == "4"
         assert _flag(s.cmd, "--dp-size") == "4"
         assert _flag(s.cmd, "--ep-size") == "4"
         assert "--enable-dp-attention" in s.cmd
-    # On 8-GPU nodes servers 2 and 3 land on node 1, which this launcher does not reach.
+    # On 8-GPU nodes servers 2 and 3 land on node 1 and training on nodes 2-3: the trainer reaches
+    # none of them, a cluster launcher starts each node's own.
+    four_nodes = _cfg(*moe, "cluster.n_nodes=4", "cluster.n_gpus_per_node=8")
     with pytest.raises(ConfigError, match=r"server 2 on node 1 .*server 3 on node 1.*rollout.server_addrs"):
-        build_launch_specs(_cfg(*moe, "cluster.n_nodes=4", "cluster.n_gpus_per_node=8"), tmp_path)
+        build_launch_specs(four_nodes, tmp_path)
+    on_node1 = build_launch_specs(four_nodes, tmp_path, node=1)
+    assert [(s.index, s.env["CUDA_VISIBLE_DEVICES"]) for s in on_node1] == [(2, "0,1,2,3"), (3, "4,5,6,7")]
 
 
 @pytest.mark.parametrize("overrides, message", [

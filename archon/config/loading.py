@@ -214,8 +214,12 @@ def read_toml(path: str | Path) -> dict[str, Any]:
 
 
 def load_config(config_path: str | Path | None = None, overrides: typing.Sequence[str] = (),
-                validate: bool = True) -> Config:
-    """Defaults, then the TOML file, then the overrides; then inheritance and validation."""
+                validate: bool = True, job: str = "rl") -> Config:
+    """Defaults, then the TOML file, then the overrides; then inheritance and validation.
+
+    ``job`` ('rl' or 'sft') says which processes the cluster check counts: an SFT run starts
+    no rollout server.
+    """
     tree: dict[str, Any] = {}
     sources: dict[str, str] = {}
     if config_path:
@@ -231,7 +235,7 @@ def load_config(config_path: str | Path | None = None, overrides: typing.Sequenc
     _inherit_from_actor(cfg, builder.explicit)
     _apply_estimator_defaults(cfg, builder.explicit)
     if validate:
-        validate_config(cfg, sources)
+        validate_config(cfg, sources, job=job)
     return cfg
 
 
@@ -271,9 +275,12 @@ def _merge_section(base: Any, own: Any, prefix: str, explicit: set[str]) -> Any:
     return dataclasses.replace(base, **changes)
 
 
-def validate_config(cfg: Config, sources: dict[str, str] | None = None) -> None:
-    """Cross-field checks: allocations parse, engines fit the cluster, sizes are positive."""
-    from archon.plan import check_cluster_fit
+def validate_config(cfg: Config, sources: dict[str, str] | None = None, job: str = "rl") -> None:
+    """Cross-field checks: allocations parse, the run's processes fit the cluster, sizes are positive.
+
+    ``job`` 'sft' leaves the rollout servers out of the cluster check (SFT starts none).
+    """
+    from archon.plan import plan_cluster
 
     sources = sources or {}
     allocs: dict[str, ModelAllocation] = {}
@@ -292,8 +299,15 @@ def validate_config(cfg: Config, sources: dict[str, str] | None = None) -> None:
         if allocs[engine].backend != "archon":
             raise ConfigError(f"{engine}.backend = '{allocs[engine]}' uses backend "
                               f"'{allocs[engine].backend}', but this is Archon; write 'archon:{_dims_of(allocs[engine])}'")
+    if job not in ("rl", "sft"):
+        raise ValueError(f"job must be 'rl' or 'sft', got {job!r}")
+    if cfg.cluster.gpu_memory_gb <= 0:
+        raise ConfigError(f"cluster.gpu_memory_gb = {cfg.cluster.gpu_memory_gb} (from "
+                          f"{sources.get('cluster.gpu_memory_gb', 'the defaults')}) must be positive: the memory "
+                          "of one GPU in GB, e.g. 80 for an H100 80GB")
     try:
-        check_cluster_fit(allocs, cfg.cluster.n_nodes, cfg.cluster.n_gpus_per_node)
+        placed = {k: a for k, a in allocs.items() if job == "rl" or k != "rollout"}
+        plan_cluster(placed, cfg.cluster.n_nodes, cfg.cluster.n_gpus_per_node)
     except AllocationError as exc:
         raise ConfigError(str(exc)) from None
     _check_rollout_backend(cfg, allocs["rollout"])

@@ -32,6 +32,8 @@ class ClusterConfig:
     """Number of nodes in the cluster."""
     n_gpus_per_node: int = 8
     """Accelerators per node; on a CPU-only machine, the number of processes per node the run may use."""
+    gpu_memory_gb: float = 80.0
+    """Memory of one GPU in GiB (an 80 GB H100 or A100: 80), for the memory-fit check of `python -m archon.plan`."""
 
 
 @dataclass

@@ -80,6 +80,8 @@ def main(argv: typing.Sequence[str] | None = None) -> int:
                                      description="Print the resolved Archon config and its allocation table.")
     parser.add_argument("--config", help="TOML config file")
     parser.add_argument("--describe", metavar="SECTION", help="list the documented keys of a section ('' = top level)")
+    parser.add_argument("--job", choices=("rl", "sft"), default="rl",
+                        help="the run's kind for the cluster check: sft starts no rollout server")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
     args = parser.parse_args(argv)
     # Off a terminal rich assumes 80 columns and would truncate long (hybrid MoE) allocation strings.
@@ -88,7 +90,7 @@ def main(argv: typing.Sequence[str] | None = None) -> int:
         if args.describe is not None:
             console.print(describe_section(args.describe), highlight=False)
             return 0
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides, job=args.job)
     except ConfigError as exc:
         Console(stderr=True).print(f"[bold red]config error:[/] {exc}", highlight=False)
         return 2

@@ -1,13 +1,39 @@
-"""Process-group setup shared by every engine of a run."""
+"""Process-group setup shared by every engine of a run, and which GPU a training rank uses.
+
+The GPU rule (one for every launcher).  The cluster plan (``archon.plan``) gives training rank
+``RANK`` a node-local GPU id ``g``.  The process then uses:
+
+1. ``cuda:g`` when ``CUDA_VISIBLE_DEVICES`` is unset: every GPU of the node is visible, so ids
+   and indices agree (plain torchrun on one node: servers on GPUs ``0..R-1``, rank ``r`` on
+   ``R + r``, nothing to set by hand);
+2. the position of ``g`` in ``CUDA_VISIBLE_DEVICES`` when a launcher exported a list of
+   node-local ids that includes it (e.g. a Slurm step that shows each node its training GPUs);
+3. the one visible GPU when the launcher bound the process to a single GPU that the list
+   names differently (Ray gives each bundle its own GPU);
+4. otherwise an error that names the rank, ``g`` and the list.
+
+Without a plan (an engine used on its own under torchrun) the rank uses visible device
+``LOCAL_RANK``, as torchrun expects.  ``LOCAL_RANK``, when set, must be the rank's position
+among its node's training ranks in the plan: a launcher that put ranks on nodes differently
+from the plan is refused, because the plan's GPUs would then collide.
+"""
 
 from __future__ import annotations
 
 import os
 import socket
 from datetime import timedelta
+from typing import TYPE_CHECKING, Mapping
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from archon.plan import ClusterPlan
+
+
+class DeviceSelectionError(RuntimeError):
+    """This training process cannot tell which GPU is its own; the message says why and how to fix it."""
 
 
 def resolve_device_type(device: str = "auto") -> str:
@@ -19,23 +45,64 @@ def resolve_device_type(device: str = "auto") -> str:
     return device
 
 
+def plan_gpu(plan: "ClusterPlan", env: Mapping[str, str] = os.environ) -> int:
+    """The node-local GPU id ``plan`` gives this process's training rank (``RANK``), checked against ``LOCAL_RANK``."""
+    rank = int(env.get("RANK", "0"))
+    proc = plan.rank(rank)
+    local = env.get("LOCAL_RANK")
+    if local is not None and int(local) != proc.local_index:
+        raise DeviceSelectionError(
+            f"training rank {rank} was started as local rank {local}, but the cluster plan puts it on node "
+            f"{proc.node} as local rank {proc.local_index} (GPU {proc.gpus[0]}); start "
+            f"{len(plan.train_gpus(proc.node))} training processes on that node as `python -m archon.plan` shows, "
+            "or fix cluster.n_nodes / cluster.n_gpus_per_node")
+    return proc.gpus[0]
+
+
+def cuda_device_index(gpu: int | None, env: Mapping[str, str] = os.environ) -> int:
+    """The CUDA device index this process uses for plan GPU ``gpu`` (None: no plan), by the rule above."""
+    visible_env = env.get("CUDA_VISIBLE_DEVICES")
+    if gpu is None:
+        index = int(env.get("LOCAL_RANK", "0"))
+        where = f"LOCAL_RANK={index}"
+    elif visible_env is None:
+        index, where = gpu, f"the plan's GPU {gpu}"
+    else:
+        visible = [v.strip() for v in visible_env.split(",") if v.strip()]
+        if str(gpu) in visible:
+            index = visible.index(str(gpu))
+        elif len(visible) == 1:
+            index = 0
+        else:
+            raise DeviceSelectionError(
+                f"the cluster plan gives this training rank (RANK={env.get('RANK', '0')}) GPU {gpu} of its node, "
+                f"but CUDA_VISIBLE_DEVICES={visible_env!r} does not list it; export the node's GPU ids as the plan "
+                "gives them (or one GPU per process), or leave CUDA_VISIBLE_DEVICES unset")
+        where = f"the plan's GPU {gpu} (CUDA_VISIBLE_DEVICES={visible_env!r})"
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise DeviceSelectionError(f"this training process should use CUDA device {index} ({where}), but only "
+                                   f"{count} are visible; set cluster.n_gpus_per_node to the node's GPU count and "
+                                   "check the launcher's CUDA_VISIBLE_DEVICES")
+    return index
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def init_distributed(device_type: str, timeout_s: float = 1800.0) -> None:
-    """Join the job's process group (torchrun env) or make a one-process group.
+def init_distributed(device_type: str, timeout_s: float = 1800.0, plan: "ClusterPlan | None" = None) -> None:
+    """Select this rank's GPU (``plan``: see the module docstring) and join the job's process group.
 
-    A single process still gets a group so that every engine runs the same DTensor/DCP code
-    paths whatever the allocation.
+    Joins torchrun's group (env) or makes a one-process group: a single process still gets a
+    group so that every engine runs the same DTensor/DCP code paths whatever the allocation.
     """
     if dist.is_initialized():
         return
     if device_type == "cuda":
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local_rank)
+        torch.cuda.set_device(cuda_device_index(plan_gpu(plan) if plan is not None else None))
         backend = "cpu:gloo,cuda:nccl"
     else:
         backend = "gloo"
@@ -45,6 +112,11 @@ def init_distributed(device_type: str, timeout_s: float = 1800.0) -> None:
     else:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
                                 world_size=1, timeout=timeout)
+
+
+def current_device(device_type: str) -> torch.device:
+    """The device this process computes on (the GPU ``init_distributed`` selected, or the CPU)."""
+    return torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
 
 
 def shutdown_distributed(barrier: bool = True) -> None:

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from archon.alloc import ModelAllocation
 from archon.config import TrainEngineConfig
-from archon.engine.dist import init_distributed, resolve_device_type
+from archon.engine.dist import current_device, init_distributed, resolve_device_type
 from archon.engine.microbatch import (
     Batch,
     PackedMicrobatch,
@@ -110,9 +110,9 @@ class ArchonEngine:
 
             # Environment variables must be set before the first kernel/communicator exists.
             apply_determinism(self.device_type)
+        # The entry points already joined with the GPU the cluster plan gives this rank (init_run).
         init_distributed(self.device_type)
-        self.device = torch.device(self.device_type, torch.cuda.current_device() if self.device_type == "cuda" else 0) \
-            if self.device_type == "cuda" else torch.device("cpu")
+        self.device = current_device(self.device_type)
         self.allocation = ModelAllocation.from_str(cfg.backend)
         world = dist.get_world_size()
         if self.allocation.world_size != world:

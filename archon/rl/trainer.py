@@ -280,11 +280,11 @@ class RLTrainer:
     # ------------------------------------------------------------------ run
     def run(self) -> list[dict[str, Any]]:
         from archon.engine.checkpoint import CheckpointManager
-        from archon.engine.dist import init_distributed, resolve_device_type
+        from archon.cli import init_run
         from archon.metrics import MetricsLogger
 
         cfg = self.cfg
-        init_distributed(resolve_device_type(cfg.device))
+        init_run(cfg, "rl")
         self.rank0 = dist.get_rank() == 0
         self._build_data()
         self._build_engines()

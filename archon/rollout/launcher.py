@@ -3,7 +3,7 @@
 ``build_launch_specs(cfg)`` turns the rollout allocation into one command line and
 environment per server: ``sglang:dNtM`` gives N ``python -m sglang.launch_server`` processes of
 M GPUs each, ``vllm:dNtMpK`` N ``vllm serve`` processes of M*K GPUs each (``archon.rollout.vllm``),
-with ``CUDA_VISIBLE_DEVICES`` from the cluster plan (rollout takes global devices ``[0, R)``);
+with ``CUDA_VISIBLE_DEVICES`` = the GPUs the cluster plan (``archon.plan``) gives each server;
 ``local:dN`` gives N built-in CPU servers (``python -m archon.rollout.server``).
 The ``[sglang]`` options only shape a server's internals (DP attention, expert parallel, ...);
 they never change how many GPUs a server gets, so they are checked against its tp size.
@@ -16,8 +16,10 @@ and stops every server however the trainer ends: context-manager exit, an except
 startup, ``atexit``, SIGINT or SIGTERM.  With ``rollout.server_addrs`` set nothing is
 launched and those addresses are used as they are.
 
-Only single-node launching is implemented: a server the plan puts on another node is an
-error asking the user to start it there and pass its address in ``rollout.server_addrs``.
+``build_launch_specs(cfg, node=n)`` gives the servers the plan puts on node ``n`` (what a
+cluster launcher starts there).  Without ``node`` the trainer launches them itself, on the node
+of training rank 0; a server the plan puts on another node is then an error asking for a
+cluster launcher or ``rollout.server_addrs``.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from typing import Any, Sequence
 
 from archon.alloc import ModelAllocation
 from archon.config import Config, ConfigError, SGLangConfig
-from archon.plan import ServerPlacement, check_cluster_fit
+from archon.plan import ClusterPlan, Process, plan_for_config
 from archon.rollout.server_api import HEALTH_PROBE_TIMEOUT_S
 from archon.rollout.vllm import check_vllm_config, vllm_command, vllm_env
 
@@ -198,48 +200,58 @@ def _server_model_path(cfg: Config, backend: str) -> str:
     return path
 
 
-def _check_single_node(rollout: ModelAllocation, servers: Sequence[ServerPlacement]) -> None:
-    remote = [s for s in servers if s.node != 0]
+def _servers_of_node(rollout: ModelAllocation, plan: ClusterPlan, node: int | None) -> tuple[Process, ...]:
+    """The servers to launch: those of ``node``, or (None) all of them, which must be on training rank 0's node."""
+    if node is not None:
+        if not 0 <= node < plan.n_nodes:
+            raise ConfigError(f"node {node} is not in the cluster (cluster.n_nodes = {plan.n_nodes})")
+        return plan.servers_on(node)
+    here = plan.train_ranks[0].node if plan.train_ranks else 0
+    remote = [s for s in plan.servers if s.node != here]
     if remote:
-        where = ", ".join(f"server {s.index} on node {s.node} (local devices "
-                          f"{','.join(map(str, s.local_devices))})" for s in remote)
-        raise ConfigError(f"rollout.backend = '{rollout}' places {where}, but Archon launches rollout servers on "
-                          "this node only; start those servers on their nodes yourself and list every server's "
-                          "host:port in rollout.server_addrs")
+        where = ", ".join(f"server {s.index} on node {s.node} (GPUs {','.join(map(str, s.gpus))})" for s in remote)
+        raise ConfigError(f"rollout.backend = '{rollout}' places {where}, but the trainer launches servers only on "
+                          f"its own node {here} (that of training rank 0); start the run with a cluster launcher "
+                          "that starts every node's servers, or start them yourself and list every server's "
+                          "host:port in rollout.server_addrs (`python -m archon.plan` shows the layout)")
+    return plan.servers
 
 
 def build_launch_specs(cfg: Config, run_dir: str | Path | None = None, *, host: str | None = None,
-                       ports: Sequence[int] | None = None) -> list[LaunchSpec]:
-    """One LaunchSpec per rollout server of ``cfg.rollout.backend`` (empty when server_addrs is set)."""
+                       ports: Sequence[int] | None = None, node: int | None = None) -> list[LaunchSpec]:
+    """One LaunchSpec per rollout server of ``cfg.rollout.backend`` (empty when server_addrs is set).
+
+    ``node``: only the servers the cluster plan puts on that node; None: every server, which
+    must then be on the node of training rank 0 (the trainer launches them).
+    """
     if cfg.rollout.server_addrs:
         return []
-    allocs = cfg.allocations()
-    rollout = allocs["rollout"]
+    rollout = cfg.allocations()["rollout"]
     try:
-        plan = check_cluster_fit(allocs, cfg.cluster.n_nodes, cfg.cluster.n_gpus_per_node)
+        plan = plan_for_config(cfg)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    _check_single_node(rollout, plan.servers)
+    tp, pp = rollout.parallel.tp_size, rollout.parallel.pp_size
+    if rollout.backend == "sglang":
+        check_sglang_options(cfg.sglang, tp, str(rollout))
+    servers = _servers_of_node(rollout, plan, node)
     model_path = _server_model_path(cfg, rollout.backend)
     # One node: loopback suffices; with several nodes trainer ranks elsewhere must reach the servers.
     bind = host or ("127.0.0.1" if cfg.cluster.n_nodes == 1 else "0.0.0.0")
     connect = "" if bind not in ("0.0.0.0", "::") or cfg.cluster.n_nodes == 1 else socket.gethostname()
-    ports = list(ports) if ports is not None else free_ports(len(plan.servers), bind)
-    if len(ports) != len(plan.servers):
-        raise ValueError(f"{len(ports)} ports given for {len(plan.servers)} rollout servers")
+    ports = list(ports) if ports is not None else free_ports(len(servers), bind)
+    if len(ports) != len(servers):
+        raise ValueError(f"{len(ports)} ports given for {len(servers)} rollout servers")
     log_dir = Path(run_dir if run_dir is not None else cfg.run_dir) / "rollout"
-    tp, pp = rollout.parallel.tp_size, rollout.parallel.pp_size
-    if rollout.backend == "sglang":
-        check_sglang_options(cfg.sglang, tp, str(rollout))
     if rollout.backend == "vllm":
         check_vllm_config(cfg)
         context = resolve_context_length(cfg.vllm.max_model_len, model_path, "vllm.max_model_len")
     else:
         context = resolve_context_length(cfg.sglang.context_length, model_path, "sglang.context_length")
     specs = []
-    for placement, port in zip(plan.servers, ports):
+    for placement, port in zip(servers, ports):
         env = {"PYTHONUNBUFFERED": "1"}
-        gpus = ",".join(map(str, placement.local_devices))
+        gpus = ",".join(map(str, placement.gpus))
         if rollout.backend == "sglang":
             cmd = sglang_command(cfg, model_path, bind, port, cfg.sglang.random_seed + placement.index, tp, context)
             env["CUDA_VISIBLE_DEVICES"] = gpus
