@@ -61,7 +61,7 @@ def test_vllm_d2t2p2_specs_on_one_node(model_dir, tmp_path):
     cfg = _cfg(model_dir, "rollout.backend=vllm:d2t2p2", "actor.backend=archon:d8", "cluster.n_nodes=2",
                "cluster.n_gpus_per_node=8", "vllm.seed=9", "vllm.gpu_memory_utilization=0.7",
                "vllm.extra_args=['--swap-space', '4']")
-    specs = build_launch_specs(cfg, tmp_path, ports=[8100, 8101])
+    specs = build_launch_specs(cfg, tmp_path, ports=[8100, 8101], node=0)  # the plan gives node 0 to rollout
     assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["0,1,2,3", "4,5,6,7"]
     for i, s in enumerate(specs):
         assert s.cmd[:5] == [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir)]
