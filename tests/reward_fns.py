@@ -50,3 +50,20 @@ def slow_length(prompt, completion, answer, **kw):
     """length_reward that takes a while, so a test can kill a run between two steps."""
     time.sleep(0.05)
     return length_reward(prompt, completion, answer, **kw)
+
+
+def misbehaves(prompt, completion, answer, **kw):
+    """Fails in every way a reward function can, chosen by the completion."""
+    if completion == "raise":
+        raise KeyError("no such field")
+    if completion == "hang":
+        time.sleep(60)
+    if completion == "text":
+        return "1.0"
+    if completion == "nan":
+        return float("nan")
+    return 1.0
+
+
+def always_raises(prompt, completion, answer, **kw):
+    raise RuntimeError("the reward service is down")

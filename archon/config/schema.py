@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Literal
 
 from archon.alloc import ModelAllocation
+from archon.errors import ArchonError
 
 
-class ConfigError(ValueError):
+class ConfigError(ArchonError, ValueError):
     """A config file, key or value a user wrote is wrong; the message says where and how to fix it."""
 
 
@@ -296,7 +297,9 @@ class RewardConfig:
     timeout_s: float = 15.0
     """Seconds before one reward call counts as failed (reward 0)."""
     n_workers: int = 2
-    """Reward worker processes."""
+    """Reward worker processes; 0 calls the function in the trainer (no timeout or crash protection)."""
+    max_failure_frac: float = 0.5
+    """Stop the run when more than this fraction of one step's reward calls fail (raise, time out, return a non-number); 1 never stops."""
 
 
 @dataclass

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from archon.errors import DataError
+
 PROMPT_PLACEHOLDER = "{prompt}"
 
 
@@ -12,8 +14,8 @@ def apply_prompt_template(text: str, prompt_template: str = PROMPT_PLACEHOLDER) 
     """``prompt_template`` with ``{prompt}`` replaced by ``text``; other braces are kept literally
     (so a template may say ``\\boxed{}``)."""
     if PROMPT_PLACEHOLDER not in prompt_template:
-        raise ValueError(f"prompt_template {prompt_template!r} has no '{{prompt}}' placeholder; write e.g. "
-                         "'{prompt}\\nPut your final answer in \\\\boxed{}.'")
+        raise DataError(f"prompt_template {prompt_template!r} has no '{{prompt}}' placeholder; write e.g. "
+                        "'{prompt}\\nPut your final answer in \\\\boxed{}.'")
     return prompt_template.replace(PROMPT_PLACEHOLDER, text)
 
 
@@ -45,8 +47,8 @@ def encode_prompt(
     use_chat = has_chat_template(tokenizer) if use_chat_template is None else use_chat_template
     if use_chat:
         if not has_chat_template(tokenizer):
-            raise ValueError("use_chat_template is on but the tokenizer has no chat_template; turn it off or "
-                             "use a tokenizer folder whose tokenizer_config.json defines one")
+            raise DataError("use_chat_template is on but the tokenizer has no chat_template; turn it off or "
+                            "use a tokenizer folder whose tokenizer_config.json defines one")
         messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
             {"role": "user", "content": text}]
         return _ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,

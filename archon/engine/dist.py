@@ -9,13 +9,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from archon.config import ConfigError
+
 
 def resolve_device_type(device: str = "auto") -> str:
     """'cuda' when asked or available (for 'auto'), else 'cpu'."""
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device = 'cuda' but no CUDA device is visible; set device = 'cpu' or 'auto'")
+        raise ConfigError("device = 'cuda' but no CUDA device is visible; set device = 'cpu' or 'auto'")
     return device
 
 

@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from archon.alloc import ModelAllocation
 from archon.config import TrainEngineConfig
+from archon.errors import ArchonError
 from archon.engine.dist import init_distributed, resolve_device_type
 from archon.engine.microbatch import (
     Batch,
@@ -62,7 +63,7 @@ def _token_count_weight(mb: Batch) -> float:
     return float(mb["loss_mask"].sum()) if "loss_mask" in mb else float(mb["attention_mask"].sum())
 
 
-class EngineError(ValueError):
+class EngineError(ArchonError, ValueError):
     """A user-caused problem with an engine's config, allocation or data."""
 
 
@@ -119,8 +120,11 @@ class ArchonEngine:
             raise EngineError(f"{self.name}.backend = '{cfg.backend}' needs {self.allocation.world_size} ranks but "
                               f"the job has {world}; launch with --nproc_per_node={self.allocation.world_size} "
                               f"or change the allocation")
-        self.parallel_dims = ParallelDims.from_allocation(self.allocation, world_size=world,
-                                                          dp_replicate=cfg.archon.dp_replicate)
+        try:
+            self.parallel_dims = ParallelDims.from_allocation(self.allocation, world_size=world,
+                                                              dp_replicate=cfg.archon.dp_replicate)
+        except ValueError as exc:  # parallel/ cannot raise Archon's errors; its ValueErrors are the user's
+            raise EngineError(f"{self.name}.backend = '{cfg.backend}': {exc}") from None
         self.parallel_dims.build_meshes(self.device_type)
         if dist.get_rank() == 0:
             logger.info("Initialized Archon engine with parallel dims: %s", self.parallel_dims.describe())

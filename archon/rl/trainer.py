@@ -21,6 +21,7 @@ import torch.distributed as dist
 from archon.cli import JobError
 from archon.config import Config, ConfigError
 from archon.engine.engine import ArchonEngine
+from archon.errors import user_error_types
 from archon.rl.actor import PPOActor, ReferenceModel
 from archon.rl.advantages import AdvantageConfig, compute_advantages
 from archon.rl.critic import PPOCritic
@@ -63,7 +64,9 @@ def run_on_rank0(fn, what: str) -> Any:
     if dist.get_rank() == 0:
         try:
             payload = [("ok", fn())]
-        except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
+        except user_error_types() as exc:  # one sentence says it all: no traceback
+            payload = [("error", f"{what} failed on rank 0: {exc}")]
+        except Exception as exc:  # noqa: BLE001 - a bug: keep its traceback in rank 0's log; re-raised below
             logger.exception("%s failed on rank 0", what)
             payload = [("error", f"{what} failed on rank 0: {type(exc).__name__}: {exc}")]
     dist.broadcast_object_list(payload, src=0)
@@ -165,7 +168,8 @@ class RLTrainer:
         get_reward_fn(r.fn)  # a bad name is the same clear error on every rank
 
         def start() -> None:
-            self.rewards = RewardComputer(r.fn, n_workers=r.n_workers, timeout_s=r.timeout_s)
+            self.rewards = RewardComputer(r.fn, n_workers=r.n_workers, timeout_s=r.timeout_s,
+                                          max_failure_frac=r.max_failure_frac)
 
         run_on_rank0(start, "starting the reward workers")
 

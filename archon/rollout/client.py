@@ -33,7 +33,8 @@ from typing import Any, Coroutine, Sequence, TypeVar
 
 import aiohttp
 
-from archon.config import GenerationConfig, RolloutConfig
+from archon.config import ConfigError, GenerationConfig, RolloutConfig
+from archon.errors import ArchonError
 
 logger = logging.getLogger("archon.rollout.client")
 
@@ -43,7 +44,7 @@ _HEALTH_PROBE_TIMEOUT_S = 5.0
 _MAX_BACKOFF_S = 30.0
 
 
-class RolloutError(RuntimeError):
+class RolloutError(ArchonError, RuntimeError):
     """A rollout server failed, refused a request, or cannot be reached; the message names it."""
 
 
@@ -110,7 +111,7 @@ def normalize_addr(addr: str) -> str:
     """'host:port' or 'http://host:port[/]' -> 'http://host:port'."""
     addr = addr.strip().rstrip("/")
     if not addr:
-        raise ValueError("a rollout server address is empty; write it as host:port, e.g. 127.0.0.1:30000")
+        raise ConfigError("a rollout server address is empty; write it as host:port, e.g. 127.0.0.1:30000")
     return addr if "://" in addr else f"http://{addr}"
 
 
@@ -184,15 +185,15 @@ class RolloutClient:
     def __init__(self, addrs: Sequence[str], *, request_timeout: float = 3600.0, retries: int = 3,
                  backoff_s: float = 0.5, setup_timeout: float = 300.0, down_after: int = 3):
         if not addrs:
-            raise ValueError("RolloutClient needs at least one server address (host:port); launch servers with "
-                             "RolloutLauncher or set rollout.server_addrs")
+            raise ConfigError("RolloutClient needs at least one server address (host:port); launch servers with "
+                              "RolloutLauncher or set rollout.server_addrs")
         if retries < 0:
-            raise ValueError(f"rollout.request_retries = {retries} must be 0 or more")
+            raise ConfigError(f"rollout.request_retries = {retries} must be 0 or more")
         urls = [normalize_addr(a) for a in addrs]
         dupes = sorted({u for u in urls if urls.count(u) > 1})
         if dupes:
-            raise ValueError(f"rollout server address(es) {', '.join(dupes)} listed more than once; list each "
-                             "server once")
+            raise ConfigError(f"rollout server address(es) {', '.join(dupes)} listed more than once; list each "
+                              "server once")
         self._servers = [_Server(i, u) for i, u in enumerate(urls)]
         self.request_timeout = request_timeout
         self.retries = retries

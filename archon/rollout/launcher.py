@@ -37,6 +37,7 @@ from typing import Any, Sequence
 
 from archon.alloc import ModelAllocation
 from archon.config import Config, ConfigError, SGLangConfig
+from archon.errors import ArchonError
 from archon.plan import ServerPlacement, check_cluster_fit
 
 logger = logging.getLogger("archon.rollout.launcher")
@@ -44,7 +45,7 @@ logger = logging.getLogger("archon.rollout.launcher")
 _LOG_TAIL_LINES = 40
 
 
-class RolloutLaunchError(RuntimeError):
+class RolloutLaunchError(ArchonError, RuntimeError):
     """A rollout server could not be started or did not become healthy; the message says which and why."""
 
 

@@ -16,13 +16,14 @@ from typing import Any, Callable
 
 import torch
 
+from archon.errors import ArchonError
 from archon.rollout.generator import GenerationRequest, GenerationResult
 from archon.rollout.sampling import SamplingParams
 
 DEFAULT_GROUP_NAME = "weight_update_group"
 
 
-class ProtocolError(ValueError):
+class ProtocolError(ArchonError, ValueError):
     """A request body the server rejects with HTTP 400."""
 
 

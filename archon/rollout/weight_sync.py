@@ -35,6 +35,8 @@ from urllib.parse import urlsplit
 import torch
 import torch.distributed as dist
 
+from archon.config import ConfigError
+from archon.errors import ArchonError
 from archon.rollout.launcher import free_ports
 from archon.rollout.weight_group import destroy_weight_update_group, init_weight_update_group
 
@@ -52,7 +54,7 @@ class WeightSyncEngine(Protocol):
     def export_hf(self, path: str | Path, dtype: torch.dtype | None = None) -> None: ...
 
 
-class WeightSyncError(RuntimeError):
+class WeightSyncError(ArchonError, RuntimeError):
     """New weights did not reach the rollout servers; the message says where it failed."""
 
 
@@ -179,7 +181,7 @@ class DistributedWeightSync:
                  group_name: str = "archon_weight_update", dtype: torch.dtype | None = None,
                  timeout_s: float = 600.0):
         if chunk_mb <= 0:
-            raise ValueError(f"rollout.weight_chunk_mb = {chunk_mb} must be positive")
+            raise ConfigError(f"rollout.weight_chunk_mb = {chunk_mb} must be positive")
         self.engine = engine
         self.client = client
         self.chunk_bytes = int(chunk_mb * _MIB)
@@ -352,7 +354,7 @@ def build_weight_sync(mode: Literal["distributed", "disk"], engine: WeightSyncEn
                                      master_address=master_address, ranks_per_server=ranks_per_server, dtype=dtype)
     if mode == "disk":
         if folder is None:
-            raise ValueError("rollout.weight_sync = 'disk' needs a folder the servers can read (e.g. "
-                             "<run_dir>/weights)")
+            raise ConfigError("rollout.weight_sync = 'disk' needs a folder the servers can read (e.g. "
+                              "<run_dir>/weights)")
         return DiskWeightSync(engine, client, folder, dtype=dtype)
-    raise ValueError(f"rollout.weight_sync = '{mode}' must be 'distributed' or 'disk'")
+    raise ConfigError(f"rollout.weight_sync = '{mode}' must be 'distributed' or 'disk'")
