@@ -151,7 +151,7 @@ class RLTrainer:
         def connect() -> None:
             self.launcher = RolloutLauncher.from_config(cfg, cfg.run_dir)
             addrs = self.launcher.start()
-            self.client = RolloutClient.from_config(cfg.rollout, addrs)
+            self.client = RolloutClient.from_config(cfg.rollout, addrs, api_key=self.launcher.api_key)
             self.client.wait_healthy(cfg.rollout.setup_timeout)
 
         run_on_rank0(connect, "starting the rollout servers")

@@ -16,6 +16,9 @@ must never silently come back with stale weights.
 
 Control calls (pause, flush, weight updates) fan out to every server that is up, and any
 server that fails or answers ``success: false`` is an error that names it.
+
+With an API key (given, or ``$ARCHON_API_KEY``) every request carries
+``Authorization: Bearer <key>``, which both SGLang's ``--api-key`` and the built-in server check.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import aiohttp
 
 from archon.config import ConfigError, GenerationConfig, RolloutConfig
 from archon.errors import ArchonError
+from archon.rollout.auth import api_key_from_env, auth_headers
 
 logger = logging.getLogger("archon.rollout.client")
 
@@ -183,7 +187,8 @@ class RolloutClient:
     """Sends generate and control requests to a fixed set of rollout servers."""
 
     def __init__(self, addrs: Sequence[str], *, request_timeout: float = 3600.0, retries: int = 3,
-                 backoff_s: float = 0.5, setup_timeout: float = 300.0, down_after: int = 3):
+                 backoff_s: float = 0.5, setup_timeout: float = 300.0, down_after: int = 3,
+                 api_key: str | None = None):
         if not addrs:
             raise ConfigError("RolloutClient needs at least one server address (host:port); launch servers with "
                               "RolloutLauncher or set rollout.server_addrs")
@@ -200,6 +205,7 @@ class RolloutClient:
         self.backoff_s = backoff_s
         self.setup_timeout = setup_timeout
         self.down_after = max(1, down_after)
+        self._headers = auth_headers(api_key or api_key_from_env())
         self._healthy = False
         self._group_members: dict[str, list[_Server]] = {}
         self._counters = {"requests": 0, "retries": 0}
@@ -213,9 +219,9 @@ class RolloutClient:
         self.submit(self._open()).result()
 
     @classmethod
-    def from_config(cls, cfg: RolloutConfig, addrs: Sequence[str]) -> "RolloutClient":
+    def from_config(cls, cfg: RolloutConfig, addrs: Sequence[str], api_key: str | None = None) -> "RolloutClient":
         return cls(addrs, request_timeout=cfg.request_timeout, retries=cfg.request_retries,
-                   setup_timeout=cfg.setup_timeout)
+                   setup_timeout=cfg.setup_timeout, api_key=api_key)
 
     # ------------------------------------------------------------------ loop plumbing
     def _run_loop(self) -> None:
@@ -224,7 +230,7 @@ class RolloutClient:
 
     async def _open(self) -> None:
         # limit=0: concurrency is bounded by the caller (max_concurrency), not by the pool.
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=self._headers)
         self._health_lock = asyncio.Lock()
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> "concurrent.futures.Future[T]":

@@ -13,6 +13,10 @@ and stops every server however the trainer ends: context-manager exit, an except
 startup, ``atexit``, SIGINT or SIGTERM.  With ``rollout.server_addrs`` set nothing is
 launched and those addresses are used as they are.
 
+Every launched server gets the run's API key (``archon.rollout.auth``): the built-in one in
+its environment, SGLang as ``--api-key`` (redacted in the log); ``RolloutLauncher.api_key``
+hands it to the client, and ``<run_dir>/rollout/api_key`` holds it while the servers run.
+
 Only single-node launching is implemented: a server the plan puts on another node is an
 error asking the user to start it there and pass its address in ``rollout.server_addrs``.
 """
@@ -39,6 +43,7 @@ from archon.alloc import ModelAllocation
 from archon.config import Config, ConfigError, SGLangConfig
 from archon.errors import ArchonError
 from archon.plan import ServerPlacement, check_cluster_fit
+from archon.rollout.auth import API_KEY_ENV, auth_headers, generate_api_key, write_api_key
 
 logger = logging.getLogger("archon.rollout.launcher")
 
@@ -67,6 +72,8 @@ class LaunchSpec:
     """File that receives the server's stdout and stderr."""
     connect_host: str = ""
     """Address clients use to reach it; empty means `host` (or 127.0.0.1 when binding 0.0.0.0)."""
+    api_key: str | None = None
+    """Key the server requires (``Authorization: Bearer``); None: an open server."""
 
     @property
     def addr(self) -> str:
@@ -114,8 +121,9 @@ def check_sglang_options(sg: SGLangConfig, tp_size: int, alloc: str) -> None:
                           "a t > 1 in rollout.backend or turn it off")
 
 
-def sglang_command(cfg: Config, model_path: str, host: str, port: int, seed: int, tp_size: int) -> list[str]:
-    """``python -m sglang.launch_server ...`` for one server."""
+def sglang_command(cfg: Config, model_path: str, host: str, port: int, seed: int, tp_size: int,
+                   api_key: str | None = None) -> list[str]:
+    """``python -m sglang.launch_server ...`` for one server (SGLang reads its key from the command line only)."""
     sg = cfg.sglang
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host,
            "--port", str(port), "--tp-size", str(tp_size), "--skip-tokenizer-init", "--dtype", sg.dtype,
@@ -133,6 +141,8 @@ def sglang_command(cfg: Config, model_path: str, host: str, port: int, seed: int
         cmd += ["--max-running-requests", str(sg.max_running_requests)]
     if sg.attention_backend:
         cmd += ["--attention-backend", sg.attention_backend]
+    if api_key:
+        cmd += ["--api-key", api_key]
     return cmd + list(sg.extra_args)
 
 
@@ -162,8 +172,11 @@ def _check_single_node(rollout: ModelAllocation, servers: Sequence[ServerPlaceme
 
 
 def build_launch_specs(cfg: Config, run_dir: str | Path | None = None, *, host: str | None = None,
-                       ports: Sequence[int] | None = None) -> list[LaunchSpec]:
-    """One LaunchSpec per rollout server of ``cfg.rollout.backend`` (empty when server_addrs is set)."""
+                       ports: Sequence[int] | None = None, api_key: str | None = None) -> list[LaunchSpec]:
+    """One LaunchSpec per rollout server of ``cfg.rollout.backend`` (empty when server_addrs is set).
+
+    Every server requires ``api_key`` (default: a fresh key for this run).
+    """
     if cfg.rollout.server_addrs:
         return []
     allocs = cfg.allocations()
@@ -187,18 +200,20 @@ def build_launch_specs(cfg: Config, run_dir: str | Path | None = None, *, host: 
     elif rollout.backend != "local":
         raise ConfigError(f"rollout.backend = '{rollout}': Archon launches 'sglang' and 'local' servers; start "
                           f"{rollout.backend} servers yourself and pass their host:port in rollout.server_addrs")
+    api_key = api_key or generate_api_key()
     specs = []
     for placement, port in zip(plan.servers, ports):
         seed = cfg.sglang.random_seed + placement.index
         env = {"PYTHONUNBUFFERED": "1"}
         if rollout.backend == "sglang":
-            cmd = sglang_command(cfg, model_path, bind, port, seed, tp)
+            cmd = sglang_command(cfg, model_path, bind, port, seed, tp, api_key)
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, placement.local_devices))
         else:
             cmd = local_command(cfg, model_path, bind, port, seed)
             env["CUDA_VISIBLE_DEVICES"] = ""  # the built-in server is a CPU process
+            env[API_KEY_ENV] = api_key
         specs.append(LaunchSpec(placement.index, cmd, env, bind, port,
-                                log_dir / f"server_{placement.index}.log", connect))
+                                log_dir / f"server_{placement.index}.log", connect, api_key))
     return specs
 
 
@@ -274,6 +289,16 @@ class RolloutLauncher:
     def pids(self) -> list[int]:
         return [r.proc.pid for r in self._running]
 
+    @property
+    def api_key(self) -> str | None:
+        """The key the launched servers require (None when nothing is launched)."""
+        return self.specs[0].api_key if self.specs else None
+
+    @property
+    def key_path(self) -> Path | None:
+        """``<run_dir>/rollout/api_key`` while the servers run."""
+        return self.specs[0].log_path.parent / "api_key" if self.specs and self.api_key else None
+
     def start(self) -> list[str]:
         """Launch every server and wait for /health; on any failure stop them all and raise."""
         if not self.specs:
@@ -282,19 +307,50 @@ class RolloutLauncher:
             raise RuntimeError("RolloutLauncher.start() called twice; stop() first")
         self._install_handlers()
         try:
+            if self.key_path is not None:
+                write_api_key(self.key_path, self.api_key)
             for spec in self.specs:
                 self._launch(spec)
-            self._wait_healthy()
+            self._wait_healthy(self._running)
         except BaseException:
             self.stop()
             raise
         logger.info("rollout servers up: %s", ", ".join(self.addrs))
         return self.addrs
 
+    def exited(self) -> list[int]:
+        """Indices of launched servers whose process has ended."""
+        return [r.spec.index for r in self._running if r.proc.poll() is not None]
+
+    def log_tail(self, index: int, lines: int = 10) -> str:
+        """The last ``lines`` lines of server ``index``'s log."""
+        return _tail(self._spec(index).log_path, lines)
+
+    def _spec(self, index: int) -> LaunchSpec:
+        return next(s for s in self.specs if s.index == index)
+
+    def restart(self, index: int) -> str:
+        """Stop server ``index`` if it still runs, start it again on its port, wait for /health; its address.
+
+        It starts from the model folder: the caller must give it the current weights before it serves.
+        """
+        with self._lock:
+            pos = next((i for i, r in enumerate(self._running) if r.spec.index == index), None)
+            if pos is None:
+                raise RuntimeError(f"rollout server {index} was not started by this launcher (or it was stopped)")
+            old = self._running.pop(pos)
+        _terminate([old], self.stop_grace_s)
+        spec = self._spec(index)
+        self._launch(spec)
+        self._wait_healthy([r for r in self._running if r.spec.index == index])
+        logger.info("restarted rollout server %d on %s", index, spec.addr)
+        return spec.addr
+
     def _launch(self, spec: LaunchSpec) -> None:
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(spec.log_path, "ab")
-        log.write(f"# {' '.join(spec.cmd)}\n".encode())
+        shown = ["<api key>" if spec.api_key and arg == spec.api_key else arg for arg in spec.cmd]
+        log.write(f"# {' '.join(shown)}\n".encode())
         log.flush()
         env = {**os.environ, **spec.env}
         try:
@@ -309,9 +365,9 @@ class RolloutLauncher:
         logger.info("started rollout server %d (pid %d) on %s, log %s", spec.index, proc.pid, spec.addr,
                     spec.log_path)
 
-    def _wait_healthy(self) -> None:
+    def _wait_healthy(self, runs: list["_Running"]) -> None:
         deadline = time.monotonic() + self.setup_timeout
-        pending = list(self._running)
+        pending = list(runs)
         delay = 0.1
         while pending:
             for run in list(pending):
@@ -338,22 +394,11 @@ class RolloutLauncher:
         with self._lock:
             running, self._running = self._running, []
         self._restore_handlers()
+        if self.key_path is not None:
+            self.key_path.unlink(missing_ok=True)
         if not running:
             return
-        for run in running:
-            _signal_group(run.proc, signal.SIGTERM)
-        deadline = time.monotonic() + self.stop_grace_s
-        for run in running:
-            try:
-                run.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                logger.warning("rollout server %d (pid %d) ignored SIGTERM for %g s; killing it", run.spec.index,
-                               run.proc.pid, self.stop_grace_s)
-        for run in running:
-            # Also reaches children that outlived their session leader.
-            _signal_group(run.proc, signal.SIGKILL)
-            run.proc.wait()
-            run.log.close()
+        _terminate(running, self.stop_grace_s)
         logger.info("stopped %d rollout server(s)", len(running))
 
     # ------------------------------------------------------------------ cleanup hooks
@@ -400,6 +445,24 @@ class RolloutLauncher:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _terminate(running: list[_Running], grace_s: float) -> None:
+    """SIGTERM each server's process group, SIGKILL what is left after ``grace_s``, close the logs."""
+    for run in running:
+        _signal_group(run.proc, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for run in running:
+        try:
+            run.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            logger.warning("rollout server %d (pid %d) ignored SIGTERM for %g s; killing it", run.spec.index,
+                           run.proc.pid, grace_s)
+    for run in running:
+        # Also reaches children that outlived their session leader.
+        _signal_group(run.proc, signal.SIGKILL)
+        run.proc.wait()
+        run.log.close()
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
