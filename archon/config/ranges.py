@@ -43,6 +43,8 @@ RULES: dict[str, _Rule] = {
     "actor.behav_imp_weight_cap": (_NON_NEGATIVE[0], "0 (no cap) or more"),
     "critic.eps_clip": (_NON_NEGATIVE[0], "0 (no value clip) or more"),
     "gconfig.min_new_tokens": _NON_NEGATIVE,
+    "gconfig.temperature": (_NON_NEGATIVE[0], "0 (greedy) or more"),
+    "actor.temperature": (_NON_NEGATIVE[0], "0 (follow gconfig.temperature) or more"),
     "gconfig.top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "gconfig.top_k": (lambda v: v == -1 or v >= 1, "-1 (off) or at least 1"),
     "gconfig.min_p": _FRACTION,

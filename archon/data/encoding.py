@@ -61,3 +61,20 @@ def encode_prompt(
 def encode_text(tokenizer: Any, text: str) -> list[int]:
     """Plain token ids of ``text`` (no special tokens)."""
     return _ids(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def load_tokenizer(path: str, key: str = "actor.path") -> Any:
+    """The tokenizer of the Hugging Face folder ``path`` (config key ``key``); a ``DataError`` naming it if none loads."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    if not Path(path).is_dir():
+        raise DataError(f"{key} = '{path}' is not a folder; point it at a local Hugging Face model folder "
+                        "(config.json, *.safetensors and the tokenizer files)")
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as exc:  # transformers' paragraph, cut to its first line
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DataError(f"cannot load a tokenizer from {key} = '{path}' ({first}); the folder needs tokenizer.json or "
+                        "tokenizer_config.json with its vocabulary files") from None

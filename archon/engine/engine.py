@@ -175,6 +175,10 @@ class ArchonEngine:
         if not (folder / "config.json").is_file():
             raise EngineError(f"{self.name}: no config.json in '{folder}'; point {self.name}.path at a Hugging Face "
                               "model folder (config.json + *.safetensors)")
+        from models import get_model_spec, read_hf_config
+
+        # Archon's sentence for an unsupported model_type, before transformers' paragraph about it.
+        get_model_spec(read_hf_config(folder).get("model_type", ""))
         return AutoConfig.from_pretrained(str(folder))
 
     @torch.no_grad()

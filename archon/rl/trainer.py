@@ -116,12 +116,11 @@ class RLTrainer:
             self.engines["critic"] = critic_engine
 
     def _build_data(self) -> None:
-        from transformers import AutoTokenizer
-
+        from archon.data.encoding import load_tokenizer
         from archon.data.rl_dataset import PromptLoader, RLPromptDataset
 
         cfg = self.cfg
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.actor.path)
+        self.tokenizer = load_tokenizer(cfg.actor.path)
         dataset = RLPromptDataset(cfg.train_dataset.path, self.tokenizer, max_prompt_length=cfg.train_dataset.max_length)
         if self.rank0:
             logger.info("RL data: %d prompts from %s (%d dropped as longer than train_dataset.max_length=%d)",
