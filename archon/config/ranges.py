@@ -53,6 +53,7 @@ RULES: dict[str, _Rule] = {
     "rollout.setup_timeout": _POSITIVE,
     "rollout.weight_chunk_mb": _POSITIVE,
     "rollout.max_concurrent_rollouts": (_NON_NEGATIVE[0], "0 (the whole batch) or more"),
+    "rollout.max_server_restarts": (_NON_NEGATIVE[0], "0 (never restart) or more"),
     "sglang.context_length": _AT_LEAST_1,
     "sglang.mem_fraction_static": (lambda v: 0 < v < 1, "in (0, 1)"),
     "sglang.max_running_requests": (_NON_NEGATIVE[0], "0 (SGLang's default) or more"),

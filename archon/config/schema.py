@@ -244,6 +244,8 @@ class RolloutConfig:
     """Bucket size of the distributed weight broadcast."""
     max_concurrent_rollouts: int = 0
     """Requests in flight per trainer process; 0 sends the whole batch at once."""
+    max_server_restarts: int = 3
+    """Restarts per run of launched servers that died or hung (they get the current weights); others are dropped."""
 
 
 @dataclass
@@ -299,7 +301,7 @@ class RewardConfig:
     n_workers: int = 2
     """Reward worker processes; 0 calls the function in the trainer (no timeout or crash protection)."""
     max_failure_frac: float = 0.5
-    """Stop the run when more than this fraction of one step's reward calls fail (raise, time out, return a non-number); 1 never stops."""
+    """Stop the run when more than this fraction of a step's reward calls fail (raise, hang, non-number); 1: never."""
 
 
 @dataclass

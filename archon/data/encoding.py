@@ -64,7 +64,7 @@ def encode_text(tokenizer: Any, text: str) -> list[int]:
 
 
 def load_tokenizer(path: str, key: str = "actor.path") -> Any:
-    """The tokenizer of the Hugging Face folder ``path`` (config key ``key``); a ``DataError`` naming it if none loads."""
+    """The tokenizer of the Hugging Face folder ``path`` (config key ``key``); ``DataError`` if none loads."""
     from pathlib import Path
 
     from transformers import AutoTokenizer

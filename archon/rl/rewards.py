@@ -1,18 +1,18 @@
 """Reward functions and a crash-proof pool of processes that runs them.
 
 A reward function is called as ``fn(prompt, completion, answer, **kw)`` and returns a
-number (a bool counts as 1.0 / 0.0; a string, None or NaN is a failure).  Built-ins: ``math`` (answer equivalence with
-``math-verify``) and ``exact_match``; any other importable function is named
-``"package.module:function"``.
+number (a bool counts as 1.0 / 0.0; a string, None or NaN is a failure).  Built-ins:
+``math`` (answer equivalence with ``math-verify``) and ``exact_match``; any other
+importable function is named ``"package.module:function"``.
 
 ``RewardComputer`` runs the calls in worker processes, one call per worker at a time, so
 that whatever a reward function does (raise, hang, ``os._exit``, segfault) costs only that
 sample: it gets reward 0.0, a warning naming the sample's index is logged, the failure is
 counted, and a dead or hung worker is replaced.  A reward function that is broken rather
 than unlucky must not train a policy on zeros: when more than ``max_failure_frac`` of one
-``compute()`` call's samples fail, it raises ``RewardError``.  Workers are started with the ``spawn`` method (no inherited
-locks or CUDA state) and receive ``sys.path`` from the parent, so modules importable in
-the trainer are importable there.
+``compute()`` call's samples fail, it raises ``RewardError``.  Workers are started with
+the ``spawn`` method (no inherited locks or CUDA state) and receive ``sys.path`` from the
+parent, so modules importable in the trainer are importable there.
 """
 
 from __future__ import annotations
@@ -232,8 +232,9 @@ class RewardComputer:
     """Computes rewards in ``n_workers`` processes; failures and timeouts give 0.0.
 
     ``compute(prompts, completions, answers, **kw)`` returns one float per sample in
-    order, or raises ``RewardError`` when more than ``max_failure_frac`` of them failed.  Extra keyword arguments are either one value for all samples or a list with
-    one value per sample.  ``n_workers=0`` calls the function in the calling process
+    order, or raises ``RewardError`` when more than ``max_failure_frac`` of them failed.
+    Extra keyword arguments are either one value for all samples or a list with one value
+    per sample.  ``n_workers=0`` calls the function in the calling process
     (no protection against crashes or hangs; for debugging).
     """
 

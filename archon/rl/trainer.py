@@ -28,6 +28,7 @@ from archon.rl.critic import PPOCritic
 from archon.rl.kl import kl_estimate
 from archon.rl.losses import aggregate
 from archon.rl.rollout_batch import Completion, build_rollout_batch
+from archon.rl.server_recovery import generate_or_recover, recover_servers, sync_with_recovery
 
 logger = logging.getLogger("archon.rl")
 
@@ -92,7 +93,8 @@ class RLTrainer:
         self.adv_cfg = AdvantageConfig.from_actor_config(
             dataclasses.replace(cfg.actor, group_size=self.group_size), max_new_tokens=cfg.gconfig.max_new_tokens)
         # Built in run(); close() releases whatever was built.
-        self.launcher = self.client = self.rewards = self.weight_sync = None
+        self.launcher = self.client = self.rewards = self.weight_sync = self.supervisor = None
+        self.served_version: str | None = None  # weights the servers hold (None: actor.path's)
 
     # ------------------------------------------------------------------ setup
     def _build_engines(self) -> None:
@@ -141,6 +143,7 @@ class RLTrainer:
         """Rank 0 launches (or connects to) the servers; every rank joins the weight sync."""
         from archon.rollout.client import RolloutClient
         from archon.rollout.launcher import RolloutLauncher, ranks_per_server
+        from archon.rollout.recovery import ServerSupervisor
         from archon.rollout.weight_sync import build_weight_sync
         from parallel.fsdp import to_dtype
 
@@ -152,6 +155,7 @@ class RLTrainer:
             addrs = self.launcher.start()
             self.client = RolloutClient.from_config(cfg.rollout, addrs, api_key=self.launcher.api_key)
             self.client.wait_healthy(cfg.rollout.setup_timeout)
+            self.supervisor = ServerSupervisor(self.client, self.launcher, cfg.rollout.max_server_restarts)
 
         run_on_rank0(connect, "starting the rollout servers")
         # SGLang serves in its own dtype; the built-in server in the actor's.
@@ -181,8 +185,10 @@ class RLTrainer:
             t0 = time.perf_counter()
             params = [{**self.sampling, "sampling_seed": rollout_seed(self.cfg.seed, step, i)}
                       for i in range(len(prompts))]
-            results = self.client.generate_many([p.input_ids for p in prompts], params,
-                                                max_concurrency=self.cfg.rollout.max_concurrent_rollouts)
+            results = generate_or_recover(self.supervisor, lambda: self.client.generate_many(
+                [p.input_ids for p in prompts], params, max_concurrency=self.cfg.rollout.max_concurrent_rollouts))
+            if results is None:
+                return None  # servers lost: every rank recovers them, then the rollout is repeated
             completions = [Completion(p.input_ids, r.output_ids, r.output_logprobs, r.finish_reason)
                            for p, r in zip(prompts, results)]
             t1 = time.perf_counter()
@@ -193,7 +199,9 @@ class RLTrainer:
             timing = {"rollout_time_s": t1 - t0, "reward_time_s": time.perf_counter() - t1}
             return completions, rewards, timing
 
-        return run_on_rank0(generate_and_score, f"rollout of step {step}")
+        while (out := run_on_rank0(generate_and_score, f"rollout of step {step}")) is None:
+            recover_servers(self.supervisor, self.weight_sync, self.served_version)
+        return out
 
     def _prepare(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """Reference/proximal logprobs, values and advantages, added to ``batch``; returns metrics."""
@@ -234,7 +242,8 @@ class RLTrainer:
         if self.critic is not None:
             record.update(self.critic.ppo_update(batch))
         train_time = time.perf_counter() - t_train
-        sync = self.weight_sync.sync(str(step))
+        sync = sync_with_recovery(self.supervisor, self.weight_sync, str(step))
+        self.served_version = str(step)
 
         r = torch.tensor(rewards, dtype=torch.float64)
         lengths = torch.tensor([len(c.output_ids) for c in completions], dtype=torch.float64)
@@ -250,6 +259,8 @@ class RLTrainer:
         record["peak_mem_gb"] = peak_memory_gb(self.actor_engine.device_type)
         if self.rank0 and self.rewards is not None:
             record.update(self.rewards.metrics())
+        if self.rank0 and self.supervisor is not None:
+            record.update(self.supervisor.stats())
         return record
 
     # ------------------------------------------------------------------ run
@@ -279,6 +290,7 @@ class RLTrainer:
             if start > 0:
                 # The servers started from actor.path; give them the resumed policy.
                 self.weight_sync.sync(str(start))
+                self.served_version = str(start)
             metrics_log = MetricsLogger(cfg.run_dir, cfg.total_train_steps, enabled=self.rank0,
                                         headline=("reward_mean", "response_len_mean", "actor/loss"),
                                         start_step=start)

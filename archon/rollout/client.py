@@ -11,8 +11,9 @@ sent so far, then the lowest index, so the spread is deterministic).  A connecti
 a timeout or an HTTP 5xx is retried with exponential backoff, preferring servers the request
 has not failed on yet; a 4xx is the caller's mistake and is raised at once with the
 server's message.  A server that refuses connections, or fails ``down_after`` times in a
-row, is marked down for the rest of the client's life: it would miss weight updates, so it
-must never silently come back with stale weights.
+row, is marked down: it would miss weight updates, so it never silently comes back with
+stale weights; only ``revive(url)`` takes it back, once the caller restarted it and is about
+to give it the current weights (``archon.rollout.recovery``).
 
 Control calls (pause, flush, weight updates) fan out to every server that is up, and any
 server that fails or answers ``success: false`` is an error that names it.
@@ -274,6 +275,46 @@ class RolloutClient:
     def up_addrs(self) -> list[str]:
         """Servers not marked down."""
         return [s.url for s in self._servers if not s.down]
+
+    @property
+    def down_addrs(self) -> list[str]:
+        """Servers marked down."""
+        return [s.url for s in self._servers if s.down]
+
+    def last_error(self, url: str) -> str:
+        """Why server ``url`` last failed ('' if it never did)."""
+        return self._server(url).last_error
+
+    def mark_down(self, url: str, why: str) -> None:
+        """Send nothing more to server ``url`` (e.g. its process exited) until ``revive(url)``."""
+        server = self._server(url)
+        if not server.down:
+            logger.warning("rollout server %s marked down (%s)", url, why)
+        server.down, server.last_error = True, why
+
+    def revive(self, url: str) -> None:
+        """Take server ``url`` back (restarted and healthy; the caller gives it the current weights next)."""
+        server = self._server(url)
+        server.down, server.consecutive_failures, server.last_error = False, 0, ""
+
+    def check_health(self) -> list[str]:
+        """Probe ``/health`` of every up server; mark the ones that do not answer down. Returns those."""
+        return self._wait(self._acheck_health())
+
+    async def _acheck_health(self) -> list[str]:
+        up = [s for s in self._servers if not s.down]
+        reasons = await asyncio.gather(*(self._probe(s) for s in up))
+        for server, why in zip(up, reasons):
+            if why is not None:
+                self.mark_down(server.url, f"/health failed: {why}")
+        return [s.url for s, why in zip(up, reasons) if why is not None]
+
+    def _server(self, url: str) -> _Server:
+        url = normalize_addr(url)
+        for server in self._servers:
+            if server.url == url:
+                return server
+        raise KeyError(f"{url} is not one of this client's servers ({', '.join(self.addrs)})")
 
     def stats(self) -> dict[str, float]:
         """Counters for metrics: requests sent, retries, servers down."""

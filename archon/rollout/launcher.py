@@ -318,9 +318,13 @@ class RolloutLauncher:
         logger.info("rollout servers up: %s", ", ".join(self.addrs))
         return self.addrs
 
-    def exited(self) -> list[int]:
-        """Indices of launched servers whose process has ended."""
-        return [r.spec.index for r in self._running if r.proc.poll() is not None]
+    def exited(self) -> dict[int, int]:
+        """Exit code of every launched server whose process has ended, by server index."""
+        return {r.spec.index: r.proc.returncode for r in self._running if r.proc.poll() is not None}
+
+    def log_path(self, index: int) -> Path:
+        """Where server ``index`` logs."""
+        return self._spec(index).log_path
 
     def log_tail(self, index: int, lines: int = 10) -> str:
         """The last ``lines`` lines of server ``index``'s log."""

@@ -76,7 +76,7 @@ class ServerArgs:
     tp_size: int = 1
     """Accepted for SGLang compatibility; the built-in server runs one device per process."""
     api_key: str | None = None
-    """Key every request but /health must carry as 'Authorization: Bearer <key>'; default $ARCHON_API_KEY; required unless --host is loopback."""
+    """Key requests must carry as 'Authorization: Bearer <key>' (default $ARCHON_API_KEY); required off loopback."""
     max_request_mb: float = 64.0
     """Largest request body accepted, in MiB (HTTP 413 above)."""
 
@@ -383,8 +383,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         logger.info("starting the HTTP server on http://%s:%d", args.host, args.port)
         # Requests held by a pause would keep a graceful shutdown waiting forever: bound it.
+        # One access-log line per request would bury what a log tail is read for (why it died): debug only.
         uvicorn.run(state.app, host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=5)
+                    timeout_graceful_shutdown=5, access_log=args.log_level == "debug")
     finally:
         generator.close()
 

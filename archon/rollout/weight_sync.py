@@ -163,6 +163,9 @@ class DiskWeightSync:
         _log_stats("disk", version, stats)
         return stats
 
+    def rebuild(self) -> None:
+        """Nothing to re-form: ``sync`` reaches whichever servers are up (for symmetry with the broadcast)."""
+
     def _remove_old(self, keep: Path) -> None:
         versions = sorted((p for p in self.folder.glob("v*") if p.is_dir() and p != keep),
                           key=lambda p: p.stat().st_mtime)
@@ -191,6 +194,7 @@ class DistributedWeightSync:
         self.group_name = group_name
         self.dtype = dtype
         self.timeout_s = timeout_s
+        self._generation = 0  # groups formed again by rebuild()
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" \
             else torch.device("cpu")
         self._pg: dist.ProcessGroup | None = None
@@ -204,6 +208,19 @@ class DistributedWeightSync:
             except Exception as exc:  # noqa: BLE001 - reported on every rank below
                 error = str(exc)
         _raise_if_failed(error)
+
+    def rebuild(self) -> None:
+        """Collective: abandon the group and form a new one with the servers up now (after some were lost or restarted).
+
+        The new group gets a new name: a surviving server still holds the old one, and a
+        restarted server has none.
+        """
+        if _rank() == 0:
+            self._abandon_group()
+        base = self.group_name.rsplit("#", 1)[0]
+        self._generation += 1
+        self.group_name = f"{base}#{self._generation}"
+        self.setup()
 
     def _setup_rank0(self) -> None:
         addr = self.master_address or reachable_address(self.client.up_addrs[0])
