@@ -151,3 +151,29 @@ def test_last_server_is_restarted_with_the_current_policy_then_the_run_stops_cle
     assert [r["rollout/server_restarts"] for r in records] == [0, 1]
     saved = sorted(p.name for p in (out / "checkpoints").iterdir() if p.is_dir())
     assert not any("3" in name for name in saved), saved  # nothing of the failed step
+
+
+def test_servers_archon_did_not_start_are_dropped_and_named_when_none_is_left():
+    from archon.rollout.client import RolloutClient, RolloutError
+    from archon.rollout.recovery import ServerSupervisor
+    from fake_sglang import FakeSGLang
+
+    servers = [FakeSGLang().start() for _ in range(2)]
+    try:
+        with RolloutClient([s.addr for s in servers], backoff_s=0.01, setup_timeout=10) as client:
+            supervisor = ServerSupervisor(client, launcher=None, max_restarts=3)
+            assert supervisor.recover().changed is False  # all healthy: nothing to do
+            servers[0].kill()  # silent death between steps: only /health finds it
+            result = supervisor.recover()
+            assert result.dropped == [f"http://{servers[0].addr}"] and result.restarted == []
+            assert client.up_addrs == [f"http://{servers[1].addr}"] and supervisor.restarts == 0
+            servers[1].kill()
+            with pytest.raises(RolloutError) as info:
+                supervisor.recover()
+    finally:
+        for s in servers:
+            s.stop()
+    msg = str(info.value)
+    assert msg.startswith("no rollout server is left") and servers[0].addr in msg and servers[1].addr in msg
+    assert "/health failed" in msg and "Archon did not start them (rollout.server_addrs)" in msg
+    assert supervisor.stats() == {"rollout/server_restarts": 0.0, "rollout/servers_dropped": 2.0}
