@@ -321,3 +321,24 @@ def test_bad_requests_get_one_sentence_and_the_server_keeps_serving(server, meth
         assert needle in message, (needle, message)
     status_ok, ok = _http(srv.url, "POST", G, good)
     assert status_ok == 200 and ok["output_ids"] == expected and ok["meta_info"]["weight_version"] == "default"
+
+
+def _engine_error(path: str, backend: str, engine_kw: dict) -> tuple[str, str, bool]:
+    from archon.engine.engine import ArchonEngine
+    from engine_utils import engine_config
+
+    try:
+        ArchonEngine(engine_config(path, backend, **engine_kw)).initialize()
+    except Exception as exc:  # noqa: BLE001 - classified by the test
+        return type(exc).__name__, str(exc), isinstance(exc, user_error_types())
+    return "no error", "", False
+
+
+def test_a_layout_the_model_cannot_take_is_a_user_error(good_folder):
+    """What parallel/ refuses while building an engine reaches the CLI as one sentence, not a traceback."""
+    from dist_utils import run_distributed
+
+    kw = {"gradient_checkpointing": True, "archon": {"ac_mode": "memory_budget"}}
+    name, msg, user = run_distributed(_engine_error, 1, str(good_folder), "archon:d1", kw)[0]
+    assert user and name == "EngineError", (name, msg)
+    assert msg.startswith("actor.backend = 'archon:d1': ") and "needs torch.compile" in msg and "\n" not in msg

@@ -48,7 +48,7 @@ from parallel.dims import ParallelDims
 from parallel.fsdp import to_dtype
 from parallel.grad_clip import clip_grad_norm_
 from parallel.loss_parallel import vocab_parallel_logprobs_entropy
-from pipeline import Microbatch, PipelineConfigError, PipelinedModel
+from pipeline import Microbatch, PipelinedModel
 
 logger = logging.getLogger("archon.engine")
 # FSDP x TP gathers over two mesh dims in sequence; DTensor warns about it on every call.
@@ -138,7 +138,10 @@ class ArchonEngine:
             self.pipeline = self._split_into_stages(model)
             model, parts = self.pipeline.model, self.pipeline.parts
         else:
-            model = self.spec.parallelize_fn(model, self.parallel_dims, cfg)
+            try:
+                model = self.spec.parallelize_fn(model, self.parallel_dims, cfg)
+            except ValueError as exc:  # parallel/ states what the layout cannot do to this model
+                raise EngineError(f"{self.name}.backend = '{cfg.backend}': {exc}") from None
             parts = [model]
         for part in parts:
             part.to_empty(device=self.device)
@@ -160,7 +163,7 @@ class ArchonEngine:
         try:
             return self.spec.pipelining_fn(model, self.parallel_dims, self.config, self.spec.parallelize_fn,
                                            self.device)
-        except PipelineConfigError as exc:
+        except ValueError as exc:  # PipelineConfigError, or what parallel/ refuses for a stage
             raise EngineError(f"{self.name}.backend = '{self.config.backend}': {exc}") from None
 
     def _load_hf_config(self):
