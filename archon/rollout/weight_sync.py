@@ -194,7 +194,7 @@ class DistributedWeightSync:
         self.group_name = group_name
         self.dtype = dtype
         self.timeout_s = timeout_s
-        self._generation = 0  # groups formed again by rebuild()
+        self._rebuilds: tuple[str, int] | None = None  # (first group name, groups formed again by rebuild())
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" \
             else torch.device("cpu")
         self._pg: dist.ProcessGroup | None = None
@@ -210,16 +210,16 @@ class DistributedWeightSync:
         _raise_if_failed(error)
 
     def rebuild(self) -> None:
-        """Collective: abandon the group and form a new one with the servers up now (after some were lost or restarted).
+        """Collective: abandon the group and form a new one with the servers that are up now.
 
-        The new group gets a new name: a surviving server still holds the old one, and a
-        restarted server has none.
+        Called after servers were lost or restarted.  The new group gets a new name: a surviving
+        server still holds the old one, and a restarted server has none.
         """
         if _rank() == 0:
             self._abandon_group()
-        base = self.group_name.rsplit("#", 1)[0]
-        self._generation += 1
-        self.group_name = f"{base}#{self._generation}"
+        base, n = self._rebuilds or (self.group_name, 0)
+        self._rebuilds = (base, n + 1)
+        self.group_name = f"{base}_r{n + 1}"
         self.setup()
 
     def _setup_rank0(self) -> None:
