@@ -22,6 +22,8 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Iterator
 
+from archon.errors import ArchonError
+
 INFERENCE_BACKENDS: dict[str, str] = {"sglang": "dt", "vllm": "dtp", "local": "d"}
 """Inference backends and the dims they accept (``local`` is Archon's built-in server)."""
 TRAINING_BACKENDS: dict[str, str] = {"fsdp": "dtc", "megatron": "dtpce", "archon": "dtpce"}
@@ -35,7 +37,7 @@ _CANONICAL_ORDER = "dptce"
 _NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
 
 
-class AllocationError(ValueError):
+class AllocationError(ArchonError, ValueError):
     """An allocation string a user wrote is wrong; the message quotes it and says how to fix it."""
 
 

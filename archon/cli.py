@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+from datetime import timedelta
 from typing import Any, Callable, Sequence
 
-from archon.config import Config, ConfigError, load_config
+import torch.distributed as dist
+
+from archon.config import Config, load_config
 from archon.engine.dist import init_distributed, resolve_device_type, shutdown_distributed
+from archon.errors import ArchonError, user_error_types
 
 
-class JobError(RuntimeError):
+class JobError(ArchonError, RuntimeError):
     """A job failed for a reason every rank knows and can state in one line (no traceback needed)."""
 
 
@@ -21,9 +26,11 @@ def run_job(job: Callable[[Config], Any], description: str, argv: Sequence[str] 
 
     ``kind`` ('rl' or 'sft') is the run's kind for the config check: SFT starts no rollout server.
 
-    User errors (config, allocation, data: ``ValueError``) exit with 2 and one line on stderr;
-    a ``JobError`` exits with 1 and one line.  The closing barrier is skipped after a failure,
-    because the other ranks may already be gone.
+    A user error (``archon.errors.user_error_types()``) is one line on stderr, printed by one
+    rank only, and no traceback: bad input (config, allocation, data, model folder: the
+    ``ValueError`` kinds) exits with 2, a failure of the run (a rollout server, the reward
+    function, a ``JobError``) with 1.  Anything else is a bug and keeps its traceback.  The
+    closing barrier is skipped after a failure, because the other ranks may already be gone.
     """
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="TOML config file")
@@ -34,12 +41,10 @@ def run_job(job: Callable[[Config], Any], description: str, argv: Sequence[str] 
     try:
         job(load_config(args.config, args.overrides, job=kind))
         ok = True
-    except (ConfigError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except JobError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    except user_error_types() as exc:
+        if _reports_errors():
+            print(f"error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, ValueError) else 1
     finally:
         shutdown_distributed(barrier=ok)
     return 0
@@ -54,3 +59,21 @@ def init_run(cfg: Config, job: str) -> str:
     device_type = resolve_device_type(cfg.device)
     init_distributed(device_type, plan=plan_for_config(cfg, job) if device_type == "cuda" else None)
     return device_type
+
+
+def _reports_errors() -> bool:
+    """True on exactly one rank of a failed job: the first that failed, else rank 0.
+
+    Every rank usually raises the same error (all parse the same config and data, and rank 0's
+    failures are broadcast), so printing it on each would repeat it N times; a rank-local
+    failure must still be printed, by the rank that saw it.  With a process group the ranks
+    agree through its store; before one exists, every rank failed the same way and rank 0 speaks.
+    """
+    if dist.is_initialized():
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            store.set_timeout(timedelta(seconds=5))  # the store's host may be gone: never hang here
+            return store.add("archon/error_reported", 1) == 1
+        except Exception:  # noqa: BLE001 - no store to agree through: fall back to rank 0
+            pass
+    return os.environ.get("RANK", "0") == "0"

@@ -32,9 +32,8 @@ def loss_token_count(mb: dict[str, torch.Tensor]) -> float:
 
 def run_sft(cfg: Config) -> list[dict[str, Any]]:
     """Train ``cfg.actor`` on ``cfg.train_dataset`` for ``cfg.total_train_steps``; returns the metrics."""
-    from transformers import AutoTokenizer
-
     from archon.data.collate import collate
+    from archon.data.encoding import load_tokenizer
     from archon.data.sampler import EpochSampler
     from archon.data.sft_dataset import SFTDataset
     from archon.engine.checkpoint import CheckpointManager
@@ -50,7 +49,7 @@ def run_sft(cfg: Config) -> list[dict[str, Any]]:
     engine = ArchonEngine(cfg.actor, name="actor", seed=cfg.seed, device=cfg.device,
                           total_steps=cfg.total_train_steps).initialize()
     rank0 = dist.get_rank() == 0
-    tokenizer = AutoTokenizer.from_pretrained(cfg.actor.path)
+    tokenizer = load_tokenizer(cfg.actor.path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     dataset = SFTDataset(cfg.train_dataset.path, tokenizer, max_length=cfg.train_dataset.max_length)
     sampler = EpochSampler(len(dataset), cfg.train_dataset.batch_size, seed=cfg.seed,

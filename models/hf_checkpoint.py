@@ -52,6 +52,15 @@ def read_hf_config(folder: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointError(f"{path} is not valid JSON ({e}).") from None
 
 
+def open_safetensors(path: Path) -> Any:
+    """``safe_open(path)``; a truncated or corrupt file is a ``CheckpointError`` naming it."""
+    try:
+        return safe_open(path, framework="pt", device="cpu")
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error type for a damaged file
+        raise CheckpointError(f"{path} is not a readable safetensors file ({e}); it is probably truncated or "
+                              "corrupt, so copy or export it again.") from None
+
+
 def checkpoint_key_files(folder: str | os.PathLike) -> dict[str, str]:
     """Map every tensor key of the checkpoint in ``folder`` to the safetensors file holding it.
 
@@ -76,11 +85,12 @@ def checkpoint_key_files(folder: str | os.PathLike) -> dict[str, str]:
     if not files:
         hint = ""
         if any(folder.glob("*.bin")) or any(folder.glob("*.pt")):
-            hint = " It has PyTorch .bin/.pt weights; convert them to safetensors first."
-        raise CheckpointError(f"{folder} has no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors file.{hint}")
+            hint = ("; it has PyTorch .bin/.pt weights, which Archon never unpickles, so convert them to safetensors "
+                    "first (transformers: save_pretrained(..., safe_serialization=True))")
+        raise CheckpointError(f"{folder} has no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors file{hint}.")
     key_files: dict[str, str] = {}
     for fname in files:
-        with safe_open(folder / fname, framework="pt", device="cpu") as f:
+        with open_safetensors(folder / fname) as f:
             for key in f.keys():
                 if key in key_files:
                     raise CheckpointError(f"tensor {key!r} appears in both {key_files[key]} and {fname} in {folder}.")
@@ -323,7 +333,7 @@ def load_hf_weights(
         raise CheckpointError(
             f"checkpoint {folder} has {len(unexpected)} tensor(s) {type(model).__name__} does not use: "
             + ", ".join(unexpected[:10]) + (" ..." if len(unexpected) > 10 else "")
-            + ". Is this checkpoint for a different architecture or config?"
+            + "; use the config.json that came with these weights, or weights made for this architecture."
         )
 
     # 2. Read shard by shard, tensor by tensor (only the local slice for sharded targets).
@@ -331,7 +341,7 @@ def load_hf_weights(
     experts_filled: dict[str, set[int]] = defaultdict(set)
     expert_buffers: dict[str, torch.Tensor] = {}  # full tensors being assembled for DTensor targets
     for fname in sorted(plan):
-        with safe_open(folder / fname, framework="pt", device="cpu") as f:
+        with open_safetensors(folder / fname) as f:
             for key, key_targets in plan[fname]:
                 reader = _TensorReader(f, key, folder / fname)
                 for t in key_targets:
@@ -342,7 +352,8 @@ def load_hf_weights(
                         raise CheckpointError(
                             f"checkpoint tensor {key!r} (in {folder / fname}) has shape {got}, "
                             f"but model tensor {t.name!r}{'' if t.expert is None else f' expert {t.expert}'} "
-                            f"expects {tuple(want)}; the checkpoint does not match config.json."
+                            f"expects {tuple(want)}; the checkpoint does not match config.json, so use the "
+                            "config.json that came with these weights."
                         )
                     box = _local_box(dst) if _is_dtensor(dst) else None
                     if t.expert is None:
@@ -394,7 +405,7 @@ def load_hf_weights(
         raise CheckpointError(
             f"checkpoint {folder} lacks {len(result.missing)} tensor(s) {type(model).__name__} needs: "
             + ", ".join(result.missing[:10]) + (" ..." if len(result.missing) > 10 else "")
-            + ". Is the checkpoint complete and for this config?"
+            + "; check that the checkpoint is complete and matches its config.json."
         )
     return result
 

@@ -67,8 +67,8 @@ def get_model_spec(model_type: str) -> ModelSpec:
         return _BY_MODEL_TYPE[model_type]
     except KeyError:
         raise ModelRegistryError(
-            f"model_type {model_type!r} is not supported by Archon; supported: {supported_model_types()}. "
-            "Add a model spec (see models/qwen3 for the layout) or use another backend."
+            f"model_type {model_type!r} is not supported by Archon (supported: {supported_model_types()}); "
+            "add a model spec (see models/qwen3 for the layout) or use another backend."
         ) from None
 
 

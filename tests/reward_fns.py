@@ -57,3 +57,19 @@ def crc_quarter(prompt, completion, answer, **kw):
     import zlib
 
     return float(zlib.crc32(completion.encode()) % 4 == 0)
+
+def misbehaves(prompt, completion, answer, **kw):
+    """Fails in every way a reward function can, chosen by the completion."""
+    if completion == "raise":
+        raise KeyError("no such field")
+    if completion == "hang":
+        time.sleep(60)
+    if completion == "text":
+        return "1.0"
+    if completion == "nan":
+        return float("nan")
+    return 1.0
+
+
+def always_raises(prompt, completion, answer, **kw):
+    raise RuntimeError("the reward service is down")

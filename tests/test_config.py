@@ -78,11 +78,11 @@ def test_unknown_key_in_file_names_key_file_and_suggestion(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_config(path)
     msg = str(info.value)
-    assert "actor.optimiser" in msg and str(path) in msg and "did you mean 'optimizer'" in msg
+    assert "actor.optimiser" in msg and str(path) in msg and "did you mean 'actor.optimizer'" in msg
 
 
 def test_unknown_override_key_suggests_closest():
-    with pytest.raises(ConfigError, match=r"unknown config key 'actor\.archon\.enable_compil'.*command line.*did you mean 'enable_compile'"):
+    with pytest.raises(ConfigError, match=r"unknown config key 'actor\.archon\.enable_compil'.*command line.*did you mean 'actor\.archon\.enable_compile'"):
         load_config(None, ["actor.archon.enable_compil=false"])
 
 

@@ -19,6 +19,7 @@ from archon.data import (
     load_jsonl,
     repeat_for_group,
 )
+from archon.errors import DataError
 from hf_fixtures import make_tiny_tokenizer
 
 GSM8K_ROWS = [
@@ -64,7 +65,7 @@ def test_load_jsonl_and_errors(tmp_path):
     bad.write_text('{"a": 1}\n[1, 2]\n')
     with pytest.raises(ValueError, match="bad.jsonl:2 holds a list"):
         load_jsonl(bad)
-    with pytest.raises(FileNotFoundError, match="train_dataset.path"):
+    with pytest.raises(DataError, match="train_dataset.path"):
         load_jsonl(tmp_path / "missing.jsonl")
 
 

@@ -127,3 +127,29 @@ def test_mismatched_lengths_are_rejected():
     rc = RewardComputer("exact_match", n_workers=0)
     with pytest.raises(ValueError, match="one entry per sample"):
         rc.compute(["p"], ["a", "b"], ["x", "y"])
+
+
+def test_every_kind_of_failure_is_logged_with_its_index_counted_and_scored_zero(caplog_warnings):
+    completions = ["ok", "raise", "hang", "text", "nan", "ok"]
+    with RewardComputer("reward_fns:misbehaves", n_workers=2, timeout_s=1.0, max_failure_frac=1.0) as rc:
+        assert rc.compute(["p"] * 6, completions, ["x"] * 6) == [1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+        metrics = rc.metrics()
+    assert metrics["reward/failures"] == 3 and metrics["reward/timeouts"] == 1
+    assert metrics["reward/failed_frac"] == pytest.approx(4 / 6)
+    messages = [r.getMessage() for r in caplog_warnings.records]
+    for index, why in [(1, "KeyError"), (2, "timeout_s"), (3, "'1.0' (str), not a number"), (4, "not finite")]:
+        assert any(f"sample {index} " in m and why in m for m in messages), (index, messages)
+
+
+def test_more_failures_than_max_failure_frac_stop_with_one_sentence():
+    from archon.rl.rewards import RewardError
+
+    rc = RewardComputer("reward_fns:misbehaves", n_workers=0, max_failure_frac=0.5)
+    assert rc.compute(["p"] * 4, ["raise", "ok", "text", "ok"], ["x"] * 4) == [0.0, 1.0, 0.0, 1.0]  # 2 of 4: at the limit
+    with pytest.raises(RewardError) as info:
+        rc.compute(["p"] * 4, ["raise", "ok", "text", "nan"], ["x"] * 4)
+    msg = str(info.value)
+    assert "3 of 4 reward calls failed" in msg and "reward.max_failure_frac=0.5" in msg and "\n" not in msg
+    assert "sample 0: KeyError" in msg and "reward_fns:misbehaves" in msg
+    with pytest.raises(ValueError, match="max_failure_frac = 2"):
+        RewardComputer("exact_match", n_workers=0, max_failure_frac=2)

@@ -50,7 +50,8 @@ def test_client_spreads_load_and_survives_a_killed_server(model_dir, tmp_path):
     with RolloutLauncher.from_config(cfg, tmp_path) as launcher:  # starts the servers
         addrs = launcher.addrs
         pids = launcher.pids
-        with RolloutClient(addrs, request_timeout=60, retries=3, backoff_s=0.05) as client:
+        with RolloutClient(addrs, request_timeout=60, retries=3, backoff_s=0.05,
+                           api_key=launcher.api_key) as client:
             client.wait_healthy(30)
             prompts = _prompts(24)
             params = [{"max_new_tokens": 6, "temperature": 1.0, "sampling_seed": 100 + i, "ignore_eos": True}
@@ -92,7 +93,7 @@ def _sync_and_compare(model: str, run_dir: str, mode: str):
     try:
         if rank0:
             launcher = RolloutLauncher.from_config(cfg, run_dir)
-            client = RolloutClient(launcher.start(), request_timeout=60)
+            client = RolloutClient(launcher.start(), request_timeout=60, api_key=launcher.api_key)
             client.wait_healthy(30)
         engine = ArchonEngine(engine_config(model, "archon:d2"), total_steps=2).initialize()
         sync = build_weight_sync(mode, engine, client, folder=Path(run_dir) / "weights", chunk_mb=0.05)

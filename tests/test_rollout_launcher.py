@@ -276,7 +276,7 @@ def test_launch_real_sglang(tmp_path):
                              "sglang.mem_fraction_static=0.3", "sglang.context_length=512",
                              "sglang.disable_cuda_graph=true", "rollout.setup_timeout=600"])
     with RolloutLauncher.from_config(cfg, tmp_path) as launcher:
-        with RolloutClient(launcher.addrs, setup_timeout=60) as client:
+        with RolloutClient(launcher.addrs, setup_timeout=60, api_key=launcher.api_key) as client:
             results = client.generate_many([[1, 2, 3], [4, 5]], {"max_new_tokens": 4, "temperature": 0.0,
                                                                  "ignore_eos": True})
             assert [len(r.output_ids) for r in results] == [4, 4]

@@ -85,5 +85,5 @@ def test_train_sft_reports_config_errors_in_one_line(sft_setup):
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "train_sft.py"), "actor.optimiser.lr=1"],
                           capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 2
-    assert "unknown config key 'actor.optimiser'" in proc.stderr and "did you mean 'optimizer'" in proc.stderr
+    assert "unknown config key 'actor.optimiser'" in proc.stderr and "did you mean 'actor.optimizer'" in proc.stderr
     assert "Traceback" not in proc.stderr

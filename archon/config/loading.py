@@ -27,6 +27,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 from archon.alloc import AllocationError, ModelAllocation
+from archon.config.ranges import check_ranges
 from archon.config.schema import INHERITED_ENGINE_FIELDS, Config, ConfigError, NormConfig
 
 
@@ -111,7 +112,8 @@ class _Builder:
                 if dotted in _RENAMED:
                     raise ConfigError(f"config key '{dotted}' (from {self.where(dotted)}) was replaced by "
                                       f"{_RENAMED[dotted]} (AReaL's rejection_sampling options)")
-                near = did_you_mean(key, names) or did_you_mean(dotted, _all_keys(Config))
+                # Suggest full dotted keys, so the suggestion can be pasted as it is.
+                near = did_you_mean(dotted, [prefix + n for n in names]) or did_you_mean(dotted, _all_keys(Config))
                 raise ConfigError(f"unknown config key '{dotted}' (from {self.where(dotted)}){near}")
             self.explicit.add(dotted)
             kwargs[key] = self.convert(hints[key], value, dotted)
@@ -321,6 +323,7 @@ def validate_config(cfg: Config, sources: dict[str, str] | None = None, job: str
     for key, value in positive.items():
         if value < 1:
             raise ConfigError(f"{key} = {value} (from {sources.get(key, 'the defaults')}) must be at least 1")
+    check_ranges(cfg, sources)
     group = cfg.actor.group_size
     if group < 0 or (group and cfg.gconfig.n_samples % group):
         raise ConfigError(f"actor.group_size = {group} must divide gconfig.n_samples = {cfg.gconfig.n_samples} "

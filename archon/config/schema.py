@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Literal
 
 from archon.alloc import ModelAllocation
+from archon.errors import ArchonError
 
 
-class ConfigError(ValueError):
+class ConfigError(ArchonError, ValueError):
     """A config file, key or value a user wrote is wrong; the message says where and how to fix it."""
 
 
@@ -292,6 +293,8 @@ class RolloutConfig:
     """Bucket size of the distributed weight broadcast."""
     max_concurrent_rollouts: int = 0
     """Requests in flight per trainer process; 0 sends the whole batch at once."""
+    max_server_restarts: int = 3
+    """Restarts per run of launched servers that died or hung (they get the current weights); others are dropped."""
 
 
 @dataclass
@@ -369,7 +372,9 @@ class RewardConfig:
     timeout_s: float = 15.0
     """Seconds before one reward call counts as failed (reward 0)."""
     n_workers: int = 2
-    """Reward worker processes."""
+    """Reward worker processes; 0 calls the function in the trainer (no timeout or crash protection)."""
+    max_failure_frac: float = 0.5
+    """Stop the run when more than this fraction of a step's reward calls fail (raise, hang, non-number); 1: never."""
 
 
 @dataclass

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from archon.errors import DataError
+
 PROMPT_PLACEHOLDER = "{prompt}"
 
 
@@ -12,8 +14,8 @@ def apply_prompt_template(text: str, prompt_template: str = PROMPT_PLACEHOLDER) 
     """``prompt_template`` with ``{prompt}`` replaced by ``text``; other braces are kept literally
     (so a template may say ``\\boxed{}``)."""
     if PROMPT_PLACEHOLDER not in prompt_template:
-        raise ValueError(f"prompt_template {prompt_template!r} has no '{{prompt}}' placeholder; write e.g. "
-                         "'{prompt}\\nPut your final answer in \\\\boxed{}.'")
+        raise DataError(f"prompt_template {prompt_template!r} has no '{{prompt}}' placeholder; write e.g. "
+                        "'{prompt}\\nPut your final answer in \\\\boxed{}.'")
     return prompt_template.replace(PROMPT_PLACEHOLDER, text)
 
 
@@ -45,8 +47,8 @@ def encode_prompt(
     use_chat = has_chat_template(tokenizer) if use_chat_template is None else use_chat_template
     if use_chat:
         if not has_chat_template(tokenizer):
-            raise ValueError("use_chat_template is on but the tokenizer has no chat_template; turn it off or "
-                             "use a tokenizer folder whose tokenizer_config.json defines one")
+            raise DataError("use_chat_template is on but the tokenizer has no chat_template; turn it off or "
+                            "use a tokenizer folder whose tokenizer_config.json defines one")
         messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
             {"role": "user", "content": text}]
         return _ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
@@ -59,3 +61,20 @@ def encode_prompt(
 def encode_text(tokenizer: Any, text: str) -> list[int]:
     """Plain token ids of ``text`` (no special tokens)."""
     return _ids(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def load_tokenizer(path: str, key: str = "actor.path") -> Any:
+    """The tokenizer of the Hugging Face folder ``path`` (config key ``key``); ``DataError`` if none loads."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    if not Path(path).is_dir():
+        raise DataError(f"{key} = '{path}' is not a folder; point it at a local Hugging Face model folder "
+                        "(config.json, *.safetensors and the tokenizer files)")
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as exc:  # transformers' paragraph, cut to its first line
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DataError(f"cannot load a tokenizer from {key} = '{path}' ({first}); the folder needs tokenizer.json or "
+                        "tokenizer_config.json with its vocabulary files") from None

@@ -10,6 +10,7 @@ from typing import Any
 from archon.data.encoding import PROMPT_PLACEHOLDER, apply_prompt_template, encode_prompt
 from archon.data.jsonl import load_jsonl
 from archon.data.sampler import EpochSampler, repeat_for_group
+from archon.errors import DataError
 
 logger = logging.getLogger(__name__)
 
@@ -45,13 +46,13 @@ def _row_fields(row: dict[str, Any], where: str) -> tuple[str, str, dict[str, An
     elif "question" in row:
         text_key = "question"
     else:
-        raise ValueError(f"{where} has neither 'prompt' nor 'question' (keys: {sorted(row)}); RL data rows look "
-                         "like {\"prompt\": ..., \"answer\": ...} or GSM8K's {\"question\": ..., \"answer\": ...}")
+        raise DataError(f"{where} has neither 'prompt' nor 'question' (keys: {sorted(row)}); RL data rows look "
+                        "like {\"prompt\": ..., \"answer\": ...} or GSM8K's {\"question\": ..., \"answer\": ...}")
     if "answer" not in row:
-        raise ValueError(f"{where} has no 'answer'; every RL prompt needs a reference answer for the reward")
+        raise DataError(f"{where} has no 'answer'; every RL prompt needs a reference answer for the reward")
     text, answer = row[text_key], row["answer"]
     if not isinstance(text, str):
-        raise ValueError(f"{where}: '{text_key}' must be a string, got {type(text).__name__}")
+        raise DataError(f"{where}: '{text_key}' must be a string, got {type(text).__name__}")
     extra = {k: v for k, v in row.items() if k not in (text_key, "answer")}
     return text, str(answer), extra
 
@@ -72,6 +73,9 @@ class RLPromptDataset:
         source = str(rows) if isinstance(rows, (str, Path)) else "the given rows"
         if isinstance(rows, (str, Path)):
             rows = load_jsonl(rows)
+        if not rows:
+            raise DataError(f"{source} has no rows; write one JSON object per line, e.g. "
+                            "{\"prompt\": \"1 + 1 =\", \"answer\": \"2\"}")
         self.samples: list[PromptSample] = []
         self.n_dropped = 0
         for i, row in enumerate(rows):
@@ -86,8 +90,8 @@ class RLPromptDataset:
             logger.warning("dropped %d of %d prompts from %s longer than max_prompt_length=%d tokens",
                            self.n_dropped, len(rows), source, max_prompt_length)
         if not self.samples:
-            raise ValueError(f"no prompts left from {source} (read {len(rows)} rows, dropped {self.n_dropped} "
-                             f"longer than max_prompt_length={max_prompt_length}); raise max_prompt_length")
+            raise DataError(f"no prompts left from {source} (read {len(rows)} rows, dropped {self.n_dropped} "
+                            f"longer than max_prompt_length={max_prompt_length}); raise train_dataset.max_length")
 
     def __len__(self) -> int:
         return len(self.samples)

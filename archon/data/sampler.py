@@ -10,6 +10,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from archon.errors import DataError
+
 
 def epoch_order(n: int, *, seed: int, epoch: int, shuffle: bool = True) -> list[int]:
     """The sample order of one epoch."""
@@ -25,12 +27,12 @@ class EpochSampler:
 
     def __init__(self, n: int, batch_size: int, *, seed: int, shuffle: bool = True, drop_last: bool = True):
         if batch_size < 1:
-            raise ValueError(f"batch_size = {batch_size} must be at least 1")
+            raise DataError(f"batch_size = {batch_size} must be at least 1")
         if n == 0:
-            raise ValueError("the dataset is empty (after filtering); check the data file and max_length")
+            raise DataError("the dataset is empty (after filtering); check the data file and max_length")
         if drop_last and batch_size > n:
-            raise ValueError(f"batch_size = {batch_size} is larger than the dataset ({n} samples) with drop_last; "
-                             "lower the batch size, add data, or set drop_last = false")
+            raise DataError(f"batch_size = {batch_size} is larger than the dataset ({n} samples) with drop_last; "
+                            "lower the batch size, add data, or set drop_last = false")
         self.n = n
         self.batch_size = batch_size
         self.seed = seed
@@ -68,11 +70,11 @@ class EpochSampler:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("n", self.n) != self.n:
-            raise ValueError(f"the checkpointed data sampler covered {state['n']} samples but the dataset now has "
-                             f"{self.n}; resume with the same data file and max_length")
+            raise DataError(f"the checkpointed data sampler covered {state['n']} samples but the dataset now has "
+                            f"{self.n}; resume with the same data file and max_length")
         if state.get("seed", self.seed) != self.seed:
-            raise ValueError(f"the checkpoint was written with seed {state['seed']} but this run uses {self.seed}; "
-                             "resume with the same seed")
+            raise DataError(f"the checkpoint was written with seed {state['seed']} but this run uses {self.seed}; "
+                            "resume with the same seed")
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
         self._order = None
@@ -81,5 +83,5 @@ class EpochSampler:
 def repeat_for_group(items: list[Any], group_size: int) -> list[Any]:
     """Each item ``group_size`` times in a row: the rows of one prompt's group are consecutive."""
     if group_size < 1:
-        raise ValueError(f"group_size = {group_size} must be at least 1")
+        raise DataError(f"group_size = {group_size} must be at least 1")
     return [item for item in items for _ in range(group_size)]

@@ -8,6 +8,7 @@ from typing import Any
 
 from archon.data.encoding import PROMPT_PLACEHOLDER, apply_prompt_template, encode_prompt, encode_text
 from archon.data.jsonl import load_jsonl
+from archon.errors import DataError
 
 logger = logging.getLogger(__name__)
 
@@ -44,21 +45,24 @@ class SFTDataset:
         use_chat_template: bool | None = None,
     ):
         if truncation not in ("drop", "truncate"):
-            raise ValueError(f"truncation = '{truncation}' must be 'drop' or 'truncate'")
+            raise DataError(f"truncation = '{truncation}' must be 'drop' or 'truncate'")
         eos = getattr(tokenizer, "eos_token_id", None)
         if eos is None:
-            raise ValueError("the tokenizer has no eos_token; SFT appends EOS to every completion, so set "
-                             "eos_token in the tokenizer config")
+            raise DataError("the tokenizer has no eos_token; SFT appends EOS to every completion, so set "
+                            "eos_token in the tokenizer config")
         source = str(rows) if isinstance(rows, (str, Path)) else "the given rows"
         if isinstance(rows, (str, Path)):
             rows = load_jsonl(rows)
+        if not rows:
+            raise DataError(f"{source} has no rows; write one JSON object per line, e.g. "
+                            "{\"prompt\": \"1 + 1 =\", \"completion\": \"2\"}")
         self.samples: list[dict[str, list[int]]] = []
         self.n_dropped = 0
         self.n_truncated = 0
         for i, row in enumerate(rows):
             where = f"{source} row {i + 1}"
             if not isinstance(row.get("prompt"), str) or not isinstance(row.get("completion"), str):
-                raise ValueError(f"{where} needs string fields 'prompt' and 'completion' (keys: {sorted(row)})")
+                raise DataError(f"{where} needs string fields 'prompt' and 'completion' (keys: {sorted(row)})")
             prompt = apply_prompt_template(row["prompt"], prompt_template)
             prompt_ids = encode_prompt(tokenizer, prompt, system_prompt=system_prompt,
                                        use_chat_template=use_chat_template)
@@ -74,8 +78,8 @@ class SFTDataset:
             logger.warning("SFT data %s: dropped %d and truncated %d of %d rows longer than max_length=%s tokens",
                            source, self.n_dropped, self.n_truncated, len(rows), max_length)
         if not self.samples:
-            raise ValueError(f"no SFT samples left from {source} (read {len(rows)} rows, dropped {self.n_dropped}); "
-                             "raise max_length")
+            raise DataError(f"no SFT samples left from {source} (read {len(rows)} rows, dropped {self.n_dropped}); "
+                            "raise max_length")
 
     def __len__(self) -> int:
         return len(self.samples)

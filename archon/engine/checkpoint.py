@@ -23,13 +23,15 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from archon.errors import ArchonError
+
 if TYPE_CHECKING:
     from archon.engine.engine import ArchonEngine
 
 ENGINE_STATE = "engine_state.pt"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(ArchonError, ValueError):
     """A checkpoint folder is missing or does not match the engine."""
 
 

@@ -28,11 +28,14 @@ from typing import TYPE_CHECKING, Mapping
 import torch
 import torch.distributed as dist
 
+from archon.config import ConfigError
+from archon.errors import ArchonError
+
 if TYPE_CHECKING:
     from archon.plan import ClusterPlan
 
 
-class DeviceSelectionError(RuntimeError):
+class DeviceSelectionError(ArchonError, RuntimeError):
     """This training process cannot tell which GPU is its own; the message says why and how to fix it."""
 
 
@@ -41,7 +44,7 @@ def resolve_device_type(device: str = "auto") -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device = 'cuda' but no CUDA device is visible; set device = 'cpu' or 'auto'")
+        raise ConfigError("device = 'cuda' but no CUDA device is visible; set device = 'cpu' or 'auto'")
     return device
 
 

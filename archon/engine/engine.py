@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from archon.alloc import ModelAllocation
 from archon.config import TrainEngineConfig
 from archon.engine.dist import current_device, init_distributed, resolve_device_type
+from archon.errors import ArchonError
 from archon.engine.microbatch import (
     Batch,
     PackedMicrobatch,
@@ -47,7 +48,7 @@ from parallel.dims import ParallelDims
 from parallel.fsdp import to_dtype
 from parallel.grad_clip import clip_grad_norm_
 from parallel.loss_parallel import vocab_parallel_logprobs_entropy
-from pipeline import Microbatch, PipelineConfigError, PipelinedModel
+from pipeline import Microbatch, PipelinedModel
 
 logger = logging.getLogger("archon.engine")
 # FSDP x TP gathers over two mesh dims in sequence; DTensor warns about it on every call.
@@ -62,7 +63,7 @@ def _token_count_weight(mb: Batch) -> float:
     return float(mb["loss_mask"].sum()) if "loss_mask" in mb else float(mb["attention_mask"].sum())
 
 
-class EngineError(ValueError):
+class EngineError(ArchonError, ValueError):
     """A user-caused problem with an engine's config, allocation or data."""
 
 
@@ -119,8 +120,11 @@ class ArchonEngine:
             raise EngineError(f"{self.name}.backend = '{cfg.backend}' needs {self.allocation.world_size} ranks but "
                               f"the job has {world}; launch with --nproc_per_node={self.allocation.world_size} "
                               f"or change the allocation")
-        self.parallel_dims = ParallelDims.from_allocation(self.allocation, world_size=world,
-                                                          dp_replicate=cfg.archon.dp_replicate)
+        try:
+            self.parallel_dims = ParallelDims.from_allocation(self.allocation, world_size=world,
+                                                              dp_replicate=cfg.archon.dp_replicate)
+        except ValueError as exc:  # parallel/ cannot raise Archon's errors; its ValueErrors are the user's
+            raise EngineError(f"{self.name}.backend = '{cfg.backend}': {exc}") from None
         self.parallel_dims.build_meshes(self.device_type)
         if dist.get_rank() == 0:
             logger.info("Initialized Archon engine with parallel dims: %s", self.parallel_dims.describe())
@@ -134,7 +138,10 @@ class ArchonEngine:
             self.pipeline = self._split_into_stages(model)
             model, parts = self.pipeline.model, self.pipeline.parts
         else:
-            model = self.spec.parallelize_fn(model, self.parallel_dims, cfg)
+            try:
+                model = self.spec.parallelize_fn(model, self.parallel_dims, cfg)
+            except ValueError as exc:  # parallel/ states what the layout cannot do to this model
+                raise EngineError(f"{self.name}.backend = '{cfg.backend}': {exc}") from None
             parts = [model]
         for part in parts:
             part.to_empty(device=self.device)
@@ -156,7 +163,7 @@ class ArchonEngine:
         try:
             return self.spec.pipelining_fn(model, self.parallel_dims, self.config, self.spec.parallelize_fn,
                                            self.device)
-        except PipelineConfigError as exc:
+        except ValueError as exc:  # PipelineConfigError, or what parallel/ refuses for a stage
             raise EngineError(f"{self.name}.backend = '{self.config.backend}': {exc}") from None
 
     def _load_hf_config(self):
@@ -171,6 +178,10 @@ class ArchonEngine:
         if not (folder / "config.json").is_file():
             raise EngineError(f"{self.name}: no config.json in '{folder}'; point {self.name}.path at a Hugging Face "
                               "model folder (config.json + *.safetensors)")
+        from models import get_model_spec, read_hf_config
+
+        # Archon's sentence for an unsupported model_type, before transformers' paragraph about it.
+        get_model_spec(read_hf_config(folder).get("model_type", ""))
         return AutoConfig.from_pretrained(str(folder))
 
     @torch.no_grad()

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from archon.config import ConfigError
+
 Batch = dict[str, torch.Tensor]
 
 
@@ -77,8 +79,8 @@ def plan_microbatches(seqlens: list[int], dp_size: int, n_mbs: int = 1,
     too_long = [i for i, n in enumerate(seqlens) if max_tokens_per_mb > 0 and n > max_tokens_per_mb]
     if too_long:
         i = too_long[0]
-        raise ValueError(f"sample {i} has {seqlens[i]} tokens, more than mb_spec.max_tokens_per_mb="
-                         f"{max_tokens_per_mb}; raise max_tokens_per_mb or shorten the data")
+        raise ConfigError(f"sample {i} has {seqlens[i]} tokens, more than mb_spec.max_tokens_per_mb="
+                          f"{max_tokens_per_mb}; raise max_tokens_per_mb or shorten the data")
     shares = split_for_data_parallel(seqlens, dp_size)
     k = max(_count_microbatches(seqlens, share, n_mbs, max_tokens_per_mb) for share in shares)
     return MicrobatchPlan([balanced_partition(seqlens, share, k) for share in shares])

@@ -1,16 +1,18 @@
 """Reward functions and a crash-proof pool of processes that runs them.
 
 A reward function is called as ``fn(prompt, completion, answer, **kw)`` and returns a
-float (or a bool, counted as 1.0 / 0.0).  Built-ins: ``math`` (answer equivalence with
-``math-verify``) and ``exact_match``; any other importable function is named
-``"package.module:function"``.
+number (a bool counts as 1.0 / 0.0; a string, None or NaN is a failure).  Built-ins:
+``math`` (answer equivalence with ``math-verify``) and ``exact_match``; any other
+importable function is named ``"package.module:function"``.
 
 ``RewardComputer`` runs the calls in worker processes, one call per worker at a time, so
 that whatever a reward function does (raise, hang, ``os._exit``, segfault) costs only that
-sample: it gets reward 0.0, a warning is logged, the failure is counted, and a dead or
-hung worker is replaced.  Workers are started with the ``spawn`` method (no inherited
-locks or CUDA state) and receive ``sys.path`` from the parent, so modules importable in
-the trainer are importable there.
+sample: it gets reward 0.0, a warning naming the sample's index is logged, the failure is
+counted, and a dead or hung worker is replaced.  A reward function that is broken rather
+than unlucky must not train a policy on zeros: when more than ``max_failure_frac`` of one
+``compute()`` call's samples fail, it raises ``RewardError``.  Workers are started with
+the ``spawn`` method (no inherited locks or CUDA state) and receive ``sys.path`` from the
+parent, so modules importable in the trainer are importable there.
 """
 
 from __future__ import annotations
@@ -29,9 +31,16 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
+from archon.config import ConfigError
+from archon.errors import ArchonError
+
 logger = logging.getLogger(__name__)
 
 RewardFn = Callable[..., Any]
+
+
+class RewardError(ArchonError, RuntimeError):
+    """The reward function cannot be loaded, its workers do not start, or too many of its calls fail."""
 
 # ----------------------------------------------------------------------------------------
 # Answer extraction and the built-in reward functions
@@ -134,27 +143,30 @@ def get_reward_fn(name: str | RewardFn) -> RewardFn:
     usage = (f"use a built-in ({', '.join(BUILTIN_REWARD_FNS)}) or 'package.module:function' naming an "
              "importable function fn(prompt, completion, answer, **kw) -> float")
     if ":" not in name:
-        raise ValueError(f"unknown reward function '{name}'; {usage}")
+        raise ConfigError(f"unknown reward function '{name}'; {usage}")
     module_name, _, attr = name.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(f"reward function '{name}': cannot import module '{module_name}' ({exc}); "
-                         f"make it importable (installed or on PYTHONPATH); {usage}") from None
+        raise ConfigError(f"reward function '{name}': cannot import module '{module_name}' ({exc}); "
+                          f"make it importable (installed or on PYTHONPATH); {usage}") from None
     fn = module
     for part in attr.split("."):
         fn = getattr(fn, part, None)
         if fn is None:
-            raise ValueError(f"reward function '{name}': module '{module_name}' has no attribute '{attr}'; {usage}")
+            raise ConfigError(f"reward function '{name}': module '{module_name}' has no attribute '{attr}'; {usage}")
     if not callable(fn):
-        raise ValueError(f"reward function '{name}' is not callable; {usage}")
+        raise ConfigError(f"reward function '{name}' is not callable; {usage}")
     return fn
 
 
 def _to_reward(value: Any) -> float:
+    """``value`` as a finite float; a string, None, or anything without ``__float__`` is not a reward."""
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
+        raise TypeError(f"the reward function returned {value!r} ({type(value).__name__}), not a number")
     reward = float(value)
     if not math.isfinite(reward):
-        raise ValueError(f"reward is not finite: {value!r}")
+        raise ValueError(f"the reward function returned {value!r}, which is not finite")
     return reward
 
 
@@ -210,20 +222,29 @@ class RewardCounters:
     """Workers replaced after a crash or a timeout."""
     failure_examples: list[str] = field(default_factory=list)
     """The first few failure messages."""
+    last_failures: int = 0
+    """Failures and timeouts of the latest ``compute()`` call."""
+    last_samples: int = 0
+    """Samples of the latest ``compute()`` call."""
 
 
 class RewardComputer:
     """Computes rewards in ``n_workers`` processes; failures and timeouts give 0.0.
 
     ``compute(prompts, completions, answers, **kw)`` returns one float per sample in
-    order.  Extra keyword arguments are either one value for all samples or a list with
-    one value per sample.  ``n_workers=0`` calls the function in the calling process
+    order, or raises ``RewardError`` when more than ``max_failure_frac`` of them failed.
+    Extra keyword arguments are either one value for all samples or a list with one value
+    per sample.  ``n_workers=0`` calls the function in the calling process
     (no protection against crashes or hangs; for debugging).
     """
 
     def __init__(self, fn: str | RewardFn = "math", *, n_workers: int = 2, timeout_s: float = 15.0,
-                 start_method: str = "spawn", startup_timeout_s: float = 120.0, fn_kwargs: dict | None = None):
+                 start_method: str = "spawn", startup_timeout_s: float = 120.0, fn_kwargs: dict | None = None,
+                 max_failure_frac: float = 1.0):
+        if not 0.0 <= max_failure_frac <= 1.0:
+            raise ConfigError(f"reward.max_failure_frac = {max_failure_frac} must be between 0 and 1 (1 never stops)")
         self.fn_spec = fn
+        self.max_failure_frac = max_failure_frac
         self.fn = get_reward_fn(fn)  # fail fast, in the trainer, on a bad name
         self.n_workers = n_workers
         self.timeout_s = timeout_s
@@ -232,6 +253,7 @@ class RewardComputer:
         if self.fn in (math_reward,) and "timeout_s" not in self.fn_kwargs:
             self.fn_kwargs["timeout_s"] = timeout_s
         self.counters = RewardCounters()
+        self._call_failures: list[str] = []  # 'sample i: why' for each failure of the current call
         self._ctx = mp.get_context(start_method)
         self._workers: list[_Worker] = []
         self._lock = threading.Lock()
@@ -254,14 +276,30 @@ class RewardComputer:
         with self._lock:
             if self._closed:
                 raise RuntimeError("RewardComputer.compute() called after close()")
+            self._call_failures = []
             if self.n_workers == 0:
-                return [self._call_inline(t) for t in tasks]
-            return self._run(tasks)
+                results = [self._call_inline(t) for t in tasks]
+            else:
+                results = self._run(tasks)
+        self._check_failures(n)
+        return results
 
-    def metrics(self) -> dict[str, int]:
+    def _check_failures(self, n: int) -> None:
+        failed = len(self._call_failures)
+        self.counters.last_failures, self.counters.last_samples = failed, n
+        if failed and failed > self.max_failure_frac * n:
+            raise RewardError(
+                f"{failed} of {n} reward calls failed (raised, ran past reward.timeout_s={self.timeout_s:g} s, or "
+                f"returned a non-number), more than reward.max_failure_frac={self.max_failure_frac:g}; the first: "
+                f"{self._call_failures[0]}; fix the reward function {self.fn_spec!r} or raise "
+                "reward.max_failure_frac")
+
+    def metrics(self) -> dict[str, float]:
+        """Totals since construction, and the failed fraction of the latest ``compute()`` call."""
         c = self.counters
         return {"reward/calls": c.calls, "reward/failures": c.failures, "reward/timeouts": c.timeouts,
-                "reward/worker_restarts": c.restarts}
+                "reward/worker_restarts": c.restarts,
+                "reward/failed_frac": c.last_failures / c.last_samples if c.last_samples else 0.0}
 
     def close(self) -> None:
         with self._lock:
@@ -310,6 +348,7 @@ class RewardComputer:
         self.counters.restarts += 1
 
     def _fail(self, task_id: int, message: str, *, timeout: bool = False) -> None:
+        self._call_failures.append(f"sample {task_id}: {message}")
         self.counters.calls += 1
         if timeout:
             self.counters.timeouts += 1
@@ -345,8 +384,8 @@ class RewardComputer:
                         continue
                     w.task, w.deadline = task[0], now + self.timeout_s
             if not any(w.ready for w in self._workers) and now > startup_deadline:
-                raise RuntimeError(f"no reward worker started within {self.startup_timeout_s:.0f}s "
-                                   f"(reward function {self.fn_spec!r}); check that it imports quickly")
+                raise RewardError(f"no reward worker started within {self.startup_timeout_s:.0f}s "
+                                  f"(reward function {self.fn_spec!r}); check that it imports quickly")
             deadlines = [w.deadline for w in self._workers if w.task is not None]
             wake = min(deadlines + [now + 1.0]) - now
             waitables: list[Any] = [w.conn for w in self._workers] + [w.process.sentinel for w in self._workers]
@@ -372,7 +411,8 @@ class RewardComputer:
                     self._fail(msg[1], msg[2])
                     w.task = None
                 elif kind == "init_error":
-                    raise RuntimeError(f"reward worker could not load reward function {self.fn_spec!r}: {msg[1]}")
+                    raise RewardError(f"reward worker could not load reward function {self.fn_spec!r}: {msg[1]}; "
+                                      "make it importable in a fresh Python process")
         except (EOFError, OSError):
             pass  # the worker died; handled below
         if not w.process.is_alive():

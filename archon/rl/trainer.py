@@ -21,6 +21,7 @@ import torch.distributed as dist
 from archon.cli import JobError
 from archon.config import Config, ConfigError
 from archon.engine.engine import ArchonEngine
+from archon.errors import user_error_types
 from archon.rl.actor import PPOActor, ReferenceModel
 from archon.rl.advantages import AdvantageConfig, compute_advantages
 from archon.rl.critic import PPOCritic
@@ -28,6 +29,7 @@ from archon.rl.dynamic_filter import collect_mixed_groups
 from archon.rl.kl import KLController, kl_estimate
 from archon.rl.losses import aggregate
 from archon.rl.rollout_batch import Completion, build_rollout_batch
+from archon.rl.server_recovery import generate_or_recover, recover_servers, sync_with_recovery
 
 logger = logging.getLogger("archon.rl")
 
@@ -70,7 +72,9 @@ def run_on_rank0(fn, what: str) -> Any:
     if dist.get_rank() == 0:
         try:
             payload = [("ok", fn())]
-        except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
+        except user_error_types() as exc:  # one sentence says it all: no traceback
+            payload = [("error", f"{what} failed on rank 0: {exc}")]
+        except Exception as exc:  # noqa: BLE001 - a bug: keep its traceback in rank 0's log; re-raised below
             logger.exception("%s failed on rank 0", what)
             payload = [("error", f"{what} failed on rank 0: {type(exc).__name__}: {exc}")]
     dist.broadcast_object_list(payload, src=0)
@@ -102,7 +106,8 @@ class RLTrainer:
         self.kl_ctl = KLController(cfg.actor.kl_ctl, cfg.actor.kl_ctl_type, cfg.actor.kl_ctl_target,
                                    cfg.actor.kl_ctl_horizon)
         # Built in run(); close() releases whatever was built.
-        self.launcher = self.client = self.rewards = self.weight_sync = None
+        self.launcher = self.client = self.rewards = self.weight_sync = self.supervisor = None
+        self.served_version: str | None = None  # weights the servers hold (None: actor.path's)
 
     # ------------------------------------------------------------------ setup
     def _build_engines(self) -> None:
@@ -126,12 +131,11 @@ class RLTrainer:
             self.engines["critic"] = critic_engine
 
     def _build_data(self) -> None:
-        from transformers import AutoTokenizer
-
+        from archon.data.encoding import load_tokenizer
         from archon.data.rl_dataset import PromptLoader, RLPromptDataset
 
         cfg = self.cfg
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.actor.path)
+        self.tokenizer = load_tokenizer(cfg.actor.path)
         dataset = RLPromptDataset(cfg.train_dataset.path, self.tokenizer, max_prompt_length=cfg.train_dataset.max_length)
         if self.rank0:
             logger.info("RL data: %d prompts from %s (%d dropped as longer than train_dataset.max_length=%d)",
@@ -152,6 +156,7 @@ class RLTrainer:
         """Rank 0 launches (or connects to) the servers; every rank joins the weight sync."""
         from archon.rollout.client import RolloutClient
         from archon.rollout.launcher import RolloutLauncher, ranks_per_server
+        from archon.rollout.recovery import ServerSupervisor
         from archon.rollout.weight_sync import build_weight_sync
         from parallel.fsdp import to_dtype
 
@@ -161,8 +166,9 @@ class RLTrainer:
         def connect() -> None:
             self.launcher = RolloutLauncher.from_config(cfg, cfg.run_dir)
             addrs = self.launcher.start()
-            self.client = RolloutClient.from_config(cfg.rollout, addrs)
+            self.client = RolloutClient.from_config(cfg.rollout, addrs, api_key=self.launcher.api_key)
             self.client.wait_healthy(cfg.rollout.setup_timeout)
+            self.supervisor = ServerSupervisor(self.client, self.launcher, cfg.rollout.max_server_restarts)
 
         run_on_rank0(connect, "starting the rollout servers")
         # SGLang and vLLM serve in their own dtype; the built-in server in the actor's.
@@ -179,7 +185,8 @@ class RLTrainer:
         get_reward_fn(r.fn)  # a bad name is the same clear error on every rank
 
         def start() -> None:
-            self.rewards = RewardComputer(r.fn, n_workers=r.n_workers, timeout_s=r.timeout_s)
+            self.rewards = RewardComputer(r.fn, n_workers=r.n_workers, timeout_s=r.timeout_s,
+                                          max_failure_frac=r.max_failure_frac)
 
         run_on_rank0(start, "starting the reward workers")
 
@@ -201,8 +208,10 @@ class RLTrainer:
             t0 = time.perf_counter()
             params = [{**self.sampling, "sampling_seed": rollout_seed(self.cfg.seed, step, first_index + i)}
                       for i in range(len(prompts))]
-            results = self.client.generate_many([p.input_ids for p in prompts], params,
-                                                max_concurrency=self.cfg.rollout.max_concurrent_rollouts)
+            results = generate_or_recover(self.supervisor, lambda: self.client.generate_many(
+                [p.input_ids for p in prompts], params, max_concurrency=self.cfg.rollout.max_concurrent_rollouts))
+            if results is None:
+                return None  # servers lost: every rank recovers them, then the rollout is repeated
             completions = [Completion(p.input_ids, r.output_ids, r.output_logprobs, r.finish_reason)
                            for p, r in zip(prompts, results)]
             t1 = time.perf_counter()
@@ -213,7 +222,9 @@ class RLTrainer:
             timing = {"rollout_time_s": t1 - t0, "reward_time_s": time.perf_counter() - t1}
             return completions, rewards, timing
 
-        return run_on_rank0(generate_and_score, f"rollout of step {step}")
+        while (out := run_on_rank0(generate_and_score, f"rollout of step {step}")) is None:
+            recover_servers(self.supervisor, self.weight_sync, self.served_version)
+        return out
 
     def _prepare(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """Reference/proximal logprobs, values and advantages, added to ``batch``; returns metrics."""
@@ -259,7 +270,8 @@ class RLTrainer:
         if self.critic is not None:
             record.update(self.critic.ppo_update(batch))
         train_time = time.perf_counter() - t_train
-        sync = self.weight_sync.sync(str(step))
+        sync = sync_with_recovery(self.supervisor, self.weight_sync, str(step))
+        self.served_version = str(step)
 
         r = torch.tensor(rewards, dtype=torch.float64)
         lengths = torch.tensor([len(c.output_ids) for c in completions], dtype=torch.float64)
@@ -275,6 +287,8 @@ class RLTrainer:
         record["peak_mem_gb"] = peak_memory_gb(self.actor_engine.device_type)
         if self.rank0 and self.rewards is not None:
             record.update(self.rewards.metrics())
+        if self.rank0 and self.supervisor is not None:
+            record.update(self.supervisor.stats())
         return record
 
     # ------------------------------------------------------------------ run
@@ -306,6 +320,7 @@ class RLTrainer:
             if start > 0:
                 # The servers started from actor.path; give them the resumed policy.
                 self.weight_sync.sync(str(start))
+                self.served_version = str(start)
             metrics_log = MetricsLogger(cfg.run_dir, cfg.total_train_steps, enabled=self.rank0,
                                         headline=("reward_mean", "response_len_mean", "actor/loss"),
                                         start_step=start)

@@ -11,8 +11,9 @@ sent so far, then the lowest index, so the spread is deterministic).  A connecti
 a timeout or an HTTP 5xx is retried with exponential backoff, preferring servers the request
 has not failed on yet; a 4xx is the caller's mistake and is raised at once with the
 server's message.  A server that refuses connections, or fails ``down_after`` times in a
-row, is marked down for the rest of the client's life: it would miss weight updates, so it
-must never silently come back with stale weights.
+row, is marked down: it would miss weight updates, so it never silently comes back with
+stale weights; only ``revive(url)`` takes it back, once the caller restarted it and is about
+to give it the current weights (``archon.rollout.recovery``).
 
 Control calls (pause, flush, weight updates) fan out to every server that is up, and any
 server that fails or answers ``success: false`` is an error that names it.
@@ -21,6 +22,9 @@ How a request is spelled on the wire is the job of a ``ServerAPI`` (``server_api
 default SGLang's HTTP protocol (which the built-in server speaks too); ``archon.rollout.vllm.VLLMAPI``
 maps the same calls onto vLLM's OpenAI completions API and its weight-reload endpoints.  The
 trainer only ever sees ``RolloutClient`` and ``GenerateResult``.
+
+With an API key (given, or ``$ARCHON_API_KEY``) every request carries
+``Authorization: Bearer <key>``, which SGLang's and vLLM's ``--api-key`` and the built-in server check.
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ from typing import Any, Coroutine, Sequence, TypeVar
 import aiohttp
 
 from archon.alloc import ModelAllocation
-from archon.config import GenerationConfig, RolloutConfig
+from archon.config import ConfigError, GenerationConfig, RolloutConfig
+from archon.rollout.auth import api_key_from_env, auth_headers
 from archon.rollout.server_api import (  # noqa: F401 - RolloutError, RolloutRequestError, GenerateResult are public here
     HEALTH_PROBE_TIMEOUT_S,
     Call,
@@ -93,7 +98,7 @@ def normalize_addr(addr: str) -> str:
     """'host:port' or 'http://host:port[/]' -> 'http://host:port'."""
     addr = addr.strip().rstrip("/")
     if not addr:
-        raise ValueError("a rollout server address is empty; write it as host:port, e.g. 127.0.0.1:30000")
+        raise ConfigError("a rollout server address is empty; write it as host:port, e.g. 127.0.0.1:30000")
     return addr if "://" in addr else f"http://{addr}"
 
 
@@ -138,17 +143,17 @@ class RolloutClient:
 
     def __init__(self, addrs: Sequence[str], *, request_timeout: float = 3600.0, retries: int = 3,
                  backoff_s: float = 0.5, setup_timeout: float = 300.0, down_after: int = 3,
-                 api: ServerAPI | None = None):
+                 api: ServerAPI | None = None, api_key: str | None = None):
         if not addrs:
-            raise ValueError("RolloutClient needs at least one server address (host:port); launch servers with "
-                             "RolloutLauncher or set rollout.server_addrs")
+            raise ConfigError("RolloutClient needs at least one server address (host:port); launch servers with "
+                              "RolloutLauncher or set rollout.server_addrs")
         if retries < 0:
-            raise ValueError(f"rollout.request_retries = {retries} must be 0 or more")
+            raise ConfigError(f"rollout.request_retries = {retries} must be 0 or more")
         urls = [normalize_addr(a) for a in addrs]
         dupes = sorted({u for u in urls if urls.count(u) > 1})
         if dupes:
-            raise ValueError(f"rollout server address(es) {', '.join(dupes)} listed more than once; list each "
-                             "server once")
+            raise ConfigError(f"rollout server address(es) {', '.join(dupes)} listed more than once; list each "
+                              "server once")
         self._servers = [_Server(i, u) for i, u in enumerate(urls)]
         self.api = api or ServerAPI()
         self.request_timeout = request_timeout
@@ -156,6 +161,7 @@ class RolloutClient:
         self.backoff_s = backoff_s
         self.setup_timeout = setup_timeout
         self.down_after = max(1, down_after)
+        self._headers = auth_headers(api_key or api_key_from_env())
         self._healthy = False
         self._group_members: dict[str, list[_Server]] = {}
         self._counters = {"requests": 0, "retries": 0}
@@ -169,10 +175,11 @@ class RolloutClient:
         self.submit(self._open()).result()
 
     @classmethod
-    def from_config(cls, cfg: RolloutConfig, addrs: Sequence[str]) -> "RolloutClient":
+    def from_config(cls, cfg: RolloutConfig, addrs: Sequence[str], api_key: str | None = None) -> "RolloutClient":
         """A client of ``addrs`` speaking the API of ``cfg.backend``'s servers."""
         return cls(addrs, request_timeout=cfg.request_timeout, retries=cfg.request_retries,
-                   setup_timeout=cfg.setup_timeout, api=api_for_backend(ModelAllocation.from_str(cfg.backend).backend))
+                   setup_timeout=cfg.setup_timeout, api=api_for_backend(ModelAllocation.from_str(cfg.backend).backend),
+                   api_key=api_key)
 
     # ------------------------------------------------------------------ loop plumbing
     def _run_loop(self) -> None:
@@ -181,7 +188,7 @@ class RolloutClient:
 
     async def _open(self) -> None:
         # limit=0: concurrency is bounded by the caller (max_concurrency), not by the pool.
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=self._headers)
         self._health_lock = asyncio.Lock()
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> "concurrent.futures.Future[T]":
@@ -225,6 +232,46 @@ class RolloutClient:
     def up_addrs(self) -> list[str]:
         """Servers not marked down."""
         return [s.url for s in self._servers if not s.down]
+
+    @property
+    def down_addrs(self) -> list[str]:
+        """Servers marked down."""
+        return [s.url for s in self._servers if s.down]
+
+    def last_error(self, url: str) -> str:
+        """Why server ``url`` last failed ('' if it never did)."""
+        return self._server(url).last_error
+
+    def mark_down(self, url: str, why: str) -> None:
+        """Send nothing more to server ``url`` (e.g. its process exited) until ``revive(url)``."""
+        server = self._server(url)
+        if not server.down:
+            logger.warning("rollout server %s marked down (%s)", url, why)
+        server.down, server.last_error = True, why
+
+    def revive(self, url: str) -> None:
+        """Take server ``url`` back (restarted and healthy; the caller gives it the current weights next)."""
+        server = self._server(url)
+        server.down, server.consecutive_failures, server.last_error = False, 0, ""
+
+    def check_health(self) -> list[str]:
+        """Probe ``/health`` of every up server; mark the ones that do not answer down. Returns those."""
+        return self._wait(self._acheck_health())
+
+    async def _acheck_health(self) -> list[str]:
+        up = [s for s in self._servers if not s.down]
+        reasons = await asyncio.gather(*(self._probe(s) for s in up))
+        for server, why in zip(up, reasons):
+            if why is not None:
+                self.mark_down(server.url, f"/health failed: {why}")
+        return [s.url for s, why in zip(up, reasons) if why is not None]
+
+    def _server(self, url: str) -> _Server:
+        url = normalize_addr(url)
+        for server in self._servers:
+            if server.url == url:
+                return server
+        raise KeyError(f"{url} is not one of this client's servers ({', '.join(self.addrs)})")
 
     def stats(self) -> dict[str, float]:
         """Counters for metrics: requests sent, retries, servers down."""

@@ -218,10 +218,11 @@ class Generator:
         return self._paused
 
     def stats(self) -> dict[str, int]:
-        """Requests running (decoding) and queued right now (a snapshot, for monitoring and tests)."""
+        """Requests running and queued, KV-cache rows in use and bytes held (a snapshot, for monitoring and tests)."""
         with self._cond:
             queued = len(self._inbox) + len(self._waiting)
-            return {"num_running_reqs": len(self._running), "num_queued_reqs": queued}
+            return {"num_running_reqs": len(self._running), "num_queued_reqs": queued,
+                    "kv_cache_rows": self.cache.num_rows, "kv_cache_bytes": self.cache.nbytes}
 
     def check_request(self, request: GenerationRequest) -> None:
         """Raise ``ValueError`` (one sentence: what and how to fix) if the request cannot be served."""
@@ -366,6 +367,8 @@ class Generator:
     def _loop(self) -> None:
         while True:
             with self._cond:
+                if not self._has_work():
+                    self.cache.release()  # idle: give back what a burst of requests grew the cache to
                 while not self._has_work():
                     self._cond.wait()
                 if self._stopping:

@@ -75,6 +75,7 @@ class BatchedKVCache:
         self.lengths: list[int] = []
         self._rows = max(1, initial_rows)
         self._capacity = max(1, initial_length if max_length is None else min(initial_length, max_length))
+        self._initial = (self._rows, self._capacity)
         self.k = [self._zeros(self._rows, self._capacity) for _ in range(n_layers)]
         self.v = [self._zeros(self._rows, self._capacity) for _ in range(n_layers)]
         self._fwd: _Forward | None = None
@@ -94,6 +95,11 @@ class BatchedKVCache:
     def capacity(self) -> int:
         """Positions allocated per row."""
         return self._capacity
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the key and value storage holds (in use or not)."""
+        return sum(t.numel() * t.element_size() for store in (self.k, self.v) for t in store)
 
     def _zeros(self, rows: int, length: int) -> torch.Tensor:
         # Zeros, not empty: masked slots still enter q @ k^T, and NaN garbage would poison softmax.
@@ -143,6 +149,18 @@ class BatchedKVCache:
         """Drop every row (the memory stays allocated for reuse)."""
         self.lengths = []
         self._fwd = None
+
+    def release(self) -> None:
+        """Drop every row and shrink the storage back to its initial size (no-op when it never grew).
+
+        Called when the server goes idle, so a burst of long requests does not hold its peak
+        memory until the next burst.
+        """
+        self.clear()
+        if (self._rows, self._capacity) != self._initial:
+            self._rows, self._capacity = self._initial
+            self.k = [self._zeros(self._rows, self._capacity) for _ in self.k]
+            self.v = [self._zeros(self._rows, self._capacity) for _ in self.v]
 
     # ---- one forward ------------------------------------------------------------------
     def begin_forward(self, start: int, stop: int, n_new: int, valid: list[int] | None = None) -> None:

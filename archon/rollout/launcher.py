@@ -20,6 +20,11 @@ launched and those addresses are used as they are.
 cluster launcher starts there).  Without ``node`` the trainer launches them itself, on the node
 of training rank 0; a server the plan puts on another node is then an error asking for a
 cluster launcher or ``rollout.server_addrs``.
+
+Every launched server gets the run's API key (``archon.rollout.auth``): the built-in one in
+its environment, SGLang as ``--api-key`` (redacted in the log), vLLM as ``VLLM_API_KEY``;
+``RolloutLauncher.api_key`` hands it to the client, and ``<run_dir>/rollout/api_key`` holds it
+while the servers run.
 """
 
 from __future__ import annotations
@@ -43,7 +48,9 @@ from typing import Any, Sequence
 
 from archon.alloc import ModelAllocation
 from archon.config import Config, ConfigError, SGLangConfig
+from archon.errors import ArchonError
 from archon.plan import ClusterPlan, Process, plan_for_config
+from archon.rollout.auth import API_KEY_ENV, auth_headers, generate_api_key, write_api_key
 from archon.rollout.server_api import HEALTH_PROBE_TIMEOUT_S
 from archon.rollout.vllm import check_vllm_config, vllm_command, vllm_env
 
@@ -55,7 +62,7 @@ _CONTEXT_LENGTH_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "mod
                         "max_position_embeddings")
 
 
-class RolloutLaunchError(RuntimeError):
+class RolloutLaunchError(ArchonError, RuntimeError):
     """A rollout server could not be started or did not become healthy; the message says which and why."""
 
 
@@ -77,6 +84,8 @@ class LaunchSpec:
     """File that receives the server's stdout and stderr."""
     connect_host: str = ""
     """Address clients use to reach it; empty means `host` (or 127.0.0.1 when binding 0.0.0.0)."""
+    api_key: str | None = None
+    """Key the server requires (``Authorization: Bearer``); None: an open server."""
 
     @property
     def addr(self) -> str:
@@ -155,8 +164,8 @@ def resolve_context_length(requested: int, model_path: str, key: str) -> int | N
 
 
 def sglang_command(cfg: Config, model_path: str, host: str, port: int, seed: int, tp_size: int,
-                   context_length: int | None = None) -> list[str]:
-    """``python -m sglang.launch_server ...`` for one server."""
+                   context_length: int | None = None, api_key: str | None = None) -> list[str]:
+    """``python -m sglang.launch_server ...`` for one server (SGLang reads its key from the command line only)."""
     sg = cfg.sglang
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host,
            "--port", str(port), "--tp-size", str(tp_size), "--skip-tokenizer-init", "--dtype", sg.dtype,
@@ -178,6 +187,8 @@ def sglang_command(cfg: Config, model_path: str, host: str, port: int, seed: int
         cmd += ["--max-running-requests", str(sg.max_running_requests)]
     if sg.attention_backend:
         cmd += ["--attention-backend", sg.attention_backend]
+    if api_key:
+        cmd += ["--api-key", api_key]
     return cmd + list(sg.extra_args)
 
 
@@ -218,11 +229,13 @@ def _servers_of_node(rollout: ModelAllocation, plan: ClusterPlan, node: int | No
 
 
 def build_launch_specs(cfg: Config, run_dir: str | Path | None = None, *, host: str | None = None,
-                       ports: Sequence[int] | None = None, node: int | None = None) -> list[LaunchSpec]:
+                       ports: Sequence[int] | None = None, node: int | None = None,
+                       api_key: str | None = None) -> list[LaunchSpec]:
     """One LaunchSpec per rollout server of ``cfg.rollout.backend`` (empty when server_addrs is set).
 
     ``node``: only the servers the cluster plan puts on that node; None: every server, which
-    must then be on the node of training rank 0 (the trainer launches them).
+    must then be on the node of training rank 0 (the trainer launches them).  Every server
+    requires ``api_key`` (default: a fresh key for this run).
     """
     if cfg.rollout.server_addrs:
         return []
@@ -248,21 +261,24 @@ def build_launch_specs(cfg: Config, run_dir: str | Path | None = None, *, host: 
         context = resolve_context_length(cfg.vllm.max_model_len, model_path, "vllm.max_model_len")
     else:
         context = resolve_context_length(cfg.sglang.context_length, model_path, "sglang.context_length")
+    api_key = api_key or generate_api_key()
     specs = []
     for placement, port in zip(servers, ports):
         env = {"PYTHONUNBUFFERED": "1"}
         gpus = ",".join(map(str, placement.gpus))
         if rollout.backend == "sglang":
-            cmd = sglang_command(cfg, model_path, bind, port, cfg.sglang.random_seed + placement.index, tp, context)
+            cmd = sglang_command(cfg, model_path, bind, port, cfg.sglang.random_seed + placement.index, tp, context,
+                                 api_key)
             env["CUDA_VISIBLE_DEVICES"] = gpus
         elif rollout.backend == "vllm":
             cmd = vllm_command(cfg, model_path, bind, port, cfg.vllm.seed + placement.index, tp, pp, context)
-            env.update(vllm_env(cfg), CUDA_VISIBLE_DEVICES=gpus)
+            env.update(vllm_env(cfg), CUDA_VISIBLE_DEVICES=gpus, VLLM_API_KEY=api_key)
         else:
             cmd = local_command(cfg, model_path, bind, port, cfg.sglang.random_seed + placement.index, context)
             env["CUDA_VISIBLE_DEVICES"] = ""  # the built-in server is a CPU process
+            env[API_KEY_ENV] = api_key
         specs.append(LaunchSpec(placement.index, cmd, env, bind, port,
-                                log_dir / f"server_{placement.index}.log", connect))
+                                log_dir / f"server_{placement.index}.log", connect, api_key))
     return specs
 
 
@@ -339,6 +355,16 @@ class RolloutLauncher:
     def pids(self) -> list[int]:
         return [r.proc.pid for r in self._running]
 
+    @property
+    def api_key(self) -> str | None:
+        """The key the launched servers require (None when nothing is launched)."""
+        return self.specs[0].api_key if self.specs else None
+
+    @property
+    def key_path(self) -> Path | None:
+        """``<run_dir>/rollout/api_key`` while the servers run."""
+        return self.specs[0].log_path.parent / "api_key" if self.specs and self.api_key else None
+
     def start(self) -> list[str]:
         """Launch every server and wait for /health; on any failure stop them all and raise."""
         if not self.specs:
@@ -347,19 +373,54 @@ class RolloutLauncher:
             raise RuntimeError("RolloutLauncher.start() called twice; stop() first")
         self._install_handlers()
         try:
+            if self.key_path is not None:
+                write_api_key(self.key_path, self.api_key)
             for spec in self.specs:
                 self._launch(spec)
-            self._wait_healthy()
+            self._wait_healthy(self._running)
         except BaseException:
             self.stop()
             raise
         logger.info("rollout servers up: %s", ", ".join(self.addrs))
         return self.addrs
 
+    def exited(self) -> dict[int, int]:
+        """Exit code of every launched server whose process has ended, by server index."""
+        return {r.spec.index: r.proc.returncode for r in self._running if r.proc.poll() is not None}
+
+    def log_path(self, index: int) -> Path:
+        """Where server ``index`` logs."""
+        return self._spec(index).log_path
+
+    def log_tail(self, index: int, lines: int = 10) -> str:
+        """The last ``lines`` lines of server ``index``'s log."""
+        return _tail(self._spec(index).log_path, lines)
+
+    def _spec(self, index: int) -> LaunchSpec:
+        return next(s for s in self.specs if s.index == index)
+
+    def restart(self, index: int) -> str:
+        """Stop server ``index`` if it still runs, start it again on its port, wait for /health; its address.
+
+        It starts from the model folder: the caller must give it the current weights before it serves.
+        """
+        with self._lock:
+            pos = next((i for i, r in enumerate(self._running) if r.spec.index == index), None)
+            if pos is None:
+                raise RuntimeError(f"rollout server {index} was not started by this launcher (or it was stopped)")
+            old = self._running.pop(pos)
+        _terminate([old], self.stop_grace_s)
+        spec = self._spec(index)
+        self._launch(spec)
+        self._wait_healthy([r for r in self._running if r.spec.index == index])
+        logger.info("restarted rollout server %d on %s", index, spec.addr)
+        return spec.addr
+
     def _launch(self, spec: LaunchSpec) -> None:
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(spec.log_path, "ab")
-        log.write(f"# {' '.join(spec.cmd)}\n".encode())
+        shown = ["<api key>" if spec.api_key and arg == spec.api_key else arg for arg in spec.cmd]
+        log.write(f"# {' '.join(shown)}\n".encode())
         log.flush()
         env = {**os.environ, **spec.env}
         try:
@@ -374,9 +435,9 @@ class RolloutLauncher:
         logger.info("started rollout server %d (pid %d) on %s, log %s", spec.index, proc.pid, spec.addr,
                     spec.log_path)
 
-    def _wait_healthy(self) -> None:
+    def _wait_healthy(self, runs: list["_Running"]) -> None:
         deadline = time.monotonic() + self.setup_timeout
-        pending = list(self._running)
+        pending = list(runs)
         delay = 0.1
         while pending:
             for run in list(pending):
@@ -403,22 +464,11 @@ class RolloutLauncher:
         with self._lock:
             running, self._running = self._running, []
         self._restore_handlers()
+        if self.key_path is not None:
+            self.key_path.unlink(missing_ok=True)
         if not running:
             return
-        for run in running:
-            _signal_group(run.proc, signal.SIGTERM)
-        deadline = time.monotonic() + self.stop_grace_s
-        for run in running:
-            try:
-                run.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                logger.warning("rollout server %d (pid %d) ignored SIGTERM for %g s; killing it", run.spec.index,
-                               run.proc.pid, self.stop_grace_s)
-        for run in running:
-            # Also reaches children that outlived their session leader.
-            _signal_group(run.proc, signal.SIGKILL)
-            run.proc.wait()
-            run.log.close()
+        _terminate(running, self.stop_grace_s)
         logger.info("stopped %d rollout server(s)", len(running))
 
     # ------------------------------------------------------------------ cleanup hooks
@@ -465,6 +515,24 @@ class RolloutLauncher:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _terminate(running: list[_Running], grace_s: float) -> None:
+    """SIGTERM each server's process group, SIGKILL what is left after ``grace_s``, close the logs."""
+    for run in running:
+        _signal_group(run.proc, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for run in running:
+        try:
+            run.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            logger.warning("rollout server %d (pid %d) ignored SIGTERM for %g s; killing it", run.spec.index,
+                           run.proc.pid, grace_s)
+    for run in running:
+        # Also reaches children that outlived their session leader.
+        _signal_group(run.proc, signal.SIGKILL)
+        run.proc.wait()
+        run.log.close()
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

@@ -11,18 +11,20 @@ abort) ignore fields they do not know, as SGLang grows them release by release.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
 import torch
 
+from archon.errors import ArchonError
 from archon.rollout.generator import GenerationRequest, GenerationResult
 from archon.rollout.sampling import SamplingParams
 
 DEFAULT_GROUP_NAME = "weight_update_group"
 
 
-class ProtocolError(ValueError):
+class ProtocolError(ArchonError, ValueError):
     """A request body the server rejects with HTTP 400."""
 
 
@@ -86,8 +88,13 @@ def _is_int(x: Any) -> bool:
     return type(x) is int  # bool is an int subclass; JSON true is not a token id
 
 
+def _is_int64(x: Any) -> bool:
+    # Sampling fields become int64 tensors: a larger JSON integer would fail the whole decode batch.
+    return _is_int(x) and -(2**63) <= x < 2**63
+
+
 def _is_number(x: Any) -> bool:
-    return type(x) in (int, float)
+    return type(x) in (int, float) and math.isfinite(x)  # Python's JSON accepts NaN and Infinity
 
 
 def _check_unsupported(obj: dict[str, Any], known: set[str], neutral: dict[str, tuple[Any, ...]], where: str) -> None:
@@ -115,13 +122,13 @@ def parse_sampling_params(obj: Any, where: str = "sampling_params") -> SamplingP
     values: dict[str, Any] = {}
     for name in ("max_new_tokens", "min_new_tokens", "top_k"):
         if name in obj:
-            if not _is_int(obj[name]):
-                raise ProtocolError(f"{where}.{name} must be an integer, got {obj[name]!r}.")
+            if not _is_int64(obj[name]):
+                raise ProtocolError(f"{where}.{name} must be an integer below 2**63, got {obj[name]!r}.")
             values[name] = obj[name]
     for name in ("temperature", "top_p", "min_p"):
         if name in obj:
             if not _is_number(obj[name]):
-                raise ProtocolError(f"{where}.{name} must be a number, got {obj[name]!r}.")
+                raise ProtocolError(f"{where}.{name} must be a finite number, got {obj[name]!r}.")
             values[name] = float(obj[name])
     if "ignore_eos" in obj:
         if not isinstance(obj["ignore_eos"], bool):
@@ -129,7 +136,7 @@ def parse_sampling_params(obj: Any, where: str = "sampling_params") -> SamplingP
         values["ignore_eos"] = obj["ignore_eos"]
     stop = obj.get("stop_token_ids")
     if stop is not None:
-        if not isinstance(stop, list) or not all(_is_int(t) for t in stop):
+        if not isinstance(stop, list) or not all(_is_int64(t) for t in stop):
             raise ProtocolError(f"{where}.stop_token_ids must be a list of integers, got {stop!r}.")
         values["stop_token_ids"] = list(stop)
     seed = obj.get("sampling_seed")

@@ -12,6 +12,11 @@ Endpoints: ``/generate``, ``/health``, ``/health_generate``, ``/get_model_info``
 the ``Generator`` thread (see ``archon.rollout.generator`` for the exact semantics of pause,
 abort and weight updates); handlers only parse, enqueue and await, so the event loop stays
 free.  ``serve_in_thread`` runs the whole server inside the calling process (tests, notebooks).
+
+It listens on 127.0.0.1 unless told otherwise, and refuses to listen anywhere else without an
+API key (``ARCHON_API_KEY`` or ``--api-key``; see ``archon.rollout.auth``).  A bad request gets
+one sentence in SGLang's error shape: 400 for a bad body, 401 without the key, 404/405 for an
+unknown endpoint or method, 413 for a body over ``--max-request-mb``.
 """
 
 from __future__ import annotations
@@ -32,7 +37,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from archon.rollout import protocol
+from archon.rollout.auth import APIKeyMiddleware, api_key_from_env, check_bind
 from archon.rollout.generator import GenerationRequest, Generator
+from archon.rollout.http_limits import BodyLimitMiddleware, add_error_handlers
 from archon.rollout.protocol import ProtocolError
 from archon.rollout.sampling import SamplingParams
 from archon.rollout.weight_group import destroy_weight_update_group, init_weight_update_group
@@ -68,6 +75,10 @@ class ServerArgs:
     """Accepted for SGLang compatibility; this server never loads a tokenizer."""
     tp_size: int = 1
     """Accepted for SGLang compatibility; the built-in server runs one device per process."""
+    api_key: str | None = None
+    """Key requests must carry as 'Authorization: Bearer <key>' (default $ARCHON_API_KEY); required off loopback."""
+    max_request_mb: float = 64.0
+    """Largest request body accepted, in MiB (HTTP 413 above)."""
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
@@ -101,6 +112,8 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
     add("weight_version")
     add("skip_tokenizer_init", action="store_true")
     add("tp_size", type=int)
+    add("api_key")
+    add("max_request_mb", type=float)
     ns = p.parse_args(argv)
     return ServerArgs(**vars(ns))
 
@@ -149,7 +162,12 @@ async def _body(request: Request) -> Any:
 
 def create_app(server: RolloutServer) -> FastAPI:
     """The FastAPI app serving SGLang's endpoints for ``server``."""
-    app = FastAPI(title="Archon rollout server")
+    app = FastAPI(title="Archon rollout server", docs_url=None, redoc_url=None, openapi_url=None)
+    add_error_handlers(app)
+    # The last middleware added runs first: refuse strangers before buffering their bodies.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=int(server.args.max_request_mb * 2**20))
+    if server.args.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=server.args.api_key)
     gen = server.generator
 
     @app.get("/health")
@@ -181,7 +199,8 @@ def create_app(server: RolloutServer) -> FastAPI:
 
     @app.get("/get_server_info")
     async def get_server_info() -> dict[str, Any]:
-        return {**asdict(server.args), "weight_version": gen.weight_version, "paused": gen.paused,
+        args = {k: v for k, v in asdict(server.args).items() if k != "api_key"}  # never echo the secret
+        return {**args, "weight_version": gen.weight_version, "paused": gen.paused,
                 "max_context_length": gen.context_length, "random_seed": gen.random_seed, **gen.stats()}
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
@@ -321,15 +340,17 @@ class RunningServer:
 
 
 def serve_in_thread(generator: Generator, model_path: str = "", host: str = "127.0.0.1", port: int = 0,
-                    startup_timeout_s: float = 30.0) -> RunningServer:
+                    startup_timeout_s: float = 30.0, api_key: str | None = None,
+                    max_request_mb: float = ServerArgs.max_request_mb) -> RunningServer:
     """Serve ``generator`` over HTTP from a background thread; ``port=0`` picks a free port.
 
     ``model_path`` is what ``/get_model_info`` reports.
     """
+    check_bind(host, api_key)
     args = ServerArgs(model_path=str(model_path), host=host, port=port,
                       max_running_requests=generator.max_running_requests,
                       context_length=generator.context_length, random_seed=generator.random_seed,
-                      weight_version=generator.weight_version)
+                      weight_version=generator.weight_version, api_key=api_key, max_request_mb=max_request_mb)
     state = RolloutServer(generator, args)
     config = uvicorn.Config(state.app, host=host, port=port, log_level="warning", lifespan="off")
     server = uvicorn.Server(config)
@@ -349,6 +370,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of ``python -m archon.rollout.server``."""
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args.api_key = args.api_key or api_key_from_env()
+    try:
+        check_bind(args.host, args.api_key)
+    except ValueError as e:
+        raise SystemExit(f"archon.rollout.server: {e}") from None
     try:
         generator = build_generator(args)
     except ValueError as e:  # a bad folder, config or option: one line, not a traceback
@@ -357,8 +383,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         logger.info("starting the HTTP server on http://%s:%d", args.host, args.port)
         # Requests held by a pause would keep a graceful shutdown waiting forever: bound it.
+        # One access-log line per request would bury what a log tail is read for (why it died): debug only.
         uvicorn.run(state.app, host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=5)
+                    timeout_graceful_shutdown=5, access_log=args.log_level == "debug")
     finally:
         generator.close()
 

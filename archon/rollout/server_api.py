@@ -11,11 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from archon.errors import ArchonError
+
 # SGLang's /health runs a one-token generation and answers after at least 1 s, up to its own
 # 20 s HEALTH_CHECK_TIMEOUT under load; a shorter probe would call a busy server dead.
 HEALTH_PROBE_TIMEOUT_S = 30.0
 
-class RolloutError(RuntimeError):
+
+class RolloutError(ArchonError, RuntimeError):
     """A rollout server failed, refused a request, or cannot be reached; the message names it."""
 
 

@@ -36,6 +36,8 @@ from urllib.parse import urlsplit
 import torch
 import torch.distributed as dist
 
+from archon.config import ConfigError
+from archon.errors import ArchonError
 from archon.rollout.launcher import free_ports
 from archon.rollout.weight_group import destroy_weight_update_group, init_weight_update_group
 
@@ -53,7 +55,7 @@ class WeightSyncEngine(Protocol):
     def export_hf(self, path: str | Path, dtype: torch.dtype | None = None) -> None: ...
 
 
-class WeightSyncError(RuntimeError):
+class WeightSyncError(ArchonError, RuntimeError):
     """New weights did not reach the rollout servers; the message says where it failed."""
 
 
@@ -162,6 +164,9 @@ class DiskWeightSync:
         _log_stats("disk", version, stats)
         return stats
 
+    def rebuild(self) -> None:
+        """Nothing to re-form: ``sync`` reaches whichever servers are up (for symmetry with the broadcast)."""
+
     def _remove_old(self, keep: Path) -> None:
         versions = sorted((p for p in self.folder.glob("v*") if p.is_dir() and p != keep),
                           key=lambda p: p.stat().st_mtime)
@@ -180,7 +185,7 @@ class DistributedWeightSync:
                  group_name: str = "archon_weight_update", dtype: torch.dtype | None = None,
                  timeout_s: float = 600.0):
         if chunk_mb <= 0:
-            raise ValueError(f"rollout.weight_chunk_mb = {chunk_mb} must be positive")
+            raise ConfigError(f"rollout.weight_chunk_mb = {chunk_mb} must be positive")
         self.engine = engine
         self.client = client
         self.chunk_bytes = int(chunk_mb * _MIB)
@@ -190,6 +195,7 @@ class DistributedWeightSync:
         self.group_name = group_name
         self.dtype = dtype
         self.timeout_s = timeout_s
+        self._rebuilds: tuple[str, int] | None = None  # (first group name, groups formed again by rebuild())
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" \
             else torch.device("cpu")
         self._pg: dist.ProcessGroup | None = None
@@ -203,6 +209,19 @@ class DistributedWeightSync:
             except Exception as exc:  # noqa: BLE001 - reported on every rank below
                 error = str(exc)
         _raise_if_failed(error)
+
+    def rebuild(self) -> None:
+        """Collective: abandon the group and form a new one with the servers that are up now.
+
+        Called after servers were lost or restarted.  The new group gets a new name: a surviving
+        server still holds the old one, and a restarted server has none.
+        """
+        if _rank() == 0:
+            self._abandon_group()
+        base, n = self._rebuilds or (self.group_name, 0)
+        self._rebuilds = (base, n + 1)
+        self.group_name = f"{base}_r{n + 1}"
+        self.setup()
 
     def _setup_rank0(self) -> None:
         addr = self.master_address or reachable_address(self.client.up_addrs[0])
@@ -355,7 +374,7 @@ def build_weight_sync(mode: Literal["distributed", "disk"], engine: WeightSyncEn
                                      master_address=master_address, ranks_per_server=ranks_per_server, dtype=dtype)
     if mode == "disk":
         if folder is None:
-            raise ValueError("rollout.weight_sync = 'disk' needs a folder the servers can read (e.g. "
-                             "<run_dir>/weights)")
+            raise ConfigError("rollout.weight_sync = 'disk' needs a folder the servers can read (e.g. "
+                              "<run_dir>/weights)")
         return DiskWeightSync(engine, client, folder, dtype=dtype)
-    raise ValueError(f"rollout.weight_sync = '{mode}' must be 'distributed' or 'disk'")
+    raise ConfigError(f"rollout.weight_sync = '{mode}' must be 'distributed' or 'disk'")

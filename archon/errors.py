@@ -1,0 +1,30 @@
+"""The base class of every error a user can cause, and the ones no other module owns.
+
+An ``ArchonError`` says in one sentence what was wrong, where, and how to fix it; the entry
+points (``archon.cli.run_job``) print that sentence once and exit non-zero, without a
+traceback.  Anything else that escapes is a bug and keeps its traceback.  Subclasses also
+derive from the builtin they refine (``ConfigError`` is a ``ValueError``, ``RolloutError`` a
+``RuntimeError``), so existing ``except ValueError`` code keeps working.
+
+The lower layers (``models/``, ``pipeline/``) cannot import ``archon``; their user errors
+(``HFConfigError``, ``CheckpointError``, ...) are listed by ``user_error_types()``.
+"""
+
+from __future__ import annotations
+
+
+class ArchonError(Exception):
+    """A problem the user can fix (config, allocation, data, model folder, cluster, request)."""
+
+
+class DataError(ArchonError, ValueError):
+    """A data file is missing, empty or malformed; the message names the file, the line and the fix."""
+
+
+def user_error_types() -> tuple[type[BaseException], ...]:
+    """``ArchonError`` and the user-error classes of the layers below ``archon/`` (which cannot import it)."""
+    import models
+    from pipeline.split import PipelineConfigError
+
+    return (ArchonError, models.HFConfigError, models.ModelRegistryError, models.CheckpointError,
+            PipelineConfigError)
