@@ -260,7 +260,7 @@ class RolloutClient:
 
     async def _acheck_health(self) -> list[str]:
         up = [s for s in self._servers if not s.down]
-        reasons = await asyncio.gather(*(self._probe(s) for s in up))
+        reasons = await asyncio.gather(*(self._probe(s, HEALTH_PROBE_TIMEOUT_S) for s in up))
         for server, why in zip(up, reasons):
             if why is not None:
                 self.mark_down(server.url, f"/health failed: {why}")
