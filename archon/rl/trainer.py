@@ -26,7 +26,7 @@ from archon.rl.advantages import AdvantageConfig, compute_advantages
 from archon.rl.critic import PPOCritic
 from archon.rl.kl import kl_estimate
 from archon.rl.losses import aggregate
-from archon.rl.rollout_batch import Completion, build_rollout_batch
+from archon.rl.rollout_batch import Completion, build_rollout_batch, routed_experts_array
 
 logger = logging.getLogger("archon.rl")
 
@@ -152,11 +152,15 @@ class RLTrainer:
             self.client.wait_healthy(cfg.rollout.setup_timeout)
 
         run_on_rank0(connect, "starting the rollout servers")
+        if cfg.actor.archon.moe_load_balance == "aux_free" and rollout_alloc.backend != "local" and self.rank0:
+            logger.warning("actor.archon.moe_load_balance = 'aux_free': the routing bias reaches Archon's built-in "
+                           "servers only; SGLang's Qwen3-MoE has no field for it and routes without it")
         # SGLang serves in its own dtype; the built-in server in the actor's.
         dtype = to_dtype(cfg.sglang.dtype) if rollout_alloc.backend == "sglang" else to_dtype(cfg.actor.dtype)
         self.weight_sync = build_weight_sync(
             cfg.rollout.weight_sync, self.actor_engine, self.client, folder=cfg.run_dir / "weights",
-            chunk_mb=cfg.rollout.weight_chunk_mb, ranks_per_server=ranks_per_server(rollout_alloc), dtype=dtype)
+            chunk_mb=cfg.rollout.weight_chunk_mb, ranks_per_server=ranks_per_server(rollout_alloc), dtype=dtype,
+            extras=rollout_alloc.backend == "local")
 
     def _build_rewards(self) -> None:
         from archon.rl.rewards import RewardComputer, get_reward_fn
@@ -178,9 +182,14 @@ class RLTrainer:
             t0 = time.perf_counter()
             params = [{**self.sampling, "sampling_seed": rollout_seed(self.cfg.seed, step, i)}
                       for i in range(len(prompts))]
+            replay = self.cfg.actor.moe_routing_replay
             results = self.client.generate_many([p.input_ids for p in prompts], params,
-                                                max_concurrency=self.cfg.rollout.max_concurrent_rollouts)
-            completions = [Completion(p.input_ids, r.output_ids, r.output_logprobs, r.finish_reason)
+                                                max_concurrency=self.cfg.rollout.max_concurrent_rollouts,
+                                                return_routed_experts=replay)
+            args = self.actor_engine.model_args
+            completions = [Completion(p.input_ids, r.output_ids, r.output_logprobs, r.finish_reason,
+                                      routed_experts_array(r.routed_experts, args.n_layers, args.top_k)
+                                      if replay else None)
                            for p, r in zip(prompts, results)]
             t1 = time.perf_counter()
             texts = [self.tokenizer.decode(c.output_ids, skip_special_tokens=True) for c in completions]

@@ -84,6 +84,10 @@ class GenerateResult:
     """Address of the server that answered."""
     matched_stop: int | None = None
     """Token id that ended the completion when finish_reason is 'stop' (None if unknown)."""
+    routed_experts: Any = None
+    """Flat int32 numpy array of the experts chosen for every token the server ran (prompt, then
+    each generated token but the last), SGLang's ``meta_info["routed_experts"]`` decoded; its
+    shape is ``[tokens, num_hidden_layers, top_k]``.  None unless requested."""
 
 
 @dataclass
@@ -150,7 +154,20 @@ def _error_message(body: Any, text: str) -> str:
     return text.strip()[:2000] or "(empty body)"
 
 
-def _parse_generate(body: Any, server: str, return_logprob: bool) -> GenerateResult:
+def decode_routed_experts(value: Any, server: str) -> Any:
+    """SGLang's base64 encoding of int32 expert ids (``meta_info["routed_experts"]``) -> flat numpy array."""
+    import base64
+
+    import numpy as np
+
+    if not isinstance(value, str):
+        raise RolloutError(f"rollout server {server} was asked for routed experts but answered without them (got "
+                           f"{type(value).__name__}); start SGLang with --enable-return-routed-experts")
+    return np.frombuffer(base64.b64decode(value), dtype=np.int32)
+
+
+def _parse_generate(body: Any, server: str, return_logprob: bool, return_routed_experts: bool = False
+                    ) -> GenerateResult:
     if not isinstance(body, dict) or "output_ids" not in body or "meta_info" not in body:
         raise RolloutError(f"rollout server {server} answered /generate without output_ids/meta_info "
                            f"(got {str(body)[:200]!r}); is it an SGLang-protocol server started with "
@@ -172,10 +189,11 @@ def _parse_generate(body: Any, server: str, return_logprob: bool) -> GenerateRes
             matched = finish["matched"]
     else:
         reason = str(finish or "")
+    routed = decode_routed_experts(meta.get("routed_experts"), server) if return_routed_experts else None
     return GenerateResult(output_ids=output_ids, output_logprobs=logprobs, finish_reason=reason,
                           prompt_tokens=int(meta.get("prompt_tokens", 0)),
                           weight_version=str(meta.get("weight_version", "")), server=server,
-                          matched_stop=matched)
+                          matched_stop=matched, routed_experts=routed)
 
 
 class RolloutClient:
@@ -367,11 +385,16 @@ class RolloutClient:
 
     # ------------------------------------------------------------------ generate
     async def agenerate(self, input_ids: Sequence[int], sampling_params: dict[str, Any], *,
-                        return_logprob: bool = True) -> GenerateResult:
-        """One completion; retried on other servers after connection errors, timeouts and 5xx."""
+                        return_logprob: bool = True, return_routed_experts: bool = False) -> GenerateResult:
+        """One completion; retried on other servers after connection errors, timeouts and 5xx.
+
+        ``return_routed_experts`` asks for the experts every token was routed to (MoE routing replay).
+        """
         await self._ensure_healthy()
         payload = {"input_ids": [int(t) for t in input_ids], "sampling_params": dict(sampling_params),
                    "return_logprob": return_logprob}
+        if return_routed_experts:
+            payload["return_routed_experts"] = True
         tried: set[str] = set()
         last = ""
         attempts = self.retries + 1
@@ -399,7 +422,7 @@ class RolloutClient:
             finally:
                 server.in_flight -= 1
             server.consecutive_failures = 0
-            return _parse_generate(body, server.url, return_logprob)
+            return _parse_generate(body, server.url, return_logprob, return_routed_experts)
         if all(s.down for s in self._servers):
             raise self._all_down_error()
         raise RolloutError(f"generate request failed after {attempts} attempt(s) on {', '.join(sorted(tried))}; "
@@ -413,7 +436,8 @@ class RolloutClient:
 
     async def agenerate_many(self, prompts: Sequence[Sequence[int]],
                              sampling_params: dict[str, Any] | Sequence[dict[str, Any]], *,
-                             max_concurrency: int = 0, return_logprob: bool = True) -> list[GenerateResult]:
+                             max_concurrency: int = 0, return_logprob: bool = True,
+                             return_routed_experts: bool = False) -> list[GenerateResult]:
         if isinstance(sampling_params, dict):
             per_prompt = [sampling_params] * len(prompts)
         else:
@@ -427,10 +451,11 @@ class RolloutClient:
         limit = asyncio.Semaphore(max_concurrency) if max_concurrency > 0 else None
 
         async def one(ids: Sequence[int], params: dict[str, Any]) -> GenerateResult:
+            kw = {"return_logprob": return_logprob, "return_routed_experts": return_routed_experts}
             if limit is None:
-                return await self.agenerate(ids, params, return_logprob=return_logprob)
+                return await self.agenerate(ids, params, **kw)
             async with limit:
-                return await self.agenerate(ids, params, return_logprob=return_logprob)
+                return await self.agenerate(ids, params, **kw)
 
         tasks = [self._loop.create_task(one(p, sp)) for p, sp in zip(prompts, per_prompt)]
         # One request lost for good stops the others rather than finish a batch nobody will use.
@@ -440,16 +465,19 @@ class RolloutClient:
         return [t.result() for t in tasks]
 
     def generate(self, input_ids: Sequence[int], sampling_params: dict[str, Any], *,
-                 return_logprob: bool = True) -> GenerateResult:
+                 return_logprob: bool = True, return_routed_experts: bool = False) -> GenerateResult:
         """One completion (blocking)."""
-        return self._wait(self.agenerate(input_ids, sampling_params, return_logprob=return_logprob))
+        return self._wait(self.agenerate(input_ids, sampling_params, return_logprob=return_logprob,
+                                         return_routed_experts=return_routed_experts))
 
     def generate_many(self, prompts: Sequence[Sequence[int]],
                       sampling_params: dict[str, Any] | Sequence[dict[str, Any]], *,
-                      max_concurrency: int = 0, return_logprob: bool = True) -> list[GenerateResult]:
+                      max_concurrency: int = 0, return_logprob: bool = True,
+                      return_routed_experts: bool = False) -> list[GenerateResult]:
         """Completions of many prompts, in input order; at most ``max_concurrency`` in flight (0: all)."""
         return self._wait(self.agenerate_many(prompts, sampling_params, max_concurrency=max_concurrency,
-                                              return_logprob=return_logprob))
+                                              return_logprob=return_logprob,
+                                              return_routed_experts=return_routed_experts))
 
     # ------------------------------------------------------------------ control fan-out
     async def _control_one(self, server: _Server, method: str, path: str, payload: Any, retry: bool,

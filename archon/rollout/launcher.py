@@ -132,6 +132,9 @@ def sglang_command(cfg: Config, model_path: str, host: str, port: int, seed: int
         cmd += ["--max-running-requests", str(sg.max_running_requests)]
     if sg.attention_backend:
         cmd += ["--attention-backend", sg.attention_backend]
+    if cfg.actor.moe_routing_replay and "--enable-return-routed-experts" not in sg.extra_args:
+        # Routing replay needs the experts SGLang chose for every token.
+        cmd += ["--enable-return-routed-experts"]
     return cmd + list(sg.extra_args)
 
 
