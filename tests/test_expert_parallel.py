@@ -288,6 +288,8 @@ _LOCAL_EXPERTS = {
     ("archon:d4e2", 8): {0: {0, 1}, 1: {4, 5}, 2: {2, 3}, 3: {6, 7}},  # rank = 2*efsdp + ep
     ("archon:d4e2", 6): {0: {0, 1}, 1: {3, 4}, 2: {2}, 3: {5}},
     (HYBRID_ETP_TP, 8): {0: {0, 1, 2, 3}, 1: {0, 1, 2, 3}, 2: {4, 5, 6, 7}, 3: {4, 5, 6, 7}},  # rank = 2*ep + etp
+    (ETP_OVER_DP, 8): {0: {0, 1, 2, 3}, 1: {0, 1, 2, 3}, 2: {4, 5, 6, 7}, 3: {4, 5, 6, 7}},
+    (ETP_WIDER_THAN_TP, 8): {r: set(range(8)) for r in range(4)},  # no EP: every rank a quarter of each expert
 }
 
 

@@ -211,3 +211,65 @@ def test_router_dtype_float32_keeps_the_gate_in_float32_under_bf16(moe_path, bac
     assert fp32 and all(s[:3] == (torch.float32,) * 3 and s[3] for s in fp32), fp32
     auto = run_distributed(_gate_dtypes, world, moe_path, backend, "auto")[0]
     assert auto and all(s[2] == torch.bfloat16 for s in auto), auto
+
+
+# ---- the bias in checkpoints and exports ----------------------------------------------------
+
+def _resume_free(path: str, ckpt: str, phase: str, backend: str) -> dict | None:
+    """aux_free training split in two phases (``full`` runs all 4 steps); losses and final biases."""
+    import torch.distributed as dist
+
+    from archon.engine.engine import ArchonEngine
+
+    archon = {**FREE, "pp_schedule": "1F1B"}
+    engine = ArchonEngine(engine_config(path, backend, archon=archon), total_steps=4).initialize()
+    if phase == "second":
+        engine.load(ckpt)
+    todo = {"full": range(4), "first": range(2), "second": range(2, 4)}[phase]
+    losses = [engine.train_batch(make_batch(s), sft_loss, sft_weight)["loss"] for s in todo]
+    if phase == "first":
+        engine.save(ckpt)
+    result = {"losses": losses, "biases": _biases(engine)}
+    return result if dist.get_rank() == 0 else None
+
+
+def test_bias_is_checkpointed_and_resharded(moe_path, tmp_path):
+    """Saved under EP x ETP, resumed under pipeline x context parallel: the uninterrupted run."""
+    ckpt = str(tmp_path / "ckpt")
+    (full,) = run_distributed(_resume_free, 1, moe_path, ckpt, "full", "archon:d1")[:1]
+    first = run_distributed(_resume_free, 4, moe_path, ckpt, "first", "archon:(attn:d2t2|ffn:t2e2)")[0]
+    assert any(float(b.abs().max()) > 0 for b in first["biases"].values())
+    second = run_distributed(_resume_free, 4, moe_path, ckpt, "second", "archon:(attn:p2c2|ffn:p2e2)")[0]
+    diff = max(abs(a - b) for a, b in zip(full["losses"], first["losses"] + second["losses"]))
+    assert diff < 1e-5, (full["losses"], first["losses"] + second["losses"])
+    for name, bias in full["biases"].items():
+        assert torch.equal(second["biases"][name], bias), name
+
+
+def _export(path: str, out: str, extras: bool) -> None:
+    from archon.engine.engine import ArchonEngine
+
+    engine = ArchonEngine(engine_config(path, "archon:d1", archon=dict(FREE)), total_steps=1).initialize()
+    engine.train_batch(make_batch(0), sft_loss, sft_weight)
+    engine.export_hf(out, extras=extras)
+
+
+def test_hf_export_leaves_the_bias_out_and_sync_folders_carry_it(moe_path, tmp_path):
+    import models
+    from safetensors import safe_open
+
+    def keys(folder) -> set[str]:
+        found = set()
+        for shard in folder.glob("*.safetensors"):
+            with safe_open(shard, framework="pt") as f:
+                found.update(f.keys())
+        return found
+
+    run_distributed(_export, 1, moe_path, str(tmp_path / "hf"), False)
+    run_distributed(_export, 1, moe_path, str(tmp_path / "sync"), True)
+    assert not [k for k in keys(tmp_path / "hf") if "correction_bias" in k]  # Qwen's HF format has no field
+    assert len([k for k in keys(tmp_path / "sync") if "correction_bias" in k]) == 2
+    served = models.load_hf_model(tmp_path / "sync", dtype=torch.bfloat16)  # as the built-in server loads it
+    bias = served.layers["0"].moe.expert_bias
+    assert bias.dtype == torch.float32 and float(bias.abs().max()) == pytest.approx(FREE["moe_bias_update_rate"])
+    assert float(models.load_hf_model(tmp_path / "hf").layers["0"].moe.expert_bias.abs().max()) == 0.0

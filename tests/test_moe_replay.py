@@ -246,3 +246,17 @@ def test_rl_with_aux_free_balancing_keeps_server_and_trainer_equal(tmp_path, rep
     assert history[-1]["actor/moe/expert_bias_abs_max"] > 0.05  # moved more than one step
     logged = [json.loads(line) for line in (tmp_path / "o" / "metrics.jsonl").read_text().splitlines()]
     assert "actor/moe/zero_load_expert_frac" in logged[-1] and "actor/moe/load_imbalance/layer_1" in logged[-1]
+
+
+def test_protocol_checks_the_routed_experts_fields():
+    from archon.rollout.protocol import ProtocolError, parse_generate
+
+    def parse(**extra):
+        return parse_generate({"input_ids": [[1, 2, 3], [4, 5]], **extra}, lambda r: None).requests
+
+    flags = parse(return_routed_experts=[True, False], routed_experts_start_len=[2, 0])
+    assert [(r.return_routed_experts, r.routed_experts_start_len) for r in flags] == [(True, 2), (False, 0)]
+    with pytest.raises(ProtocolError, match="return_routed_experts must be true or false"):
+        parse(return_routed_experts="yes")
+    with pytest.raises(ProtocolError, match=r"routed_experts_start_len = 3 must be an integer in \[0"):
+        parse(return_routed_experts=True, routed_experts_start_len=3)  # the second prompt has 2 tokens
