@@ -66,6 +66,17 @@ def test_router_stats_are_exposed_per_forward(moe_folder):
     assert torch.equal(model.state_dict()["layers.1.moe.expert_bias"], torch.zeros(8))
 
 
+def test_routing_bias_stays_float32_when_the_model_is_cast():
+    from models.common.moe import MoE
+
+    moe = MoE(16, 8, num_experts=4, top_k=2, norm_topk_prob=False)
+    moe.init_weights(0.1)
+    moe.expert_bias.copy_(torch.tensor([0.05, -0.1, 0.001, 0.3]))
+    moe.to(torch.bfloat16)
+    assert moe.router.gate.weight.dtype == torch.bfloat16 and moe.expert_bias.dtype == torch.float32
+    assert torch.equal(moe.expert_bias, torch.tensor([0.05, -0.1, 0.001, 0.3]))
+
+
 def test_router_bias_changes_choice_not_scores():
     from models.common.moe import TokenChoiceTopKRouter
 

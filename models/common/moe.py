@@ -225,10 +225,11 @@ class MoE(nn.Module):
 
     def _apply(self, fn, recurse: bool = True):
         # ``model.to(bfloat16)`` must not round the routing bias: the server and the trainer
-        # would then choose different experts near ties.
+        # would then choose different experts near ties.  Redo a cast from the original.
+        bias = self.expert_bias
         module = super()._apply(fn, recurse)
         if self.expert_bias.dtype != torch.float32:
-            self.expert_bias = self.expert_bias.float()
+            self.expert_bias = bias.to(device=self.expert_bias.device, dtype=torch.float32)
         return module
 
     def forward(
