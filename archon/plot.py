@@ -2,8 +2,10 @@
 
 Reads ``OUTPUT_DIR/metrics.jsonl`` (one JSON object per step, as RL and SFT runs write it)
 and draws one panel per group of metrics it finds: reward (mean with a +-std band), response
-length, actor loss, KL, train/inference logprob mismatch, entropy, gradient norm, and the
-SFT loss.  A panel whose metrics are absent or null in every step is left out, so the same
+length, actor loss, KL, train/inference logprob mismatch, entropy, gradient norm, the SFT
+loss, and for MoE runs the router statistics (load imbalance of the worst and the mean layer
+and of every layer, the fraction of experts that got no token, the auxiliary loss or the
+largest routing bias).  A panel whose metrics are absent or null in every step is left out, so the same
 command plots RL and SFT runs.  The figure goes to ``OUTPUT_DIR/curves.png`` unless ``--out``
 says otherwise; it is drawn with the Agg backend, so no display is needed.
 """
@@ -35,6 +37,19 @@ class Panel:
     """``(mean key, std key)``: shade mean - std .. mean + std where both are logged."""
     ylabel: str = ""
     """y-axis label."""
+    prefixes: tuple[str, ...] = ()
+    """Also draw every metric whose name starts with one of these (per-layer series)."""
+
+    def keys_in(self, records: Sequence[dict[str, Any]]) -> list[str]:
+        """The panel's keys, then the prefixed keys found in ``records`` (in natural order)."""
+        found = {k for r in records for k in r if any(k.startswith(p) for p in self.prefixes)}
+        return list(self.keys) + sorted(found, key=_natural)
+
+
+def _natural(key: str) -> tuple:
+    # layer_10 after layer_9
+    head, _, tail = key.rpartition("_")
+    return (head, int(tail)) if tail.isdigit() else (key, -1)
 
 
 PANELS: tuple[Panel, ...] = (
@@ -46,6 +61,15 @@ PANELS: tuple[Panel, ...] = (
     Panel("entropy", ("actor/entropy", "entropy"), ylabel="nats / token"),
     Panel("grad norm", ("actor/grad_norm", "grad_norm")),
     Panel("loss", ("loss",), ylabel="NLL / token"),
+    Panel("MoE load imbalance", ("actor/moe/load_imbalance_max", "actor/moe/load_imbalance_mean",
+                                 "moe/load_imbalance_max", "moe/load_imbalance_mean"),
+          ylabel="max / mean tokens per expert"),
+    Panel("MoE load imbalance per layer", (), prefixes=("actor/moe/load_imbalance/", "moe/load_imbalance/"),
+          ylabel="max / mean tokens per expert"),
+    Panel("MoE idle experts", ("actor/moe/zero_load_expert_frac", "moe/zero_load_expert_frac"),
+          ylabel="fraction with no token"),
+    Panel("MoE balancing", ("actor/moe/aux_loss", "moe/aux_loss", "actor/moe/expert_bias_abs_max",
+                            "moe/expert_bias_abs_max"), ylabel="aux loss (1 = even) / max |bias|"),
 )
 
 
@@ -127,7 +151,7 @@ def _band(records: Sequence[dict[str, Any]], mean_key: str, std_key: str) -> tup
 
 def panels_for(records: Sequence[dict[str, Any]], panels: Sequence[Panel] = PANELS) -> list[Panel]:
     """The panels with at least one logged value."""
-    return [p for p in panels if any(_series(records, k)[1] for k in p.keys)]
+    return [p for p in panels if any(_series(records, k)[1] for k in p.keys_in(records))]
 
 
 def plot_metrics(records: Sequence[dict[str, Any]], out: str | Path, title: str = "",
@@ -148,7 +172,7 @@ def plot_metrics(records: Sequence[dict[str, Any]], out: str | Path, title: str 
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     for ax, panel in zip(axes, shown):
         drawn = 0
-        for key in panel.keys:
+        for key in panel.keys_in(records):
             xs, ys = _series(records, key)
             if not ys:
                 continue
@@ -163,7 +187,7 @@ def plot_metrics(records: Sequence[dict[str, Any]], out: str | Path, title: str 
         if panel.ylabel:
             ax.set_ylabel(panel.ylabel)
         ax.grid(True, alpha=0.3)
-        if drawn > 1:
+        if 1 < drawn <= 8:
             ax.legend(fontsize="small")
     for ax in axes[len(shown):]:
         ax.set_visible(False)

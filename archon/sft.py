@@ -75,6 +75,8 @@ def run_sft(cfg: Config) -> list[dict[str, Any]]:
                 "peak_mem_gb": peak_memory_gb(engine.device_type), "entropy": stats.get("entropy"),
                 "update_skipped": stats["update_skipped"],
             }
+            # MoE router statistics (load imbalance, idle experts, aux loss or routing bias).
+            record.update({k: v for k, v in stats.items() if k.startswith("moe/")})
             history.append(record)
             metrics_log.log(record)
             freq = cfg.saver.freq_steps

@@ -108,6 +108,8 @@ def save_hf(
                 tensor = tensor.full_tensor()
             if dtype is not None and tensor.is_floating_point():
                 tensor = tensor.to(dtype)
-            yield from adapter.to_hf_tensors(clean_fqn(name), tensor)
+            for hf_name, value in adapter.to_hf_tensors(clean_fqn(name), tensor):
+                if adapter.is_hf_field(hf_name):
+                    yield hf_name, value
 
     save_hf_tensors(hf_tensors(), cfg, path, max_shard_size=max_shard_size)

@@ -116,3 +116,8 @@ class BaseStateDictAdapter:
     def is_optional(self, archon_name: str) -> bool:
         """True if a loader may leave this tensor at its initial value when a checkpoint lacks it."""
         return False
+
+    def is_hf_field(self, hf_name: str) -> bool:
+        """False for an HF name Archon adds beyond the HF architecture (it is kept out of HF exports
+        and only travels to Archon's own servers)."""
+        return True

@@ -7,10 +7,13 @@ view is an unflattening of the same 1-D world mesh, so all views agree on rank o
 * dense ``[pp, dp_replicate, dp_shard, cp, tp]``: TP, CP and PP groups;
 * ``dp`` = dp_replicate x dp_shard (who draws different data), ``dp_shard_cp`` (what FSDP
   shards over), ``dp_cp`` (over what the loss is reduced), ``hsdp`` = [dp_replicate, dp_shard_cp];
-* with expert parallel, the MoE-folded sparse mesh ``[pp, dp_replicate, efsdp, ep, etp]``.
-  Inside one pipeline stage and replica, EP borrows ``ep`` ranks from the ``dp_shard*cp*tp``
-  block (etp == 1) or from ``dp_shard*cp`` keeping the TP groups as ``etp`` (etp == tp); the
-  remaining ``efsdp`` ranks shard each expert group with FSDP.
+* with expert parallel or expert tensor parallel, the MoE-folded sparse mesh
+  ``[pp, dp_replicate, efsdp, ep, etp]``.  Inside one pipeline stage and replica, experts fold
+  the ``dp_shard*cp*tp`` ranks their own way: ``etp`` consecutive ranks split every expert's
+  hidden dim (and pool their tokens, see ``parallel/expert_parallel.py``), ``ep`` such groups
+  split the experts, and the remaining ``efsdp`` ranks shard each expert group with FSDP.
+  Any ``ep*etp`` dividing ``dp_shard*cp*tp`` works: ``etp`` may be 1, equal to ``tp`` (the
+  TP groups), smaller (part of a TP group) or larger (several TP or data-parallel groups).
 
 Example, 8 ranks, dp_shard=2, cp=2, tp=2, ep=4, etp=1 (one stage, one replica)::
 
@@ -72,9 +75,9 @@ class ParallelDims:
     pp: int
     """Pipeline parallel degree."""
     ep: int
-    """Expert parallel degree (borrowed from dp_shard*cp, and tp when etp == 1)."""
+    """Expert parallel degree (borrowed, with etp, from the dp_shard*cp*tp ranks of a stage)."""
     etp: int
-    """Expert tensor parallel degree: 1 or tp."""
+    """Expert tensor parallel degree: ranks that split each expert's hidden dim (any divisor with ep)."""
     world_size: int
     """Ranks of this engine."""
     _meshes: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -95,15 +98,10 @@ class ParallelDims:
         if product != self.world_size:
             raise ValueError(f"dp_replicate*dp_shard*cp*tp*pp = {self.dp_replicate}*{self.dp_shard}*{self.cp}*"
                              f"{self.tp}*{self.pp} = {product} does not equal world_size={self.world_size}")
-        if self.etp not in (1, self.tp):
-            raise ValueError(f"etp={self.etp} with tp={self.tp} is not a folding Archon supports: etp must be 1 "
-                             "(experts not tensor-parallel; EP borrows from dp_shard*cp*tp) or equal to tp "
-                             "(experts keep the attention TP layout; EP borrows from dp_shard*cp)")
-        block = self.dp_shard * self.cp * (self.tp if self.etp == 1 else 1)
-        if self.ep > 1 and block % self.ep:
-            what = "dp_shard*cp*tp" if self.etp == 1 else "dp_shard*cp"
-            raise ValueError(f"ep={self.ep} must divide {what} = {block} (EP borrows ranks inside one pipeline "
-                             "stage and adds none)")
+        block = self.dp_shard * self.cp * self.tp
+        if self.ep * self.etp > 1 and block % (self.ep * self.etp):
+            raise ValueError(f"ep*etp = {self.ep}*{self.etp} must divide dp_shard*cp*tp = {block} (experts fold the "
+                             "ranks of one pipeline stage and add none); choose ep and the ffn t from its divisors")
 
     @classmethod
     def from_allocation(cls, alloc: Any, world_size: int | None = None, dp_replicate: int = 1) -> "ParallelDims":
@@ -156,6 +154,11 @@ class ParallelDims:
     @property
     def etp_enabled(self) -> bool:
         return self.etp > 1
+
+    @property
+    def moe_folding_enabled(self) -> bool:
+        """Experts get their own layout (the sparse mesh): expert parallel or expert tensor parallel."""
+        return self.ep > 1 or self.etp > 1
 
     @property
     def dp_cp_enabled(self) -> bool:
@@ -219,7 +222,7 @@ class ParallelDims:
         loss = self._unflatten(world, [("pp", self.pp), ("dp_cp", self.dp_replicate * self.dp_shard * self.cp),
                                        ("tp", self.tp)])
         meshes["dp_cp"] = loss["dp_cp"]
-        if self.ep_enabled:
+        if self.moe_folding_enabled:
             sparse = self._unflatten(world, [("pp", self.pp), ("dp_replicate", self.dp_replicate),
                                              ("efsdp", self.efsdp), ("ep", self.ep), ("etp", self.etp)],
                                     real=("dp_replicate", "efsdp"))

@@ -17,11 +17,17 @@ dim: each rank holds ``E / ep`` consecutive experts.  Around its forward:
 
 Both all-to-alls are differentiable (the backward is the reverse all-to-all).
 
-With ``etp > 1`` the mesh is 2-D ``[ep, etp]``: weights are ``Shard(0)`` over ``ep`` and,
-like ``ExpertTensorParallel``, split on the hidden dim over ``etp``.  The tokens are then
-replicated over ``etp`` (every ETP rank dispatches the same copies inside its own EP
-group), each rank's output is a partial sum over ``etp`` that the caller reduces, and the
-gradient of the tokens is summed over ``etp``.
+Expert tensor parallel (ETP): with ``etp > 1`` every expert's hidden dim is split over the
+``etp`` ranks of an ETP group (``w1, w3`` on dim 1, ``w2`` on dim 2).  Those ranks must see the
+same tokens, and in general they own different ones (their own data, context chunk or
+sequence-parallel shard), so ``ExpertTensorParallelTokens`` wraps the whole MoE module: it
+gathers the tokens of the ETP group (with their mask and replayed choices) before routing,
+and after the experts returns to each rank the sum over the group of the partial outputs of
+its own tokens.  The backward of the gather sums every rank's (partial) gradient of the
+tokens, so routers and experts compute on local tensors and need no partial markers.  Any
+``etp`` works that way: the TP group (the tokens are its sequence shards), part of it, or
+ranks of different data-parallel groups.  Experts then live on the 2-D mesh ``[ep, etp]``
+(``Shard(0)`` over ``ep``, the hidden dim over ``etp``), or on ``[etp]`` alone without EP.
 
 MoE parallel folding (see ``parallel/dims.py``): the expert weights get their own FSDP
 mesh, ``efsdp`` (the ranks left after EP took its share; ``[dp_replicate, efsdp]`` for
@@ -41,7 +47,7 @@ import torch.nn as nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from parallel.fsdp import fsdp_policies, reshard_after_forward
@@ -64,21 +70,39 @@ class _Routing:
     """``[received]``: the row of each received copy in the local-expert order."""
 
 
-def check_expert_parallel(num_experts: int, n_moe_layers: int, ep: int, model_name: str) -> None:
-    """Raise a one-sentence error when ``ep`` cannot split this model's experts."""
+def check_expert_parallel(num_experts: int, n_moe_layers: int, ep: int, model_name: str, etp: int = 1,
+                          moe_hidden_dim: int = 0) -> None:
+    """Raise a one-sentence error when ``ep`` (experts) or ``etp`` (their hidden dim) cannot split this model."""
     if n_moe_layers == 0:
-        raise ValueError(f"{model_name} has no MoE layers, so expert parallel e{ep} has nothing to split; "
-                         "drop 'e' from the allocation")
+        what = f"expert parallel e{ep}" if ep > 1 else f"expert tensor parallel (ffn t{etp})"
+        raise ValueError(f"{model_name} has no MoE layers, so {what} has nothing to split; "
+                         "drop 'e' and the ffn section from the allocation")
     if num_experts % ep:
         raise ValueError(f"{model_name}: num_experts={num_experts} is not divisible by the expert-parallel size "
                          f"e{ep}; choose e from the divisors of {num_experts}")
+    if moe_hidden_dim % etp:
+        raise ValueError(f"{model_name}: moe_intermediate_size={moe_hidden_dim} is not divisible by the expert "
+                         f"tensor-parallel size (ffn t{etp}); choose the ffn t from the divisors of {moe_hidden_dim}")
+
+
+def moe_token_replication(parallel_dims: Any) -> int:
+    """How many ranks route the same tokens (so router statistics summed over all ranks count each token that often).
+
+    Tokens are replicated over the ranks that split experts on the hidden dim: the ETP
+    group under MoE folding, the TP group when experts simply follow attention's TP.
+    """
+    if parallel_dims.moe_folding_enabled:
+        return parallel_dims.etp
+    return parallel_dims.tp
 
 
 def expert_parallel_mesh(parallel_dims: Any) -> DeviceMesh:
-    """The mesh experts are split over: ``[ep]``, or ``[ep, etp]`` when experts are also tensor-parallel."""
-    if parallel_dims.etp_enabled:
+    """The mesh experts are split over: ``[ep]``, ``[ep, etp]``, or ``[etp]`` (hidden dim only)."""
+    if parallel_dims.ep_enabled and parallel_dims.etp_enabled:
         return parallel_dims.sparse_mesh["ep", "etp"]
-    return parallel_dims.get_mesh("ep")
+    if parallel_dims.ep_enabled:
+        return parallel_dims.get_mesh("ep")
+    return parallel_dims.get_mesh("etp")
 
 
 def expert_fsdp_mesh(parallel_dims: Any) -> DeviceMesh:
@@ -125,7 +149,8 @@ def local_expert_order(received: torch.Tensor, alignment: int = 1) -> tuple[torc
 class ExpertParallel(ParallelStyle):
     """Split grouped experts over EP (and over ETP on the hidden dim) and move tokens to their owners.
 
-    Apply to a 1-D ``[ep]`` mesh or a 2-D ``[ep, etp]`` mesh.  ``token_group_alignment``
+    Apply to a 1-D ``[ep]`` mesh or a 2-D ``[ep, etp]`` mesh; under ETP the caller brings
+    the ETP group's tokens (``ExpertTensorParallelTokens``) and sums the partial outputs.  ``token_group_alignment``
     pads each local expert's token group to a multiple of it; None chooses
     ``GROUPED_MM_ALIGNMENT`` for CUDA tokens (the grouped GEMM) and 1 elsewhere (the loop).
     """
@@ -164,14 +189,9 @@ class ExpertParallel(ParallelStyle):
     @torch.compiler.disable
     def _dispatch(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
         x, num_tokens_per_expert = inputs[0], inputs[1]
-        ep_mesh, etp_mesh = self._meshes
+        ep_mesh, _ = self._meshes
         group = ep_mesh.get_group()
         ep = ep_mesh.size()
-        if etp_mesh is not None:
-            # Every ETP rank holds a hidden slice of the experts, so its gradient for the
-            # (replicated) tokens is a partial sum; mark it so that it is summed over etp.
-            x = DTensor.from_local(x, etp_mesh, (Replicate(),), run_check=False)
-            x = x.to_local(grad_placements=(Partial(),))
         counts = num_tokens_per_expert.to(torch.int64)
         with torch.no_grad():
             received = torch.empty_like(counts)
@@ -202,6 +222,94 @@ class ExpertParallel(ParallelStyle):
                                  input_fn=self._dispatch, output_fn=self._combine)
 
 
+def _exchange(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: Any,
+              autograd: bool) -> torch.Tensor:
+    """``all_to_all_single`` of rows (the backward is the reverse exchange when ``autograd``)."""
+    if autograd:
+        return all_to_all_single_autograd(x, output_splits, input_splits, group)
+    out = x.new_empty((sum(output_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+    return out
+
+
+class ExpertTensorParallelTokens(ParallelStyle):
+    """Pool the tokens of each ETP group around a MoE module (``forward(x, token_mask, replay)``).
+
+    Before the forward, every rank of the ``[etp]`` mesh gets the rows of all of them (its own
+    first in group order, uneven counts allowed) for ``x [1, n, dim]``, ``token_mask [1, n]``
+    and ``replay [1, n, k]``; after it, each rank gets back, for its own rows, the sum over the
+    group of the (partial) outputs.  Gathering is an all-to-all of the rows repeated ``etp``
+    times, so its backward sums the group's gradients of each rank's tokens; returning is the
+    reverse all-to-all, whose backward hands every rank the full gradient of the pooled rows.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._sizes: list[int] | None = None
+
+    @staticmethod
+    def _pool(t: torch.Tensor | None, sizes: list[int], group: Any, autograd: bool) -> torch.Tensor | None:
+        if t is None:
+            return None
+        rows = t.reshape(t.shape[1], *t.shape[2:])  # [1, n, ...] -> [n, ...]
+        etp = len(sizes)
+        send = rows.repeat(etp, *([1] * (rows.dim() - 1)))
+        pooled = _exchange(send, sizes, [rows.shape[0]] * etp, group, autograd)
+        return pooled.unsqueeze(0)
+
+    @torch.compiler.disable
+    def _gather(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        x, rest = inputs[0], list(inputs[1:])
+        if x.shape[0] != 1:
+            raise ValueError(f"expert tensor parallel pools packed rows, so the batch must be one row, got {x.shape[0]}")
+        group = mesh.get_group()
+        n = torch.tensor([x.shape[1]], dtype=torch.int64, device=x.device)
+        sizes = [torch.empty_like(n) for _ in range(mesh.size())]
+        dist.all_gather(sizes, n, group=group)
+        self._sizes = [int(t) for t in sizes]
+        pooled = [self._pool(x, self._sizes, group, autograd=True)]
+        for extra in rest:
+            if isinstance(extra, torch.Tensor) and extra.dtype == torch.bool:
+                extra = self._pool(extra.to(torch.uint8), self._sizes, group, autograd=False).bool()
+            elif isinstance(extra, torch.Tensor):
+                extra = self._pool(extra, self._sizes, group, autograd=False)
+            pooled.append(extra)
+        return tuple(pooled)
+
+    @torch.compiler.disable
+    def _return(self, module: nn.Module, output: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        sizes, self._sizes = self._sizes, None
+        assert sizes is not None, "ETP output without a gather"
+        mine = sizes[mesh.get_local_rank()]
+        rows = output.reshape(-1, output.shape[-1])
+        parts = _exchange(rows, [mine] * len(sizes), sizes, mesh.get_group(), autograd=True)
+        return parts.view(len(sizes), mine, -1).sum(0).unsqueeze(0)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        # Hooks only (distribute_module would replicate every parameter over the mesh): the
+        # router and the experts have their own layouts.
+        module.register_forward_pre_hook(lambda mod, inputs: self._gather(mod, inputs, device_mesh))
+        module.register_forward_hook(lambda mod, inputs, output: self._return(mod, output, device_mesh))
+        return module
+
+
+class ExpertHiddenParallel(ParallelStyle):
+    """Split grouped experts over an ``[etp]`` mesh on the hidden dim only (no expert parallel).
+
+    Tokens come pooled by ``ExpertTensorParallelTokens``; each rank's output is a partial sum
+    that the pooling style adds up.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            for pname, param in list(mod.named_parameters(recurse=False)):
+                placement = Shard(_HIDDEN_DIM[pname]) if pname in _HIDDEN_DIM else Replicate()
+                mod.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [placement]),
+                                                           requires_grad=param.requires_grad))
+
+        return distribute_module(module, device_mesh, partition)
+
+
 def apply_ep(experts: Iterable[nn.Module], mesh: DeviceMesh, token_group_alignment: int | None = None) -> None:
     """Make every grouped-experts module expert-parallel over ``mesh`` (``[ep]`` or ``[ep, etp]``), in place.
 
@@ -210,6 +318,21 @@ def apply_ep(experts: Iterable[nn.Module], mesh: DeviceMesh, token_group_alignme
     """
     for module in experts:
         ExpertParallel(token_group_alignment)._apply(module, mesh)
+
+
+def apply_moe_folding(moes: Iterable[nn.Module], parallel_dims: Any, token_group_alignment: int | None = None) -> None:
+    """Lay MoE modules (``router``, ``experts``) on the sparse mesh: ETP token pooling, then EP and/or ETP experts."""
+    moes = list(moes)
+    mesh = expert_parallel_mesh(parallel_dims)
+    if parallel_dims.ep_enabled:
+        apply_ep([m.experts for m in moes], mesh, token_group_alignment)
+    else:
+        for m in moes:
+            ExpertHiddenParallel()._apply(m.experts, mesh)
+    if parallel_dims.etp_enabled:
+        etp_mesh = parallel_dims.get_mesh("etp")
+        for m in moes:
+            ExpertTensorParallelTokens()._apply(m, etp_mesh)
 
 
 def apply_expert_fsdp(

@@ -52,15 +52,19 @@ def apply_fsdp(
     pp_enabled: bool = False,
     cpu_offload: bool = False,
     reshard_after_forward_policy: str = "default",
+    shard_root: bool = True,
 ) -> nn.Module:
     """Shard each unit (a module, or a list of modules sharded as one group), then the root.
 
     ``dp_mesh`` is 1-D (FSDP over dp_shard*cp) or 2-D ``[dp_replicate, dp_shard_cp]`` (HSDP).
     The root's reshard flag is False: its parameters are needed again right at backward.
+    ``shard_root=False`` only makes the units (inner units with their own mixed precision,
+    made before the outer ones).
     """
     mp, offload = fsdp_policies(param_dtype, reduce_dtype, cpu_offload)
     reshard = reshard_after_forward(reshard_after_forward_policy, pp_enabled)
     for unit in units:
         fully_shard(unit, mesh=dp_mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=False)
+    if shard_root:
+        fully_shard(model, mesh=dp_mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=False)
     return model

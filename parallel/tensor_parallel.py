@@ -8,6 +8,10 @@ torch does not ship live here:
   critic's 1-wide value head) but must hold DTensor parameters like their neighbours, so
   that FSDP, the optimizer and gradient clipping see one kind of parameter, and so that a
   parameter used on different tokens per rank gets its gradient summed over TP.
+* ``LocalTokensParallel``: a module that computes on this rank's sequence shard of its
+  first input (a MoE layer under expert parallel); its other inputs are token-aligned and
+  given for the whole sequence (a padding mask, replayed expert choices), so they are cut
+  to the same shard.
 * ``ExpertTensorParallel``: grouped experts ``w1, w3: [E, hidden, dim]`` split on ``hidden``
   and ``w2: [E, dim, hidden]`` on ``hidden`` too; each rank's output is a partial sum.
 
@@ -87,6 +91,33 @@ class ReplicateParallel(ParallelStyle):
             input_fn=lambda mod, inputs, mesh: self._prepare_input(mod, inputs, mesh),
             output_fn=lambda mod, output, mesh: self._prepare_output(mod, output, mesh),
         )
+
+
+class LocalTokensParallel(ParallelStyle):
+    """The first input as this rank's local sequence shard; the other tensor inputs cut to it along ``seq_dim``.
+
+    The first input must already be sharded on the sequence (a DTensor from a
+    sequence-parallel norm, or its local shard).
+    """
+
+    def __init__(self, seq_dim: int = 1):
+        super().__init__()
+        self.seq_dim = seq_dim
+
+    def _prepare_input(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        if not inputs:
+            return inputs
+        rank, size = mesh.get_local_rank(), mesh.size()
+        x = inputs[0]
+        if isinstance(x, DTensor):  # a sequence-parallel norm's Shard(seq) output
+            x = x.to_local()
+        rest = tuple(t.chunk(size, dim=self.seq_dim)[rank] if hasattr(t, "chunk") else t for t in inputs[1:])
+        return (x, *rest)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        # A hook only: distribute_module would also make every parameter below a TP DTensor.
+        module.register_forward_pre_hook(lambda mod, inputs: self._prepare_input(mod, inputs, device_mesh))
+        return module
 
 
 class ExpertTensorParallel(ParallelStyle):

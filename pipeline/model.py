@@ -48,16 +48,18 @@ logger = logging.getLogger("archon.pipeline")
 
 @dataclass(frozen=True)
 class FullTensorInfo:
-    """One parameter of the full model and the pipeline rank that holds it."""
+    """One parameter (or persistent buffer) of the full model and the pipeline rank that holds it."""
 
     name: str
-    """Parameter name in the full (unsplit) model."""
+    """Parameter or buffer name in the full (unsplit) model."""
     shape: torch.Size
     """Full (unsharded) shape."""
     dtype: torch.dtype
     """Parameter dtype."""
     owner: int
     """Pipeline rank (0..pp-1) whose stage holds it."""
+    is_buffer: bool = False
+    """A persistent buffer (the MoE routing bias) rather than a parameter."""
 
 
 class PipelinedModel:
@@ -101,9 +103,9 @@ class PipelinedModel:
         return box[0]
 
     def named_full_tensors(self, local: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every parameter of the full model as a full tensor, in the full model's order, on every rank.
+        """Every parameter (then persistent buffer) of the full model as a full tensor, in order, on every rank.
 
-        ``local`` maps this rank's parameters by full-model name.  Each tensor is gathered on the
+        ``local`` maps this rank's parameters and persistent buffers by full-model name.  Each tensor is gathered on the
         ranks of the stage holding it and broadcast over the pipeline group (a collective: every
         rank must iterate to the end).
         """
@@ -117,6 +119,15 @@ class PipelinedModel:
                 full = torch.empty(info.shape, dtype=info.dtype, device=self.runner.device)
             dist.broadcast(full, src=dist.get_global_rank(group, info.owner), group=group)
             yield info.name, full
+
+
+def _persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    out = []
+    for mod_name, mod in model.named_modules():
+        for name, buf in mod.named_buffers(prefix=mod_name, recurse=False):
+            if buf is not None and name.rsplit(".", 1)[-1] not in mod._non_persistent_buffers_set:
+                out.append((name, buf))
+    return out
 
 
 def _activation_dtype(model: nn.Module, parallel_dims: Any, config: Any) -> torch.dtype:
@@ -183,11 +194,12 @@ def pipeline_decoder(model: nn.Module, parallel_dims: Any, config: Any, parallel
         config = copy.deepcopy(config)
         config.archon.enable_compile = False
 
-    full_tensors = [
-        FullTensorInfo(name, p.shape, p.dtype,
-                       rank_of_stage(owner_stage(name, stage_modules), pp, n_stages, style))
-        for name, p in model.named_parameters()
-    ]
+    def owner(name: str) -> int:
+        return rank_of_stage(owner_stage(name, stage_modules), pp, n_stages, style)
+
+    full_tensors = [FullTensorInfo(name, p.shape, p.dtype, owner(name)) for name, p in model.named_parameters()]
+    full_tensors += [FullTensorInfo(name, b.shape, b.dtype, owner(name), is_buffer=True)
+                     for name, b in _persistent_buffers(model)]
     boundary = StageBoundary(hidden_dim=model.args.dim, dtype=_activation_dtype(model, parallel_dims, config),
                              seq_shards=parallel_dims.tp)
     parts = [parallelize_fn(build_stage_module(model, stage_modules[sid]), parallel_dims, config)

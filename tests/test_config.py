@@ -159,6 +159,17 @@ def test_memory_budget_requires_compile():
                            "actor.archon.enable_compile=false"])
 
 
+def test_moe_options_are_checked():
+    cfg = load_config(None, ["actor.archon.moe_load_balance=aux_free", "actor.moe_routing_replay=true",
+                             "actor.archon.moe_router_dtype=float32"])
+    assert cfg.actor.archon.moe_load_balance == "aux_free" and cfg.actor.moe_routing_replay
+    assert cfg.ref.archon.moe_router_dtype == "float32"  # inherited like every engine field
+    with pytest.raises(ConfigError, match="moe_load_balance"):
+        load_config(None, ["actor.archon.moe_load_balance=aux"])
+    with pytest.raises(ConfigError, match=r"actor\.archon\.moe_aux_loss_coef = -0\.1 must not be negative"):
+        load_config(None, ["actor.archon.moe_aux_loss_coef=-0.1"])
+
+
 def test_toml_round_trip(tmp_path):
     cfg = load_config(None, ["actor.optimizer.lr=3e-4", "gconfig.stop_token_ids=[5, 7]"])
     path = write(tmp_path, to_toml(cfg))

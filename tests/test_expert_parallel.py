@@ -38,18 +38,27 @@ HYBRID_ETP_TP = "archon:(attn:d2t2|ffn:t2e2)"
 """Experts split over ep=2 (from dp_shard) and over the 2 TP ranks on the hidden dim (etp = tp)."""
 HYBRID_ETP_1 = "archon:(attn:d2t2|ffn:t1e4)"
 """Experts split over all 4 ranks (EP borrows the dp_shard and TP ranks, etp = 1)."""
+ETP_OVER_DP = "archon:(attn:d4|ffn:t2e2)"
+"""Expert TP without attention TP: pairs of data-parallel ranks pool their tokens for each expert's halves."""
+ETP_WIDER_THAN_TP = "archon:(attn:d2t2|ffn:t4)"
+"""Expert TP 4 over attention TP 2 (two TP groups of different data pool their tokens), no EP."""
 JOBS: dict[int, list[tuple[str, str]]] = {
     2: [("archon:d2e2", "base"), ("archon:d2e2", "ac_full_n_mbs_3"), ("archon:d2e2", "ac_selective_op"),
         ("archon:d2e2", "reshard_never"), ("archon:t2e2", "base"), ("archon:t2e2", "ac_full_n_mbs_3"),
         # Context parallel beside EP: EP borrows the cp ranks, each routes its own chunk of the row.
-        ("archon:c2e2", "base")],
+        ("archon:c2e2", "base"),
+        # Expert TP pooling the tokens of two data-parallel ranks.
+        ("archon:(attn:d2|ffn:t2)", "base")],
     4: [("archon:d4e2", "base"), ("archon:d4e2", "hsdp"), ("archon:d4e4", "base"),
         ("archon:d2t2e2", "base"), ("archon:d2t2e2", "ac_full_n_mbs_3"),
         (HYBRID_ETP_TP, "base"), (HYBRID_ETP_TP, "ac_selective_op"), (HYBRID_ETP_TP, "n_mbs_3"),
-        (HYBRID_ETP_1, "base"), ("archon:(attn:d2c2|ffn:e4)", "base"), ("archon:(attn:t2c2|ffn:t1e4)", "base")],
+        (HYBRID_ETP_1, "base"), ("archon:(attn:d2c2|ffn:e4)", "base"), ("archon:(attn:t2c2|ffn:t1e4)", "base"),
+        (ETP_OVER_DP, "base"), (ETP_OVER_DP, "ac_full_n_mbs_3"), (ETP_WIDER_THAN_TP, "base"),
+        (ETP_WIDER_THAN_TP, "n_mbs_3"), ("archon:(attn:d2c2|ffn:t2e2)", "base")],
 }
 """(allocation, variant) pairs trained per world size; the first of each allocation also checks gradients."""
-FORWARD_LAYOUTS = {2: ["archon:d2e2"], 4: ["archon:d2t2e2", HYBRID_ETP_TP, HYBRID_ETP_1]}
+FORWARD_LAYOUTS = {2: ["archon:d2e2", "archon:(attn:d2|ffn:t2)"],
+                   4: ["archon:d2t2e2", HYBRID_ETP_TP, HYBRID_ETP_1, ETP_OVER_DP, ETP_WIDER_THAN_TP]}
 
 
 @pytest.fixture(scope="module")
@@ -208,8 +217,12 @@ def _dispatch_combine(etp: int, alignment: int | None, compiled: bool) -> list[s
     failures = []
     if not torch.allclose(out, out_ref, atol=1e-5):
         failures.append(f"rank {rank}: outputs differ by {(out - out_ref).abs().max():.2e}")
-    if not torch.allclose(x_ep.grad, x_ref.grad, atol=1e-5):
-        failures.append(f"rank {rank}: token gradients differ by {(x_ep.grad - x_ref.grad).abs().max():.2e}")
+    x_grad = x_ep.grad
+    if etp > 1:  # each ETP rank's token gradient covers its hidden slice; the pooling style sums them
+        x_grad = x_grad.clone()
+        dist.all_reduce(x_grad, group=mesh["etp"].get_group())
+    if not torch.allclose(x_grad, x_ref.grad, atol=1e-5):
+        failures.append(f"rank {rank}: token gradients differ by {(x_grad - x_ref.grad).abs().max():.2e}")
     for name, p in sharded.named_parameters():
         ref_grad = distribute_tensor(getattr(full, name).grad, p.device_mesh, p.placements,
                                                  src_data_rank=None).to_local()
@@ -275,6 +288,8 @@ _LOCAL_EXPERTS = {
     ("archon:d4e2", 8): {0: {0, 1}, 1: {4, 5}, 2: {2, 3}, 3: {6, 7}},  # rank = 2*efsdp + ep
     ("archon:d4e2", 6): {0: {0, 1}, 1: {3, 4}, 2: {2}, 3: {5}},
     (HYBRID_ETP_TP, 8): {0: {0, 1, 2, 3}, 1: {0, 1, 2, 3}, 2: {4, 5, 6, 7}, 3: {4, 5, 6, 7}},  # rank = 2*ep + etp
+    (ETP_OVER_DP, 8): {0: {0, 1, 2, 3}, 1: {0, 1, 2, 3}, 2: {4, 5, 6, 7}, 3: {4, 5, 6, 7}},
+    (ETP_WIDER_THAN_TP, 8): {r: set(range(8)) for r in range(4)},  # no EP: every rank a quarter of each expert
 }
 
 

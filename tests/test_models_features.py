@@ -11,7 +11,13 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 import models
 from hf_fixtures import make_tiny_hf_model, perturb_, save_tiny_hf
-from models.common.moe import GroupedExperts, _run_experts_grouped_mm, _run_experts_loop, _use_grouped_mm
+from models.common.moe import (
+    GroupedExperts,
+    _run_experts_grouped_mm,
+    _run_experts_loop,
+    _use_grouped_mm,
+    count_per_expert,
+)
 from models.qwen3_moe import Qwen3MoeModelArgs
 
 ATOL = 1e-4
@@ -37,10 +43,11 @@ def test_router_matches_transformers(norm_topk_prob, tmp_path):
     x = torch.randn(40, 64, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         _, hf_scores, hf_idx = hf.model.layers[0].mlp.gate(x)
-        scores, idx, counts = model.layers["0"].moe.router(x)
+        probs, scores, idx = model.layers["0"].moe.router(x)
     assert torch.equal(idx, hf_idx)
     assert torch.equal(scores, hf_scores)
-    assert torch.equal(counts, torch.bincount(hf_idx.flatten(), minlength=8).float())
+    assert torch.equal(count_per_expert(idx, 8), torch.bincount(hf_idx.flatten(), minlength=8).float())
+    torch.testing.assert_close(probs, torch.softmax(hf.model.layers[0].mlp.gate.weight @ x.T, 0).T)
 
 
 def test_router_stats_are_exposed_per_forward(moe_folder):
@@ -55,6 +62,79 @@ def test_router_stats_are_exposed_per_forward(moe_folder):
     # Overwritten per forward, not accumulated.
     assert torch.equal(model.layers["1"].moe.tokens_per_expert, first)
     assert "tokens_per_expert" not in dict(model.state_dict())
+    # The routing bias is state (checkpointed), zero for an HF checkpoint without one.
+    assert torch.equal(model.state_dict()["layers.1.moe.expert_bias"], torch.zeros(8))
+
+
+def test_routing_bias_stays_float32_when_the_model_is_cast():
+    from models.common.moe import MoE
+
+    moe = MoE(16, 8, num_experts=4, top_k=2, norm_topk_prob=False)
+    moe.init_weights(0.1)
+    moe.expert_bias.copy_(torch.tensor([0.05, -0.1, 0.001, 0.3]))
+    moe.to(torch.bfloat16)
+    assert moe.router.gate.weight.dtype == torch.bfloat16 and moe.expert_bias.dtype == torch.float32
+    assert torch.equal(moe.expert_bias, torch.tensor([0.05, -0.1, 0.001, 0.3]))
+
+
+def test_router_bias_changes_choice_not_scores():
+    from models.common.moe import TokenChoiceTopKRouter
+
+    torch.manual_seed(0)
+    router = TokenChoiceTopKRouter(16, 6, 2, norm_topk_prob=False)
+    x = torch.randn(30, 16)
+    probs, _, plain = router(x)
+    bias = torch.tensor([5.0, 0, 0, 0, 0, 4.0])  # experts 0 and 5 win every token
+    _, scores, chosen = router(x, bias)
+    assert torch.equal(chosen.sort(-1).values, torch.tensor([[0, 5]]).expand(30, 2))
+    assert torch.equal(scores, probs.gather(1, chosen))
+    assert not torch.equal(chosen, plain)
+
+
+def test_router_replay_forces_choices_and_keeps_gate_gradient():
+    from models.common.moe import TokenChoiceTopKRouter
+
+    torch.manual_seed(0)
+    router = TokenChoiceTopKRouter(16, 6, 2, norm_topk_prob=True)
+    x = torch.randn(4, 16)
+    replay = torch.tensor([[3, 1], [-1, -1], [0, 5], [2, 4]])
+    probs, scores, chosen = router(x, replay=replay)
+    assert chosen[0].tolist() == [3, 1] and chosen[2].tolist() == [0, 5] and chosen[3].tolist() == [2, 4]
+    assert torch.equal(chosen[1], router(x)[2][1])  # -1: the router's own choice
+    ref = probs.gather(1, chosen)
+    torch.testing.assert_close(scores, ref / ref.sum(-1, keepdim=True))
+    # Renormalised scores of a token sum to 1, so weigh them to get a non-trivial gradient.
+    (scores * torch.arange(8.0).view(4, 2)).sum().backward()
+    assert router.gate.weight.grad.abs().sum() > 0
+
+
+def test_moe_token_mask_and_aux_loss_gradient():
+    """Masked tokens are not counted; the attached aux loss adds exactly its own gradient."""
+    from models.common.moe import MoE
+
+    torch.manual_seed(0)
+    moe = MoE(16, 8, num_experts=4, top_k=2, norm_topk_prob=False)
+    moe.init_weights(0.3)
+    x = torch.randn(1, 10, 16)
+    mask = torch.tensor([[True] * 7 + [False] * 3])
+    moe.count_tokens = True
+    out = moe(x, mask)
+    assert moe.tokens_per_expert.sum() == 7 * 2
+    assert torch.equal(moe.step_tokens_per_expert, moe.tokens_per_expert)
+    w = torch.tensor([0.5, 1.0, 2.0, 3.0])
+    moe.aux_loss_weights, moe.aux_loss_grad_scale = w, 3.0
+    moe.zero_grad()
+    moe(x, mask).sum().backward()
+    with_aux = moe.router.gate.weight.grad.clone()
+    moe.aux_loss_weights = None
+    moe.zero_grad()
+    moe(x, mask).sum().backward()
+    gate = moe.router.gate.weight.detach().requires_grad_(True)
+    aux = (torch.softmax(x[0, :7] @ gate.T, -1).sum(0) * w).sum() * 3.0
+    (aux_grad,) = torch.autograd.grad(aux, gate)
+    torch.testing.assert_close(with_aux - moe.router.gate.weight.grad, aux_grad)
+    # The step's loss value is accumulated (unscaled) once per forward.
+    assert moe.step_aux_loss > 0
 
 
 def test_grouped_experts_loop_and_grouped_mm_agree():

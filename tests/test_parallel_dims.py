@@ -20,9 +20,9 @@ def dims(world, dp_shard=1, dp_replicate=1, cp=1, tp=1, pp=1, ep=1, etp=1) -> Pa
 @pytest.mark.parametrize("kw, fragment", [
     (dict(world=8, dp_shard=2, tp=2), "does not equal world_size=8"),
     (dict(world=4, dp_shard=0, tp=2), "dp_shard=0 must be at least 1"),
-    (dict(world=4, dp_shard=2, tp=2, ep=3), "ep=3 must divide dp_shard*cp*tp = 4"),
-    (dict(world=8, dp_shard=2, tp=4, ep=4, etp=2), "etp=2 with tp=4 is not a folding Archon supports"),
-    (dict(world=4, dp_shard=2, tp=2, ep=4, etp=2), "ep=4 must divide dp_shard*cp = 2"),
+    (dict(world=4, dp_shard=2, tp=2, ep=3), "ep*etp = 3*1 must divide dp_shard*cp*tp = 4"),
+    (dict(world=4, dp_shard=2, tp=2, ep=4, etp=2), "ep*etp = 4*2 must divide dp_shard*cp*tp = 4"),
+    (dict(world=4, dp_shard=4, etp=3), "ep*etp = 1*3 must divide dp_shard*cp*tp = 4"),
     (dict(world=6, dp_shard=-1, tp=4), "not divisible by dp_replicate*cp*tp*pp=4"),
 ])
 def test_validation_errors(kw, fragment):
@@ -58,7 +58,7 @@ def expected_groups(world: int, pd: ParallelDims) -> dict[str, list[list[int]]]:
 
     out = {"pp": groups([0]), "dp_replicate": groups([1]), "dp_shard": groups([2]), "cp": groups([3]),
            "tp": groups([4]), "dp": groups([1, 2]), "dp_shard_cp": groups([2, 3]), "dp_cp": groups([1, 2, 3])}
-    if pd.ep > 1:
+    if pd.ep > 1 or pd.etp > 1:
         # Inside one (pp, dp_replicate) block the ranks (dp_shard, cp, tp) are consecutive; EP takes
         # consecutive chunks of ep*etp ranks' worth with etp fastest.
         s = r.reshape(pd.pp, pd.dp_replicate, pd.efsdp, pd.ep, pd.etp)
@@ -82,6 +82,11 @@ LAYOUTS = [
     dict(world=16, pp=4, dp_shard=1, cp=2, tp=2, ep=4, etp=1),
     dict(world=64, dp_shard=4, pp=2, tp=2, cp=2, dp_replicate=2, ep=4, etp=1),
     dict(world=64, dp_shard=8, pp=2, tp=2, cp=2, ep=8, etp=2),
+    # Expert TP unlike attention's: larger than tp, smaller than tp, without tp, without ep.
+    dict(world=8, dp_shard=2, tp=4, ep=2, etp=2),
+    dict(world=8, dp_shard=4, tp=2, ep=1, etp=4),
+    dict(world=4, dp_shard=4, ep=2, etp=2),
+    dict(world=16, pp=2, dp_shard=2, tp=2, cp=2, ep=2, etp=4),
 ]
 
 
@@ -121,9 +126,9 @@ def test_mesh_groups_match_hand_computed(fake_world, layout):
         assert pd.world_mesh.mesh_dim_names == ("pp", "dp_replicate", "dp_shard", "cp", "tp")
         if pd.dp_replicate > 1 and pd.dp_shard * pd.cp > 1:
             assert pd.get_mesh("hsdp").mesh_dim_names == ("dp_replicate", "dp_shard_cp")
-        if pd.ep > 1 and pd.etp > 1:  # experts keep the TP layout
+        if pd.etp == pd.tp > 1:  # experts keep the TP layout
             assert pd.get_mesh("etp").mesh.tolist() == pd.get_mesh("tp").mesh.tolist()
-        assert (pd.sparse_mesh is not None) == (pd.ep > 1)
+        assert (pd.sparse_mesh is not None) == (pd.ep > 1 or pd.etp > 1)
 
 
 def _real_groups(layout: dict) -> dict[str, float]:

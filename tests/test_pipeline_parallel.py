@@ -210,8 +210,9 @@ def test_moe_on_p2(tmp_path_factory):
     per_rank = run_distributed(_train_variants, 2, str(folder), "archon:p2", {"1F1B": _schedule("1F1B", 2)})
     _assert_matches(per_rank, ref, "qwen3_moe p2")
     # Expert parallel inside the stages; the hybrid form is the seeds' MoE recipe in miniature
-    # ((attn:d1p4t2c2|ffn:d1p4t1e4) on 16 GPUs): EP borrows the context-parallel ranks.
-    for backend in ("archon:d2p2e2", "archon:(attn:p2c2|ffn:p2e2)"):
+    # ((attn:d1p4t2c2|ffn:d1p4t1e4) on 16 GPUs): EP borrows the context-parallel ranks; and
+    # expert tensor parallel pooling the tokens of two data-parallel ranks inside each stage.
+    for backend in ("archon:d2p2e2", "archon:(attn:p2c2|ffn:p2e2)", "archon:(attn:d2p2|ffn:p2t2)"):
         per_rank = run_distributed(_train_variants, 4, str(folder), backend, {"1F1B": _schedule("1F1B", 2)})
         _assert_matches(per_rank, ref, f"qwen3_moe {backend}")
 

@@ -100,3 +100,22 @@ def test_every_listed_metric_has_a_panel():
     for key in ("reward_mean", "response_len_mean", "actor/loss", "actor/approx_kl", "kl_ref",
                 "behav_prox_logprob_diff", "actor/entropy", "loss", "grad_norm"):
         assert key in keys, key
+
+
+def test_moe_router_statistics_get_their_panels(tmp_path):
+    records = _rl_records()
+    for r in records:
+        step = r["step"]
+        r.update({"actor/moe/load_imbalance_max": 3.0 / step, "actor/moe/load_imbalance_mean": 2.0 / step,
+                  "actor/moe/zero_load_expert_frac": 0.5 / step, "actor/moe/aux_loss": 1.0 + 1.0 / step})
+        for layer in range(12):
+            r[f"actor/moe/load_imbalance/layer_{layer}"] = 1.0 + layer / step
+    image, shown = plot_run(_write(tmp_path / "moe", records).parent)
+    assert _is_png(image)
+    assert shown[-4:] == ["MoE load imbalance", "MoE load imbalance per layer", "MoE idle experts", "MoE balancing"]
+    per_layer = next(p for p in PANELS if p.title == "MoE load imbalance per layer")
+    keys = per_layer.keys_in(records)
+    assert keys[:3] == [f"actor/moe/load_imbalance/layer_{i}" for i in range(3)] and len(keys) == 12
+    assert keys[-1] == "actor/moe/load_imbalance/layer_11"  # natural order, not string order
+    # A dense run draws none of them.
+    assert not [t for t in plot_run(_write(tmp_path / "dense", _rl_records()).parent)[1] if t.startswith("MoE")]

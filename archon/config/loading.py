@@ -323,6 +323,12 @@ def validate_config(cfg: Config, sources: dict[str, str] | None = None, job: str
     for key, value in positive.items():
         if value < 1:
             raise ConfigError(f"{key} = {value} (from {sources.get(key, 'the defaults')}) must be at least 1")
+    for engine in ("actor", "critic", "ref"):
+        archon = getattr(cfg, engine).archon
+        for key in ("moe_aux_loss_coef", "moe_bias_update_rate"):
+            if getattr(archon, key) < 0:
+                raise ConfigError(f"{engine}.archon.{key} = {getattr(archon, key)} must not be negative "
+                                  "(0 turns that load balancing off)")
     check_ranges(cfg, sources)
     group = cfg.actor.group_size
     if group < 0 or (group and cfg.gconfig.n_samples % group):

@@ -91,6 +91,14 @@ class ArchonEngineConfig:
     """Log which activations are saved and which are recomputed (slow)."""
     dp_replicate: int = 1
     """HSDP: split the allocation's d into dp_replicate replica groups x d/dp_replicate shards."""
+    moe_load_balance: Literal["none", "aux_loss", "aux_free"] = "none"
+    """MoE load balancing: 'aux_loss' (Switch loss over the global batch) or 'aux_free' (DeepSeek-V3 routing bias)."""
+    moe_aux_loss_coef: float = 1e-3
+    """aux_loss: weight of each MoE layer's load-balancing loss in the training loss (Megatron's moe_aux_loss_coeff)."""
+    moe_bias_update_rate: float = 1e-3
+    """aux_free: bias step per optimizer step, +rate for experts below the mean load, -rate above it."""
+    moe_router_dtype: Literal["auto", "float32"] = "auto"
+    """dtype of the MoE router's gate matmul: 'auto' follows `dtype`; 'float32' keeps it fp32 under bf16."""
 
 
 @dataclass
@@ -173,6 +181,8 @@ class ActorConfig(TrainEngineConfig):
     """Shuffle the rows into different minibatches before every pass (verl's actor.shuffle), seeded by `seed` and the optimizer step so that allocations and resumed runs agree; off keeps contiguous minibatches."""
     recompute_logprob: bool = False
     """Recompute proximal logprobs with the trainer before the update instead of using the rollout's."""
+    moe_routing_replay: bool = False
+    """MoE: ask the servers for the experts each token was routed to and use those in every actor forward."""
     use_decoupled_loss: bool = False
     """Decoupled PPO: behaviour logprobs from the rollout, proximal logprobs recomputed by the trainer."""
     adv_estimator: Literal["grpo", "gae", "rloo", "reinforce++"] = "grpo"

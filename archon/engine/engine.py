@@ -33,9 +33,11 @@ from archon.config import TrainEngineConfig
 from archon.engine.dist import current_device, init_distributed, resolve_device_type
 from archon.errors import ArchonError
 from archon.engine.microbatch import (
+    ROUTED_EXPERTS,
     Batch,
     PackedMicrobatch,
     pack,
+    pack_token_values,
     plan_microbatches,
     rows_of,
     seqlens_of,
@@ -147,6 +149,15 @@ class ArchonEngine:
             part.to_empty(device=self.device)
         self.model = model
         self._init_weights()
+        from archon.engine.moe_balance import build_moe_balancer
+
+        # Router bookkeeping of MoE models (None for dense ones); see archon/engine/moe_balance.py.
+        self.moe = build_moe_balancer(self.model, self.model_args, cfg.archon, self.parallel_dims, self.device)
+        # The actor replays the experts the rollout servers chose when the batch carries them.
+        self.routing_replay = bool(getattr(cfg, "moe_routing_replay", False))
+        if self.routing_replay and self.moe is None:
+            raise EngineError(f"{self.name}.moe_routing_replay = true, but model type '{self.hf_config.model_type}' "
+                              "has no MoE layers to replay; turn it off")
         if not self.trainable:
             self.model.requires_grad_(False)
         else:
@@ -215,6 +226,8 @@ class ArchonEngine:
         params = dict(_named_state(self.model))
         std = getattr(self.model_args, "initializer_range", 0.02)
         for name in names:
+            if name not in params:  # a buffer (the MoE routing bias) keeps init_buffers' value
+                continue
             target = params[name]
             gen = torch.Generator().manual_seed(self.seed * 1_000_003 + sum(map(ord, name)))
             full = torch.empty(target.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
@@ -236,13 +249,19 @@ class ArchonEngine:
         return self.parallel_dims.get_mesh("dp").get_group() if self.dp_size > 1 else None
 
     def _to_device(self, batch: Batch) -> Batch:
-        return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        # Replayed routing is large ([B, S, layers, top_k]); it moves per microbatch, packed.
+        return {k: v.to(self.device) if isinstance(v, torch.Tensor) and k != ROUTED_EXPERTS else v
+                for k, v in batch.items()}
 
     def _pack(self, batch: Batch, indices: list[int], pad_to: int = 0) -> PackedMicrobatch:
         """Pack ``indices`` into one row: to ``max_tokens_per_mb`` under pad_to_maximum, else to ``pad_to``."""
         if self._pad_to_maximum():
             pad_to = self.config.mb_spec.max_tokens_per_mb
-        return pack(batch, indices, multiple_of=self.parallel_dims.seq_len_divisor, pad_to=pad_to)
+        packed = pack(batch, indices, multiple_of=self.parallel_dims.seq_len_divisor, pad_to=pad_to)
+        if self.routing_replay and ROUTED_EXPERTS in batch:
+            # Positions without a server choice (padding, a completion's last token) route freely.
+            packed.routed_experts = pack_token_values(batch[ROUTED_EXPERTS], packed, fill=-1)
+        return packed
 
     def _pad_to_maximum(self) -> bool:
         cfg = self.config
@@ -273,17 +292,26 @@ class ArchonEngine:
         Under context parallel the model sees this rank's chunk of the row (``cu_seqlens``
         stays global); ``_token_outputs`` gathers the outputs back to full rows.
         """
-        tokens, positions = self._model_inputs(mb)
+        tokens, kwargs = self._model_inputs(mb)
         with self._autocast():
-            out = self.model(tokens, positions=positions, cu_seqlens=mb.cu_seqlens)
+            out = self.model(tokens, cu_seqlens=mb.cu_seqlens, **kwargs)
         return self._token_outputs(out, mb)
 
-    def _model_inputs(self, mb: PackedMicrobatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tokens and positions the model (or the first pipeline stage) sees: this CP rank's chunk."""
+    def _model_inputs(self, mb: PackedMicrobatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Tokens and the per-token keyword inputs the model (or every pipeline stage) sees: this CP rank's chunk.
+
+        MoE models also get the real-token mask (padding stays out of router statistics) and,
+        under routing replay, the packed expert choices.
+        """
+        kwargs = {"positions": mb.positions}
+        if self.moe is not None:
+            kwargs["token_mask"] = (torch.arange(mb.total_len, device=self.device) < mb.n_real_tokens)[None]
+            if mb.routed_experts is not None:
+                kwargs["routed_experts"] = mb.routed_experts.to(self.device, torch.int64)
         cp_mesh = self.parallel_dims.get_optional_mesh("cp")
         if cp_mesh is None:
-            return mb.tokens, mb.positions
-        return shard_sequence(mb.tokens, cp_mesh), shard_sequence(mb.positions, cp_mesh)
+            return mb.tokens, kwargs
+        return shard_sequence(mb.tokens, cp_mesh), {k: shard_sequence(v, cp_mesh) for k, v in kwargs.items()}
 
     @property
     def _output_keys(self) -> list[str]:
@@ -346,9 +374,9 @@ class ArchonEngine:
         n_bounds = max(p.cu_seqlens.numel() for p in packs)
         inputs = []
         for p in packs:
-            # Every stage gets the positions of this rank's chunk; the boundaries stay global.
-            tokens, positions = self._model_inputs(p)
-            inputs.append((tokens, {"positions": positions, "cu_seqlens": pad_cu_seqlens(p.cu_seqlens, n_bounds)}))
+            # Every stage gets the positions (and MoE inputs) of this rank's chunk; the boundaries stay global.
+            tokens, kwargs = self._model_inputs(p)
+            inputs.append((tokens, {**kwargs, "cu_seqlens": pad_cu_seqlens(p.cu_seqlens, n_bounds)}))
         return packs, inputs
 
     # ------------------------------------------------------------------ train
@@ -367,6 +395,13 @@ class ArchonEngine:
         grad_scale = float(self.parallel_dims.fsdp_gradient_divide_factor)
         self.optimizer.zero_grad(set_to_none=True)
         totals = _StepTotals()
+        if self.moe is not None:
+            self.moe.begin_step()
+            if self.moe.aux_loss_enabled:
+                # The global-batch aux loss weighs every token by the step's expert counts, which
+                # must be known before the first backward: route the whole step once without grad.
+                self._route_without_grad(batch, my_mbs)
+                self.moe.use_prepass_counts()
         if self.pipeline is not None:
             packs, inputs = self._pipeline_microbatches(batch, my_mbs)
 
@@ -399,6 +434,7 @@ class ArchonEngine:
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
         self.step += 1
+        moe_stats = self.moe.end_step(optimizer_stepped=finite) if self.moe is not None else {}
 
         keys = sorted(totals.stats)
         reduced = torch.tensor([totals.loss, float(totals.tokens)] + [totals.stats[k] for k in keys],
@@ -412,7 +448,26 @@ class ArchonEngine:
                   "tokens": float(reduced[1]), "update_skipped": float(not finite),
                   "train_time_s": time.perf_counter() - t0}
         result.update({k: float(v) for k, v in zip(keys, reduced[2:].tolist())})
+        if moe_stats:
+            # The load-balancing loss is part of what was minimised (it reached the gradients
+            # through the MoE layers, see models/common/moe.py).
+            result["loss"] += moe_stats.pop("moe/aux_loss_term", 0.0)
+            result.update(moe_stats)
         return result
+
+    @torch.no_grad()
+    def _route_without_grad(self, batch: Batch, my_mbs: list[list[int]]) -> None:
+        """A forward of this rank's microbatches that only feeds the MoE routers' counters."""
+        if self.pipeline is not None:
+            _, inputs = self._pipeline_microbatches(batch, my_mbs)
+            with self._autocast():
+                self.pipeline.forward_step(inputs, lambda out, i: None)
+            return
+        for indices in my_mbs:
+            packed = self._pack(batch, indices)
+            tokens, kwargs = self._model_inputs(packed)
+            with self._autocast():
+                self.model(tokens, cu_seqlens=packed.cu_seqlens, **kwargs)
 
     def _microbatch_loss(self, outputs: dict[str, torch.Tensor], batch: Batch, indices: list[int], loss_fn: LossFn,
                          loss_weight_fn: LossWeightFn, total_weight: float, totals: "_StepTotals") -> torch.Tensor:
@@ -479,26 +534,44 @@ class ArchonEngine:
         return result
 
     # ------------------------------------------------------------------ weights out
-    def named_full_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, full tensor) one parameter at a time; a collective: every rank must iterate."""
+    def named_full_tensors(self, dtype: torch.dtype | None = None, extras: bool = False
+                           ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) one at a time; a collective: every rank must iterate.
+
+        Parameters are cast to ``dtype``.  ``extras`` adds the persistent buffers HF formats may
+        lack (the MoE routing bias, in float32) under the names Archon's own server reads;
+        without it only the fields of the model's HF architecture come out.
+        """
         adapter = self.spec.state_dict_adapter_class(self.model_args)
+        local = dict(_named_state(self.model, buffers=False))
+        local.update(_persistent_buffers(self.model))
         if self.pipeline is not None:
+            buffers = {info.name for info in self.pipeline.full_tensors if info.is_buffer}
             # Each tensor comes from the stage holding it, in the full model's order.
-            tensors = self.pipeline.named_full_tensors(dict(_named_state(self.model, buffers=False)))
+            tensors = self.pipeline.named_full_tensors(local)
         else:
-            tensors = ((name, t.full_tensor() if isinstance(t, DTensor) else t)
-                       for name, t in _named_state(self.model, buffers=False))
+            buffers = set(_persistent_buffers(self.model))
+            tensors = ((name, t.full_tensor() if isinstance(t, DTensor) else t) for name, t in local.items())
         for name, full in tensors:
             full = full.detach()
-            if dtype is not None:
-                full = full.to(dtype)
-            yield from adapter.to_hf_tensors(name, full)
+            if name in buffers:
+                items = adapter.to_hf_tensors(name, full)
+            else:
+                items = adapter.to_hf_tensors(name, full.to(dtype) if dtype is not None else full)
+            for hf_name, value in items:
+                if extras or adapter.is_hf_field(hf_name):
+                    yield hf_name, value
 
-    def export_hf(self, path: str | Path, dtype: torch.dtype | None = None, max_shard_size: str | int = "5GB") -> None:
-        """Write an HF folder (config.json + sharded safetensors) from the sharded model; rank 0 writes."""
+    def export_hf(self, path: str | Path, dtype: torch.dtype | None = None, max_shard_size: str | int = "5GB",
+                  extras: bool = False) -> None:
+        """Write an HF folder (config.json + sharded safetensors) from the sharded model; rank 0 writes.
+
+        ``extras`` also writes what the HF architecture has no field for (the MoE routing bias),
+        for folders that only Archon's own server reads (disk weight sync).
+        """
         from models import save_hf_tensors
 
-        tensors = ((n, t.cpu()) for n, t in self.named_full_tensors(dtype))
+        tensors = ((n, t.cpu()) for n, t in self.named_full_tensors(dtype, extras=extras))
         if dist.get_rank() == 0:
             save_hf_tensors(tensors, self.hf_config.to_dict(), path, max_shard_size=max_shard_size)
             source = Path(self.config.path) / "generation_config.json" if self.config.path else None
@@ -520,6 +593,16 @@ class ArchonEngine:
         from archon.engine.checkpoint import load_checkpoint
 
         return load_checkpoint(self, Path(path))
+
+
+def _persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Persistent buffers (the MoE routing bias) by wrapper-free name."""
+    out = {}
+    for mod_name, mod in model.named_modules():
+        for buf_name, buf in mod.named_buffers(prefix=mod_name, recurse=False):
+            if buf is not None and buf_name.rsplit(".", 1)[-1] not in mod._non_persistent_buffers_set:
+                out[clean_fqn(buf_name)] = buf
+    return out
 
 
 def _named_state(model: torch.nn.Module, buffers: bool = False) -> Iterator[tuple[str, torch.Tensor]]:

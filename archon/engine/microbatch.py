@@ -23,6 +23,9 @@ from archon.config import ConfigError
 
 Batch = dict[str, torch.Tensor]
 
+ROUTED_EXPERTS = "routed_experts"
+"""Batch key of the experts the rollout servers chose, ``[B, S, n_layers, top_k]`` (-1: none), for routing replay."""
+
 
 def seqlens_of(batch: Batch) -> list[int]:
     """Real (unpadded) length of every sequence of a padded batch."""
@@ -102,6 +105,8 @@ class PackedMicrobatch:
     """int32 [n_segments + 1] boundaries, including the padding segment."""
     n_real_tokens: int
     """Tokens that belong to real sequences (the rest is padding)."""
+    routed_experts: torch.Tensor | None = None
+    """``[1, T, n_layers, top_k]`` expert choices to replay (-1: route freely), or None."""
 
     @property
     def total_len(self) -> int:
@@ -142,6 +147,16 @@ def pack(batch: Batch, indices: list[int], multiple_of: int = 1, pad_to: int = 0
     cu = torch.zeros(len(seg_lens) + 1, dtype=torch.int32, device=device)
     cu[1:] = torch.cumsum(torch.tensor(seg_lens, device=device), 0)
     return PackedMicrobatch(list(indices), seqlens, tokens, positions, cu, n_real)
+
+
+def pack_token_values(values: torch.Tensor, mb: PackedMicrobatch, fill: float = 0.0) -> torch.Tensor:
+    """Per-token rows ``values [B, S, ...]`` packed like ``mb``'s tokens: ``[1, T, ...]``, padding ``fill``."""
+    out = values.new_full((mb.total_len, *values.shape[2:]), fill)
+    start = 0
+    for i, n in zip(mb.indices, mb.seqlens):
+        out[start: start + n] = values[i, :n]
+        start += n
+    return out.unsqueeze(0)
 
 
 def rows_of(batch: Batch, indices: list[int]) -> Batch:

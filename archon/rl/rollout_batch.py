@@ -10,7 +10,7 @@ that token (it is what teaches the policy to stop).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -29,6 +29,9 @@ class Completion:
     """Behaviour logprob of each generated token: log_softmax(logits / T) before top-k/top-p."""
     finish_reason: str
     """'stop' (EOS or a stop token), 'length' (token budget or context) or 'abort'."""
+    routed_experts: Any = None
+    """MoE routing replay: int array ``[prompt + output - 1, n_layers, top_k]`` of the experts the
+    server ran each token through (the last output token is never run), or None."""
 
     @property
     def truncated(self) -> bool:
@@ -61,7 +64,39 @@ def build_rollout_batch(completions: Sequence[Completion], rewards: Sequence[flo
     batch["loss_mask"] = batch["loss_mask"].float()
     batch["logprobs"] = batch["logprobs"].float()
     batch["rewards"] = batch["rewards"].float()
+    if any(c.routed_experts is not None for c in completions):
+        batch["routed_experts"] = _routed_experts_rows(completions, batch["input_ids"].shape[1])
     return batch
+
+
+def _routed_experts_rows(completions: Sequence[Completion], width: int) -> torch.Tensor:
+    """``[B, S, n_layers, top_k]`` int16, token-aligned like ``input_ids``; -1 where no routing is known."""
+    shapes = {tuple(c.routed_experts.shape[1:]) for c in completions if c.routed_experts is not None}
+    if len(shapes) != 1:
+        raise ValueError(f"completions carry routed experts of different shapes {sorted(shapes)} (or only some "
+                         "carry them); every server must serve the same model with routed experts on")
+    out = torch.full((len(completions), width, *shapes.pop()), -1, dtype=torch.int16)
+    for b, c in enumerate(completions):
+        if c.routed_experts is None:
+            raise ValueError(f"completion {b} has no routed experts while others do; request them for every one")
+        routed = torch.as_tensor(c.routed_experts)
+        n = len(c.prompt_ids) + len(c.output_ids)
+        # A completion without output tokens has nothing to train on; anything else covers n - 1 tokens.
+        if routed.shape[0] != n - 1 and (c.output_ids or routed.shape[0] > n):
+            raise ValueError(f"completion {b} has routed experts for {routed.shape[0]} tokens, expected {n - 1} "
+                             "(prompt + output - 1); was routed_experts_start_len left at 0?")
+        out[b, : routed.shape[0]] = routed.to(torch.int16)
+    return out
+
+
+def routed_experts_array(flat: Any, n_layers: int, top_k: int) -> Any:
+    """A server's flat routed experts (``GenerateResult.routed_experts``) as ``[tokens, n_layers, top_k]``; None stays None."""
+    if flat is None:
+        return None
+    if flat.size % (n_layers * top_k):
+        raise ValueError(f"a server returned {flat.size} routed expert ids, not a multiple of n_layers * top_k = "
+                         f"{n_layers} * {top_k}; does it serve the actor's model?")
+    return flat.reshape(-1, n_layers, top_k)
 
 
 def split_minibatches(batch: dict[str, torch.Tensor], n: int) -> list[dict[str, torch.Tensor]]:

@@ -28,7 +28,7 @@ from archon.rl.critic import PPOCritic
 from archon.rl.dynamic_filter import collect_mixed_groups
 from archon.rl.kl import KLController, kl_estimate
 from archon.rl.losses import aggregate
-from archon.rl.rollout_batch import Completion, build_rollout_batch
+from archon.rl.rollout_batch import Completion, build_rollout_batch, routed_experts_array
 from archon.rl.server_recovery import generate_or_recover, recover_servers, sync_with_recovery
 
 logger = logging.getLogger("archon.rl")
@@ -171,12 +171,16 @@ class RLTrainer:
             self.supervisor = ServerSupervisor(self.client, self.launcher, cfg.rollout.max_server_restarts)
 
         run_on_rank0(connect, "starting the rollout servers")
+        if cfg.actor.archon.moe_load_balance == "aux_free" and rollout_alloc.backend != "local" and self.rank0:
+            logger.warning("actor.archon.moe_load_balance = 'aux_free': the routing bias reaches Archon's built-in "
+                           "servers only; SGLang's Qwen3-MoE has no field for it and routes without it")
         # SGLang and vLLM serve in their own dtype; the built-in server in the actor's.
         dtype = to_dtype({"sglang": cfg.sglang.dtype, "vllm": cfg.vllm.dtype}.get(rollout_alloc.backend,
                                                                                   cfg.actor.dtype))
         self.weight_sync = build_weight_sync(
             cfg.rollout.weight_sync, self.actor_engine, self.client, folder=cfg.run_dir / "weights",
-            chunk_mb=cfg.rollout.weight_chunk_mb, ranks_per_server=ranks_per_server(rollout_alloc), dtype=dtype)
+            chunk_mb=cfg.rollout.weight_chunk_mb, ranks_per_server=ranks_per_server(rollout_alloc), dtype=dtype,
+            extras=rollout_alloc.backend == "local")
 
     def _build_rewards(self) -> None:
         from archon.rl.rewards import RewardComputer, get_reward_fn
@@ -208,11 +212,16 @@ class RLTrainer:
             t0 = time.perf_counter()
             params = [{**self.sampling, "sampling_seed": rollout_seed(self.cfg.seed, step, first_index + i)}
                       for i in range(len(prompts))]
+            replay = self.cfg.actor.moe_routing_replay
             results = generate_or_recover(self.supervisor, lambda: self.client.generate_many(
-                [p.input_ids for p in prompts], params, max_concurrency=self.cfg.rollout.max_concurrent_rollouts))
+                [p.input_ids for p in prompts], params, max_concurrency=self.cfg.rollout.max_concurrent_rollouts,
+                return_routed_experts=replay))
             if results is None:
                 return None  # servers lost: every rank recovers them, then the rollout is repeated
-            completions = [Completion(p.input_ids, r.output_ids, r.output_logprobs, r.finish_reason)
+            args = self.actor_engine.model_args
+            completions = [Completion(p.input_ids, r.output_ids, r.output_logprobs, r.finish_reason,
+                                      routed_experts_array(r.routed_experts, args.n_layers, args.top_k)
+                                      if replay else None)
                            for p, r in zip(prompts, results)]
             t1 = time.perf_counter()
             texts = [self.tokenizer.decode(c.output_ids, skip_special_tokens=True) for c in completions]

@@ -373,8 +373,11 @@ class RolloutClient:
 
     # ------------------------------------------------------------------ generate
     async def agenerate(self, input_ids: Sequence[int], sampling_params: dict[str, Any], *,
-                        return_logprob: bool = True) -> GenerateResult:
-        """One completion; retried on other servers after connection errors, timeouts and 5xx."""
+                        return_logprob: bool = True, return_routed_experts: bool = False) -> GenerateResult:
+        """One completion; retried on other servers after connection errors, timeouts and 5xx.
+
+        ``return_routed_experts`` asks for the experts every token was routed to (MoE routing replay).
+        """
         await self._ensure_healthy()
         ids = [int(t) for t in input_ids]
         tried: set[str] = set()
@@ -383,7 +386,8 @@ class RolloutClient:
         for attempt in range(attempts):
             server = self._pick(tried)
             rid = uuid.uuid4().hex
-            payload = self.api.generate_payload(ids, sampling_params, return_logprob, rid)
+            payload = self.api.generate_payload(ids, sampling_params, return_logprob, rid,
+                                                return_routed_experts=return_routed_experts)
             server.in_flight += 1
             server.sent += 1
             self._counters["requests"] += 1
@@ -405,7 +409,8 @@ class RolloutClient:
             finally:
                 server.in_flight -= 1
             server.consecutive_failures = 0
-            return self.api.parse_generate(body, server.url, return_logprob, server.weight_version)
+            return self.api.parse_generate(body, server.url, return_logprob, server.weight_version,
+                                           return_routed_experts=return_routed_experts)
         if all(s.down for s in self._servers):
             raise self._all_down_error()
         raise RolloutError(f"generate request failed after {attempts} attempt(s) on {', '.join(sorted(tried))}; "
@@ -422,7 +427,8 @@ class RolloutClient:
 
     async def agenerate_many(self, prompts: Sequence[Sequence[int]],
                              sampling_params: dict[str, Any] | Sequence[dict[str, Any]], *,
-                             max_concurrency: int = 0, return_logprob: bool = True) -> list[GenerateResult]:
+                             max_concurrency: int = 0, return_logprob: bool = True,
+                             return_routed_experts: bool = False) -> list[GenerateResult]:
         if isinstance(sampling_params, dict):
             per_prompt = [sampling_params] * len(prompts)
         else:
@@ -436,10 +442,11 @@ class RolloutClient:
         limit = asyncio.Semaphore(max_concurrency) if max_concurrency > 0 else None
 
         async def one(ids: Sequence[int], params: dict[str, Any]) -> GenerateResult:
+            kw = {"return_logprob": return_logprob, "return_routed_experts": return_routed_experts}
             if limit is None:
-                return await self.agenerate(ids, params, return_logprob=return_logprob)
+                return await self.agenerate(ids, params, **kw)
             async with limit:
-                return await self.agenerate(ids, params, return_logprob=return_logprob)
+                return await self.agenerate(ids, params, **kw)
 
         tasks = [self._loop.create_task(one(p, sp)) for p, sp in zip(prompts, per_prompt)]
         # One request lost for good stops the others rather than finish a batch nobody will use.
@@ -449,16 +456,19 @@ class RolloutClient:
         return [t.result() for t in tasks]
 
     def generate(self, input_ids: Sequence[int], sampling_params: dict[str, Any], *,
-                 return_logprob: bool = True) -> GenerateResult:
+                 return_logprob: bool = True, return_routed_experts: bool = False) -> GenerateResult:
         """One completion (blocking)."""
-        return self._wait(self.agenerate(input_ids, sampling_params, return_logprob=return_logprob))
+        return self._wait(self.agenerate(input_ids, sampling_params, return_logprob=return_logprob,
+                                         return_routed_experts=return_routed_experts))
 
     def generate_many(self, prompts: Sequence[Sequence[int]],
                       sampling_params: dict[str, Any] | Sequence[dict[str, Any]], *,
-                      max_concurrency: int = 0, return_logprob: bool = True) -> list[GenerateResult]:
+                      max_concurrency: int = 0, return_logprob: bool = True,
+                      return_routed_experts: bool = False) -> list[GenerateResult]:
         """Completions of many prompts, in input order; at most ``max_concurrency`` in flight (0: all)."""
         return self._wait(self.agenerate_many(prompts, sampling_params, max_concurrency=max_concurrency,
-                                              return_logprob=return_logprob))
+                                              return_logprob=return_logprob,
+                                              return_routed_experts=return_routed_experts))
 
     # ------------------------------------------------------------------ control fan-out
     async def _control_one(self, server: _Server, calls: Sequence[Call], retry: bool,

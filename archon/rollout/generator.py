@@ -65,6 +65,10 @@ class GenerationRequest:
     """Report the logprob of every generated token."""
     rid: str | None = None
     """Request id (for ``abort``); a random one is assigned when None."""
+    return_routed_experts: bool = False
+    """Report the experts every token was routed to in every MoE layer (SGLang's name)."""
+    routed_experts_start_len: int = 0
+    """First position reported by ``return_routed_experts`` (SGLang's; 0 = the whole sequence)."""
 
 
 @dataclass
@@ -86,6 +90,10 @@ class GenerationResult:
     """Version of the weights every generated token was produced with."""
     e2e_latency: float
     """Seconds from submission to finish."""
+    routed_experts: torch.Tensor | None = None
+    """int32 ``[tokens, n_layers, top_k]``: the experts each token the model ran was routed to (the
+    prompt, then every generated token but the last, which is never fed back; from
+    ``routed_experts_start_len`` on; dense layers 0), as SGLang returns them; None if not requested."""
 
     @property
     def completion_tokens(self) -> int:
@@ -115,6 +123,8 @@ class _Sequence:
     """Their logprobs (only filled when requested)."""
     weight_version: str | None = None
     """Version of the weights at admission."""
+    routed: list[torch.Tensor] = field(default_factory=list)
+    """Routed experts of the tokens run so far, one ``[n, n_layers, top_k]`` chunk per forward (when requested)."""
 
 
 @dataclass
@@ -180,6 +190,11 @@ class Generator:
         )
         self._weight_version = weight_version
         self._request_counter = 0
+        # MoE blocks keep their last routing, which requests may ask for (routing replay).
+        self._moe = {int(i): layer.moe for i, layer in getattr(model, "layers", {}).items()
+                     if getattr(layer, "moe_enabled", False)}
+        for moe in self._moe.values():
+            moe.record_routing = True
 
         # Shared with caller threads, guarded by _cond's lock.
         self._cond = threading.Condition()
@@ -435,6 +450,7 @@ class Generator:
             prompt_tokens=len(req.input_ids),
             weight_version=seq.weight_version if seq.weight_version is not None else self._weight_version,
             e2e_latency=time.perf_counter() - seq.submitted,
+            routed_experts=self._routed_result(seq) if req.return_routed_experts else None,
         )
         _resolve(seq.future, result)
 
@@ -517,6 +533,7 @@ class Generator:
         self.cache.begin_forward(start, start + len(batch), longest, valid=lengths)
         logits = self.model(tokens.to(self.device), positions=self.cache.positions(), cache=self.cache)
         self.cache.end_forward()
+        self._keep_routing(batch, lengths)
         last = torch.tensor(lengths, device=logits.device) - 1
         logits = logits[torch.arange(len(batch), device=logits.device), last]
         for s in batch:
@@ -530,7 +547,27 @@ class Generator:
         self.cache.begin_forward(0, n, 1)
         logits = self.model(tokens.to(self.device), positions=self.cache.positions(), cache=self.cache)
         self.cache.end_forward()
+        self._keep_routing(self._running, [1] * n)
         self._sample_and_retire(logits[:, -1], first_row=0)
+
+    def _keep_routing(self, seqs: list[_Sequence], lengths: list[int]) -> None:
+        """Append each row's routing of this forward to the sequences that asked for it."""
+        wanted = [i for i, s in enumerate(seqs) if s.request.return_routed_experts]
+        if not wanted or not self._moe:
+            return
+        n_layers, top_k = int(self.model.args.n_layers), next(iter(self._moe.values())).top_k
+        b, t = len(seqs), max(lengths)
+        routed = torch.zeros(b, t, n_layers, top_k, dtype=torch.int32)
+        for layer_id, moe in self._moe.items():
+            routed[:, :, layer_id] = moe.selected_experts.view(b, -1, top_k)[:, :t].to("cpu", torch.int32)
+        for i in wanted:
+            seqs[i].routed.append(routed[i, : lengths[i]])
+
+    def _routed_result(self, seq: _Sequence) -> torch.Tensor:
+        n_layers = int(getattr(self.model.args, "n_layers", 0))
+        top_k = next(iter(self._moe.values())).top_k if self._moe else 0
+        routed = torch.cat(seq.routed) if seq.routed else torch.zeros(0, n_layers, top_k, dtype=torch.int32)
+        return routed[seq.request.routed_experts_start_len:]
 
     def _sample_and_retire(self, logits: torch.Tensor, first_row: int) -> None:
         """Sample one token for running rows ``first_row..`` from ``logits [b, V]``; retire finished rows."""

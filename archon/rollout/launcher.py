@@ -189,6 +189,9 @@ def sglang_command(cfg: Config, model_path: str, host: str, port: int, seed: int
         cmd += ["--attention-backend", sg.attention_backend]
     if api_key:
         cmd += ["--api-key", api_key]
+    if cfg.actor.moe_routing_replay and "--enable-return-routed-experts" not in sg.extra_args:
+        # Routing replay needs the experts SGLang chose for every token.
+        cmd += ["--enable-return-routed-experts"]
     return cmd + list(sg.extra_args)
 
 

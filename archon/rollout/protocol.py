@@ -10,6 +10,7 @@ abort) ignore fields they do not know, as SGLang grows them release by release.
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 from dataclasses import dataclass, fields
@@ -68,7 +69,8 @@ _NEUTRAL_GENERATE: dict[str, tuple[Any, ...]] = {
     "priority": (_ANY,),
 }
 _SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
-_GENERATE_FIELDS = {"input_ids", "sampling_params", "return_logprob", "rid"}
+_GENERATE_FIELDS = {"input_ids", "sampling_params", "return_logprob", "rid", "return_routed_experts",
+                    "routed_experts_start_len"}
 
 
 def error_body(message: str) -> dict[str, Any]:
@@ -198,6 +200,8 @@ def parse_generate(
     if not is_batch and isinstance(sampling, list):
         raise ProtocolError("sampling_params is a list, but input_ids is a single prompt; send one object.")
     return_logprob = payload.get("return_logprob", False)
+    return_routed = payload.get("return_routed_experts", False)
+    routed_start = payload.get("routed_experts_start_len", 0)
     rid = payload.get("rid")
     if not is_batch and isinstance(rid, list):
         raise ProtocolError("rid is a list, but input_ids is a single prompt; send one string.")
@@ -206,6 +210,8 @@ def parse_generate(
         raise ProtocolError("rid must be a list with one id per prompt for a batch.")
     samplings = _per_item(sampling, n, is_batch, "sampling_params")
     logprob_flags = _per_item(return_logprob, n, is_batch, "return_logprob")
+    routed_flags = _per_item(return_routed, n, is_batch, "return_routed_experts")
+    routed_starts = _per_item(routed_start, n, is_batch, "routed_experts_start_len")
     rids = _per_item(rid, n, is_batch, "rid")
     requests = []
     for i, prompt in enumerate(prompts):
@@ -223,7 +229,15 @@ def parse_generate(
             raise ProtocolError(f"{where}return_logprob must be true or false, got {flag!r}.")
         if rids[i] is not None and not isinstance(rids[i], str):
             raise ProtocolError(f"{where}rid must be a string, got {rids[i]!r}.")
-        request = GenerationRequest(list(prompt), params, flag, rids[i])
+        routed = False if routed_flags[i] is None else routed_flags[i]
+        if not isinstance(routed, bool):
+            raise ProtocolError(f"{where}return_routed_experts must be true or false, got {routed!r}.")
+        start = 0 if routed_starts[i] is None else routed_starts[i]
+        if not _is_int(start) or not 0 <= start <= (len(prompt) if isinstance(prompt, list) else 0):
+            raise ProtocolError(f"{where}routed_experts_start_len = {start!r} must be an integer in [0, the "
+                                "number of prompt tokens].")
+        request = GenerationRequest(list(prompt), params, flag, rids[i], return_routed_experts=routed,
+                                    routed_experts_start_len=start)
         try:
             check(request)
         except ValueError as e:
@@ -242,6 +256,10 @@ def generate_response(result: GenerationResult) -> dict[str, Any]:
     }
     if result.output_logprobs is not None:
         meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(result.output_logprobs, result.output_ids)]
+    if result.routed_experts is not None:
+        # SGLang's encoding: the int32 array [tokens, layers, top_k], C order, base64.
+        meta["routed_experts"] = base64.b64encode(
+            result.routed_experts.to(torch.int32).contiguous().numpy().tobytes()).decode("ascii")
     meta["weight_version"] = result.weight_version
     meta["e2e_latency"] = result.e2e_latency
     return {"text": "", "output_ids": result.output_ids, "meta_info": meta}

@@ -50,6 +50,10 @@ class GenerateResult:
     """Address of the server that answered."""
     matched_stop: int | None = None
     """Token id that ended the completion when finish_reason is 'stop' (None if unknown)."""
+    routed_experts: Any = None
+    """Flat int32 numpy array of the experts chosen for every token the server ran (prompt, then
+    each generated token but the last), SGLang's ``meta_info["routed_experts"]`` decoded; its
+    shape is ``[tokens, num_hidden_layers, top_k]``.  None unless requested."""
 
 
 @dataclass(frozen=True)
@@ -81,12 +85,16 @@ class ServerAPI:
     """Appended to the error when a control endpoint answers HTTP 404."""
 
     def generate_payload(self, input_ids: list[int], params: dict[str, Any], return_logprob: bool,
-                         rid: str) -> dict[str, Any]:
+                         rid: str, return_routed_experts: bool = False) -> dict[str, Any]:
         """Body of one generate request; ``params`` are SGLang ``sampling_params``."""
-        return {"input_ids": input_ids, "sampling_params": dict(params), "return_logprob": return_logprob,
-                "rid": rid}
+        payload = {"input_ids": input_ids, "sampling_params": dict(params), "return_logprob": return_logprob,
+                   "rid": rid}
+        if return_routed_experts:
+            payload["return_routed_experts"] = True
+        return payload
 
-    def parse_generate(self, body: Any, server: str, return_logprob: bool, weight_version: str) -> GenerateResult:
+    def parse_generate(self, body: Any, server: str, return_logprob: bool, weight_version: str,
+                       return_routed_experts: bool = False) -> GenerateResult:
         """The answer to a generate request; ``weight_version`` is what the client last set on the server."""
         if not isinstance(body, dict) or "output_ids" not in body or "meta_info" not in body:
             raise RolloutError(f"rollout server {server} answered /generate without output_ids/meta_info "
@@ -107,10 +115,11 @@ class ServerAPI:
                 matched = finish["matched"]
         else:
             reason = str(finish or "")
+        routed = decode_routed_experts(meta.get("routed_experts"), server) if return_routed_experts else None
         return GenerateResult(output_ids=output_ids, output_logprobs=logprobs, finish_reason=reason,
                               prompt_tokens=int(meta.get("prompt_tokens", 0)),
                               weight_version=str(meta.get("weight_version", weight_version)), server=server,
-                              matched_stop=matched)
+                              matched_stop=matched, routed_experts=routed)
 
     def abort(self, rid: str) -> Call | None:
         """Frees a timed-out request's slot (None: the server does that when the connection drops)."""
@@ -128,6 +137,18 @@ class ServerAPI:
     def update_weights_from_disk(self, path: str, version: str, abort_all_requests: bool) -> list[Call]:
         return [Call("POST", "/update_weights_from_disk", {"model_path": path, "weight_version": version,
                                                           "abort_all_requests": abort_all_requests})]
+
+
+def decode_routed_experts(value: Any, server: str) -> Any:
+    """SGLang's base64 encoding of int32 expert ids (``meta_info["routed_experts"]``) -> flat numpy array."""
+    import base64
+
+    import numpy as np
+
+    if not isinstance(value, str):
+        raise RolloutError(f"rollout server {server} was asked for routed experts but answered without them (got "
+                           f"{type(value).__name__}); start SGLang with --enable-return-routed-experts")
+    return np.frombuffer(base64.b64decode(value), dtype=np.int32)
 
 
 def check_logprob_count(server: str, output_ids: list[int], logprobs: list[float]) -> None:

@@ -87,6 +87,10 @@ def check_vllm_config(cfg: Config) -> None:
         raise ConfigError(f"rollout.backend = '{cfg.rollout.backend}' gets new weights from disk only, but "
                           f"rollout.weight_sync = '{cfg.rollout.weight_sync}'; set rollout.weight_sync = 'disk' "
                           "(the run directory must be visible to the servers)")
+    if cfg.actor.moe_routing_replay:
+        raise ConfigError(f"actor.moe_routing_replay needs the experts each token was routed to, which "
+                          f"rollout.backend = '{cfg.rollout.backend}' does not report; use an sglang or local "
+                          "rollout backend, or set actor.moe_routing_replay = false")
     vllm_logprobs_mode(cfg.gconfig)
 
 
@@ -128,7 +132,10 @@ class VLLMAPI(ServerAPI):
                              "rollout.server_addrs) and Archon uses the API of vLLM 0.33")
 
     def generate_payload(self, input_ids: list[int], params: dict[str, Any], return_logprob: bool,
-                         rid: str) -> dict[str, Any]:
+                         rid: str, return_routed_experts: bool = False) -> dict[str, Any]:
+        if return_routed_experts:
+            raise RolloutError("vLLM servers do not report the experts each token was routed to; set "
+                               "actor.moe_routing_replay = false or use an SGLang or built-in rollout backend")
         unknown = sorted(set(params) - set(_FIELDS))
         if unknown:
             raise ValueError(f"sampling_params {unknown} have no vLLM equivalent here; use "
@@ -148,7 +155,8 @@ class VLLMAPI(ServerAPI):
             body["logprobs"] = 0
         return body
 
-    def parse_generate(self, body: Any, server: str, return_logprob: bool, weight_version: str) -> GenerateResult:
+    def parse_generate(self, body: Any, server: str, return_logprob: bool, weight_version: str,
+                       return_routed_experts: bool = False) -> GenerateResult:
         choices = body.get("choices") if isinstance(body, dict) else None
         if not choices or not isinstance(choices[0], dict):
             raise RolloutError(f"vLLM server {server} answered /v1/completions without choices "

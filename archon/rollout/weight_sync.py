@@ -13,8 +13,9 @@ Two ways, chosen by ``rollout.weight_sync``:
   (SGLang's ``/update_weights_from_disk``; vLLM's reload sequence, see ``archon.rollout.vllm``).
   The folder must be visible to the servers.  This is the only way into vLLM servers.
 
-The engine is duck-typed (``named_full_tensors(dtype=None)``, ``export_hf(path, dtype=None)``),
-so this module does not import ``archon.engine``.  ``torch.distributed`` must be initialised
+The engine is duck-typed (``named_full_tensors(dtype=None)``, ``export_hf(path, dtype=None)``,
+both taking ``extras=True`` when the servers are Archon's own: then the MoE routing bias,
+which Qwen's HF format lacks, travels too), so this module does not import ``archon.engine``.  ``torch.distributed`` must be initialised
 on the trainer ranks (a single process without it acts as rank 0 of one).  Errors on rank 0
 are broadcast so that every rank raises instead of waiting forever.
 """
@@ -50,9 +51,14 @@ _POLL_S = 0.002
 class WeightSyncEngine(Protocol):
     """What weight sync needs from a training engine."""
 
-    def named_full_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]: ...
+    def named_full_tensors(self, dtype: torch.dtype | None = None, **kw: Any) -> Iterator[tuple[str, torch.Tensor]]: ...
 
-    def export_hf(self, path: str | Path, dtype: torch.dtype | None = None) -> None: ...
+    def export_hf(self, path: str | Path, dtype: torch.dtype | None = None, **kw: Any) -> None: ...
+
+
+def _extras_kw(extras: bool) -> dict[str, bool]:
+    # Only passed when asked for, so engines without the option keep working.
+    return {"extras": True} if extras else {}
 
 
 class WeightSyncError(ArchonError, RuntimeError):
@@ -112,11 +118,12 @@ class DiskWeightSync:
     """Weights through an HF folder on a disk the servers can read."""
 
     def __init__(self, engine: WeightSyncEngine, client: Any, folder: str | Path, *, dtype: torch.dtype | None = None,
-                 keep_last: int = 1):
+                 keep_last: int = 1, extras: bool = False):
         self.engine = engine
         self.client = client
         self.folder = Path(folder)
         self.dtype = dtype
+        self.extras = extras
         self.keep_last = max(1, keep_last)
 
     def setup(self) -> None:
@@ -143,7 +150,7 @@ class DiskWeightSync:
                 error = f"cannot create a temp dir in weight folder {self.folder}: {exc}; set a writable folder"
         _raise_if_failed(error)
         tmp = _broadcast_object(tmp)
-        self.engine.export_hf(tmp, dtype=self.dtype)
+        self.engine.export_hf(tmp, dtype=self.dtype, **_extras_kw(self.extras))
         nbytes = 0
         if _rank() == 0:
             final = self.folder / f"v{version}"
@@ -183,7 +190,7 @@ class DistributedWeightSync:
     def __init__(self, engine: WeightSyncEngine, client: Any, *, chunk_mb: float = 512, backend: str | None = None,
                  master_address: str | None = None, ranks_per_server: int = 1,
                  group_name: str = "archon_weight_update", dtype: torch.dtype | None = None,
-                 timeout_s: float = 600.0):
+                 timeout_s: float = 600.0, extras: bool = False):
         if chunk_mb <= 0:
             raise ConfigError(f"rollout.weight_chunk_mb = {chunk_mb} must be positive")
         self.engine = engine
@@ -196,6 +203,7 @@ class DistributedWeightSync:
         self.dtype = dtype
         self.timeout_s = timeout_s
         self._rebuilds: tuple[str, int] | None = None  # (first group name, groups formed again by rebuild())
+        self.extras = extras
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" \
             else torch.device("cpu")
         self._pg: dist.ProcessGroup | None = None
@@ -280,7 +288,7 @@ class DistributedWeightSync:
             except Exception as exc:  # noqa: BLE001 - reported on every rank below
                 error = f"could not pause the rollout servers before weight sync {version}: {exc}"
         # Every rank walks the whole generator (it is collective) even if rank 0 already failed.
-        for name, tensor in self.engine.named_full_tensors(self.dtype):
+        for name, tensor in self.engine.named_full_tensors(self.dtype, **_extras_kw(self.extras)):
             size = _nbytes(tensor)
             total += size
             if not rank0 or error is not None:
@@ -367,14 +375,18 @@ WeightSync = DiskWeightSync | DistributedWeightSync
 def build_weight_sync(mode: Literal["distributed", "disk"], engine: WeightSyncEngine, client: Any, *,
                       folder: str | Path | None = None, chunk_mb: float = 512, backend: str | None = None,
                       master_address: str | None = None, ranks_per_server: int = 1,
-                      dtype: torch.dtype | None = None) -> WeightSync:
-    """The weight sync for ``rollout.weight_sync`` (call ``.setup()`` once, then ``.sync(version)`` per step)."""
+                      dtype: torch.dtype | None = None, extras: bool = False) -> WeightSync:
+    """The weight sync for ``rollout.weight_sync`` (call ``.setup()`` once, then ``.sync(version)`` per step).
+
+    ``extras``: the servers are Archon's own and also take what HF formats lack (the MoE routing bias).
+    """
     if mode == "distributed":
         return DistributedWeightSync(engine, client, chunk_mb=chunk_mb, backend=backend,
-                                     master_address=master_address, ranks_per_server=ranks_per_server, dtype=dtype)
+                                     master_address=master_address, ranks_per_server=ranks_per_server, dtype=dtype,
+                                     extras=extras)
     if mode == "disk":
         if folder is None:
             raise ConfigError("rollout.weight_sync = 'disk' needs a folder the servers can read (e.g. "
                               "<run_dir>/weights)")
-        return DiskWeightSync(engine, client, folder, dtype=dtype)
+        return DiskWeightSync(engine, client, folder, dtype=dtype, extras=extras)
     raise ConfigError(f"rollout.weight_sync = '{mode}' must be 'distributed' or 'disk'")

@@ -47,10 +47,14 @@ class TransformerBlock(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         cache: Any = None,
         max_seqlen: int | None = None,
+        token_mask: torch.Tensor | None = None,
+        routed_experts: torch.Tensor | None = None,
     ) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope_cos_sin, cu_seqlens, cache, max_seqlen)
-        ffn = self.moe if self.moe_enabled else self.feed_forward
-        return h + ffn(self.ffn_norm(h))
+        if not self.moe_enabled:
+            return h + self.feed_forward(self.ffn_norm(h))
+        replay = routed_experts[:, :, self.layer_id] if routed_experts is not None else None
+        return h + self.moe(self.ffn_norm(h), token_mask, replay)
 
     def init_weights(self, init_std: float) -> None:
         self.attention_norm.init_weights()
@@ -100,6 +104,8 @@ class Decoder(nn.Module):
         positions: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         cache: Any = None,
+        token_mask: torch.Tensor | None = None,
+        routed_experts: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits ``[batch, seq, vocab]`` (critic: values ``[batch, seq]``).
 
@@ -112,6 +118,11 @@ class Decoder(nn.Module):
             cu_seqlens: int32 ``[n_seqs + 1]`` cumulative lengths of the sequences packed in
                 the single row (batch must be 1); attention never crosses a boundary.
             cache: a KV cache with ``update(layer_id, k, v) -> (k_all, v_all, mask)``.
+            token_mask: ``[batch, seq]``, true for real tokens: MoE routing statistics and the
+                load-balancing loss leave padding out (its outputs are computed as usual).
+            routed_experts: ``[batch, seq, n_layers, top_k]`` expert choices to replay in the MoE
+                blocks (indexed by layer id, as SGLang returns them; dense layers' entries are
+                unused); a row of -1 lets that token route freely.
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         bs, seqlen = h.shape[:2]
@@ -134,7 +145,7 @@ class Decoder(nn.Module):
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
 
         for layer in self.layers.values():
-            h = layer(h, rope_cos_sin, cu_seqlens, cache, max_seqlen)
+            h = layer(h, rope_cos_sin, cu_seqlens, cache, max_seqlen, token_mask, routed_experts)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is None:
@@ -151,14 +162,12 @@ class Decoder(nn.Module):
 
     @torch.no_grad()
     def init_buffers(self, buffer_device: torch.device | str | None = None) -> None:
-        """Re-create non-persistent buffers (RoPE frequencies, router statistics)."""
+        """Re-create non-persistent buffers (RoPE frequencies, router statistics) and zero routing biases."""
         buffer_device = buffer_device if buffer_device is not None else self._default_buffer_device()
         self.rope.init_buffers(buffer_device)
         for layer in self.layers.values():
             if layer.moe_enabled:
-                layer.moe.tokens_per_expert = torch.zeros(
-                    layer.moe.num_experts, dtype=torch.float32, device=buffer_device
-                )
+                layer.moe.init_buffers(buffer_device)
 
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | str | None = None) -> None:

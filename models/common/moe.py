@@ -1,11 +1,16 @@
 """Mixture of experts: top-k router, grouped experts, token reordering (Qwen3-MoE semantics).
 
 Data flow of ``MoE.forward`` for ``N`` tokens and ``top_k`` experts per token:
-route (softmax over all experts in float32, top-k, optional renormalisation) ->
+route (softmax over all experts in float32; top-k of the probabilities plus a per-expert bias,
+or the replayed choices; the chosen probabilities, optionally renormalised, are the scores) ->
 copy every token once per chosen expert and sort the copies by expert id ->
 ``experts(x_sorted, num_tokens_per_expert)`` -> weight each copy by its router score ->
 add the copies back to their tokens.  ``GroupedExperts`` keeps torchtitan's interface so an
 expert-parallel wrapper can move the sorted tokens between ranks around it.
+
+Load balancing (the auxiliary loss, the bias of aux-loss-free balancing) needs counts over
+every rank; this module only counts its own tokens and takes the global quantities it is
+given (see ``MoE``); ``archon.engine.moe_balance`` does the reductions.
 """
 
 from __future__ import annotations
@@ -21,7 +26,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class TokenChoiceTopKRouter(nn.Module):
-    """Chooses ``top_k`` experts per token; ``gate`` is ``Linear(dim, num_experts, bias=False)``."""
+    """Chooses ``top_k`` experts per token; ``gate`` is ``Linear(dim, num_experts, bias=False)``.
+
+    ``gate_dtype`` (None: the compute dtype) runs the gate matmul in that dtype with autocast
+    off, e.g. float32 under bfloat16 training; the softmax is always float32.
+    """
 
     def __init__(self, dim: int, num_experts: int, top_k: int, norm_topk_prob: bool) -> None:
         super().__init__()
@@ -29,23 +38,50 @@ class TokenChoiceTopKRouter(nn.Module):
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.gate = nn.Linear(dim, num_experts, bias=False)
+        self.gate_dtype: torch.dtype | None = None
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``x [N, dim]`` -> ``(top_scores [N, k] in x's dtype, selected [N, k] int64, tokens_per_expert [E])``."""
-        logits = self.gate(x)
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_dtype is None:
+            return self.gate(x)
+        with torch.autocast(x.device.type, enabled=False):
+            return self.gate(x.to(self.gate_dtype))
+
+    def forward(
+        self, x: torch.Tensor, bias: torch.Tensor | None = None, replay: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x [N, dim]`` -> ``(probs [N, E] float32, top_scores [N, k] in x's dtype, selected [N, k] int64)``.
+
+        ``bias [E]`` is added to the probabilities for choosing experts only (aux-loss-free
+        balancing); the scores stay the probabilities of the chosen experts.  ``replay [N, k]``
+        forces the choice of every token whose row is not negative (routing replay); its scores
+        are still the router's probabilities, so the gate keeps its gradient.
+        """
+        logits = self._logits(x)
         probs = F.softmax(logits, dim=-1, dtype=torch.float32)
-        top_scores, selected = torch.topk(probs, self.top_k, dim=-1)
+        choice = probs if bias is None else probs + bias.to(probs.dtype)
+        selected = torch.topk(choice, self.top_k, dim=-1).indices
+        if replay is not None:
+            replay = replay.to(selected.device, torch.int64)
+            selected = torch.where((replay[:, :1] >= 0), replay, selected)
+        top_scores = probs.gather(-1, selected)
         if self.norm_topk_prob:
             top_scores = top_scores / top_scores.sum(dim=-1, keepdim=True)
-        top_scores = top_scores.to(logits.dtype)
-        # histc avoids a device-to-host sync; float input because CPU histc needs it.
-        tokens_per_expert = torch.histc(
-            selected.reshape(-1).float(), bins=self.num_experts, min=0, max=self.num_experts
-        )
-        return top_scores, selected, tokens_per_expert
+        return probs, top_scores.to(x.dtype), selected
 
     def init_weights(self, init_std: float) -> None:
         nn.init.normal_(self.gate.weight, mean=0.0, std=init_std)
+
+
+def count_per_expert(selected: torch.Tensor, num_experts: int, token_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``[E]`` float32: how many of the ``selected [N, k]`` choices went to each expert (masked tokens left out).
+
+    ``histc`` avoids a device-to-host sync (float input: CPU histc needs it).
+    """
+    flat = selected.float()
+    if token_mask is not None:
+        # Masked-out tokens are moved past the last bin, which histc ignores.
+        flat = torch.where(token_mask.reshape(-1, 1).bool(), flat, float(num_experts + 1))
+    return torch.histc(flat.reshape(-1), bins=num_experts, min=0, max=num_experts)
 
 
 def _use_grouped_mm(x: torch.Tensor) -> bool:
@@ -124,14 +160,48 @@ def _run_experts_grouped_mm(
     return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets).type_as(x)
 
 
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on ``out``; the backward also hands ``grad_scale`` to ``aux_loss`` as its gradient.
+
+    So a layer adds its load-balancing loss to the training loss without the loss function
+    (or the last pipeline stage) ever seeing it, as Megatron's ``MoEAuxLossAutoScaler`` does.
+    """
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux_loss: torch.Tensor, grad_scale: float) -> torch.Tensor:
+        ctx.grad_scale = grad_scale
+        ctx.save_for_backward(aux_loss)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        (aux_loss,) = ctx.saved_tensors
+        return grad_out, torch.full_like(aux_loss, ctx.grad_scale), None
+
+
+def _in_backward() -> bool:
+    """True while autograd's engine runs this code: the recomputation of activation checkpointing."""
+    return torch._C._current_graph_task_id() != -1
+
+
 class MoE(nn.Module):
     """Routed experts of a Qwen3-MoE layer (no shared expert).
 
-    Router statistics: after every forward, the non-persistent buffer ``tokens_per_expert``
-    ``[num_experts]`` (float32) holds how many token copies each expert received in that
-    forward (all ``top_k`` choices counted), for load-balancing losses and logging.  It is
-    overwritten, not accumulated, so recomputation under activation checkpointing does not
-    double count.
+    ``forward(x, token_mask=None, replay=None)``: ``token_mask [bs, seq]`` marks real tokens
+    (padding is left out of every statistic and of the load-balancing loss; it is still
+    computed); ``replay [bs, seq, top_k]`` forces expert choices (rows of -1 route freely).
+
+    State the trainer reads or sets (single-device semantics; the engine reduces over ranks):
+
+    * ``expert_bias [E]`` (persistent, float32): added to the router probabilities when choosing
+      experts (aux-loss-free balancing); zero unless a trainer updates it.
+    * ``tokens_per_expert [E]``: real-token choices per expert of the last forward (overwritten).
+    * ``count_tokens``: when True, every forward outside autograd's backward (so not the
+      recomputation of activation checkpointing) adds its counts to ``step_tokens_per_expert``
+      and its load-balancing loss to ``step_aux_loss``.
+    * ``aux_loss_weights [E]`` (None: off): the forward adds ``sum_e w_e * sum_t p[t, e]`` over
+      real tokens ``t`` to the loss (through the gradient, scaled by ``aux_loss_grad_scale``).
+    * ``record_routing``: keep the last forward's choices in ``selected_experts [bs, seq, k]``.
     """
 
     def __init__(
@@ -142,26 +212,80 @@ class MoE(nn.Module):
         self.top_k = top_k
         self.router = TokenChoiceTopKRouter(dim, num_experts, top_k, norm_topk_prob)
         self.experts = GroupedExperts(dim, hidden_dim, num_experts)
+        self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.float32), persistent=False)
+        self.register_buffer("step_tokens_per_expert", torch.zeros(num_experts, dtype=torch.float32),
+                             persistent=False)
+        self.register_buffer("step_aux_loss", torch.zeros((), dtype=torch.float32), persistent=False)
+        self.count_tokens = False
+        self.aux_loss_weights: torch.Tensor | None = None
+        self.aux_loss_grad_scale = 1.0
+        self.record_routing = False
+        self.selected_experts: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _apply(self, fn, recurse: bool = True):
+        # ``model.to(bfloat16)`` must not round the routing bias: the server and the trainer
+        # would then choose different experts near ties.  Redo a cast from the original.
+        bias = self.expert_bias
+        module = super()._apply(fn, recurse)
+        if self.expert_bias.dtype != torch.float32:
+            self.expert_bias = bias.to(device=self.expert_bias.device, dtype=torch.float32)
+        return module
+
+    def forward(
+        self, x: torch.Tensor, token_mask: torch.Tensor | None = None, replay: torch.Tensor | None = None
+    ) -> torch.Tensor:
         bs, seqlen, dim = x.shape
         x = x.reshape(-1, dim)
-        top_scores, selected, tokens_per_expert = self.router(x)
-        with torch.no_grad():
-            self.tokens_per_expert.copy_(tokens_per_expert)
+        mask = token_mask.reshape(-1) if token_mask is not None else None
+        probs, top_scores, selected = self.router(
+            x, self.expert_bias, replay.reshape(-1, self.top_k) if replay is not None else None
+        )
+        if self.record_routing:
+            self.selected_experts = selected.view(bs, seqlen, self.top_k)
+        all_counts = count_per_expert(selected, self.num_experts)
+        aux_loss = self._aux_loss(probs, mask)
+        self._record(selected, mask, aux_loss)
 
         # Sort token copies by expert; a stable sort keeps token order inside each expert.
         order = torch.argsort(selected.reshape(-1), stable=True)
         token_idx = order // self.top_k
         x_sorted = x[token_idx]
-        out_sorted = self.experts(x_sorted, tokens_per_expert.to(torch.int64))
+        out_sorted = self.experts(x_sorted, all_counts.to(torch.int64))
         # Like transformers: scale each expert's output by its router score, then sum per token.
         out_sorted = out_sorted * top_scores.reshape(-1)[order].unsqueeze(-1)
         out = torch.zeros_like(x).index_add(0, token_idx, out_sorted.to(x.dtype))
+        if aux_loss is not None:
+            out = _AttachAuxLoss.apply(out, aux_loss, self.aux_loss_grad_scale)
         return out.reshape(bs, seqlen, dim)
+
+    def _aux_loss(self, probs: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
+        if self.aux_loss_weights is None or not torch.is_grad_enabled():
+            return None
+        per_token = probs if mask is None else probs * mask.reshape(-1, 1).to(probs.dtype)
+        return (per_token.sum(0) * self.aux_loss_weights.to(probs.device)).sum()
+
+    @torch.compiler.disable
+    @torch.no_grad()
+    def _record(self, selected: torch.Tensor, mask: torch.Tensor | None, aux_loss: torch.Tensor | None) -> None:
+        counts = count_per_expert(selected, self.num_experts, mask)
+        self.tokens_per_expert.copy_(counts)
+        if self.count_tokens and not _in_backward():
+            self.step_tokens_per_expert.add_(counts)
+            if aux_loss is not None:
+                self.step_aux_loss.add_(aux_loss.detach().float())
 
     def init_weights(self, init_std: float) -> None:
         self.router.init_weights(init_std)
         self.experts.init_weights(init_std)
-        nn.init.zeros_(self.tokens_per_expert)
+        self.init_buffers()
+
+    @torch.no_grad()
+    def init_buffers(self, device: torch.device | str | None = None) -> None:
+        """Zero the routing bias and the statistics (a checkpoint that has a bias overwrites it)."""
+        device = device if device is not None else self.router.gate.weight.device
+        if getattr(device, "type", device) == "meta":
+            return
+        for name in ("expert_bias", "tokens_per_expert", "step_tokens_per_expert"):
+            setattr(self, name, torch.zeros(self.num_experts, dtype=torch.float32, device=device))
+        self.step_aux_loss = torch.zeros((), dtype=torch.float32, device=device)

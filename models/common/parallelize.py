@@ -24,45 +24,45 @@ from parallel.activation_checkpoint import apply_ac
 from parallel.compile import apply_compile
 from parallel.context_parallel import apply_cp, check_heads_divisible
 from parallel.expert_parallel import (
-    apply_ep,
     apply_expert_fsdp,
+    apply_moe_folding,
     check_expert_parallel,
     expert_fsdp_mesh,
-    expert_parallel_mesh,
 )
-from parallel.fsdp import apply_fsdp
+from parallel.fsdp import apply_fsdp, to_dtype
 from parallel.tensor_parallel import (
     ExpertTensorParallel,
+    LocalTokensParallel,
     ReplicateParallel,
     apply_tensor_parallel,
     check_divisible,
 )
 
 
-MOE_TP_MODES = ("etp", "ep_etp", "ep")
+MOE_TP_MODES = ("etp", "local")
 """How MoE layers use the TP ranks (see ``apply_tp``)."""
 
 
 def _moe_tp_plan(moe_tp: str) -> dict[str, Any]:
-    if moe_tp == "ep":
-        # EP borrows the TP ranks: each keeps its sequence shard, routes it and dispatches
-        # it itself; the router is replicated and its gradient summed over the TP ranks.
+    if moe_tp == "local":
+        # MoE folding: each TP rank keeps its sequence shard (and cuts the mask and replayed
+        # choices to it); the expert layout (EP, ETP token pooling) is applied afterwards.
+        # The router is replicated and its gradient summed over the TP ranks.
         return {
-            "moe": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
-                                      use_local_output=True),
+            "moe": LocalTokensParallel(),
             "moe.router.gate": ReplicateParallel(input_layout=Shard(0)),
         }
-    plan: dict[str, Any] = {
+    return {
         # Every TP rank routes all tokens and runs its slice of every expert's hidden dim;
-        # the partial outputs are reduce-scattered back to sequence shards.
-        "moe": PrepareModuleInputOutput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+        # the partial outputs are reduce-scattered back to sequence shards.  The mask and
+        # replayed choices cover the whole sequence already.
+        "moe": PrepareModuleInputOutput(input_layouts=(Shard(1), None, None),
+                                        desired_input_layouts=(Replicate(), None, None),
                                         use_local_input=True, output_layouts=(Partial(),),
                                         desired_output_layouts=(Shard(1),)),
         "moe.router.gate": ReplicateParallel(partial_output_grad=True),
+        "moe.experts": ExpertTensorParallel(),
     }
-    if moe_tp == "etp":  # with "ep_etp", apply_ep splits the experts over [ep, etp]
-        plan["moe.experts"] = ExpertTensorParallel()
-    return plan
 
 
 def _tp_plan_for_block(block: nn.Module, moe_tp: str = "etp") -> dict[str, Any]:
@@ -98,17 +98,17 @@ def _tp_plan_for_block(block: nn.Module, moe_tp: str = "etp") -> dict[str, Any]:
 def apply_tp(model: nn.Module, tp_mesh, loss_parallel: bool = True, moe_tp: str = "etp") -> None:
     """Tensor + sequence parallel for the decoder; the LM head returns vocab-sharded logits.
 
-    ``moe_tp`` says how MoE layers use the TP ranks: ``"etp"`` (no EP: tokens replicated
-    over TP, every expert split on its hidden dim), ``"ep_etp"`` (the same token layout,
-    but ``apply_ep`` splits the experts over ``[ep, etp]``), ``"ep"`` (EP borrows the TP
-    ranks: tokens stay sequence-sharded and the experts are left to ``apply_ep``).
+    ``moe_tp`` says how MoE layers use the TP ranks: ``"etp"`` (experts follow attention:
+    tokens replicated over TP, every expert split on its hidden dim over TP), ``"local"``
+    (MoE folding: tokens stay sequence-sharded and the experts are left to
+    ``parallel.expert_parallel.apply_moe_folding``).
     """
     if moe_tp not in MOE_TP_MODES:
         raise ValueError(f"moe_tp '{moe_tp}' must be one of {', '.join(MOE_TP_MODES)}")
     args = model.args
     tp = tp_mesh.size()
     sizes = {"num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads}
-    if moe_tp != "ep" and any(block.moe_enabled for block in model.layers.values()):
+    if moe_tp == "etp" and any(block.moe_enabled for block in model.layers.values()):
         sizes["moe_intermediate_size"] = args.moe_hidden_dim
     if any(not block.moe_enabled for block in model.layers.values()):
         sizes["intermediate_size"] = args.hidden_dim
@@ -151,24 +151,31 @@ def _fsdp_units(model: nn.Module) -> list[Any]:
 
 
 def parallelize_decoder(model: nn.Module, parallel_dims: Any, config: Any) -> nn.Module:
-    """Apply TP (with SP and loss parallel) -> EP -> CP -> AC -> compile -> FSDP to a meta-device decoder.
+    """Apply TP (with SP and loss parallel) -> EP/ETP -> CP -> AC -> compile -> FSDP to a meta-device decoder.
 
-    With expert parallel the experts are split over ``[ep]`` or ``[ep, etp]`` and get their
-    own FSDP units over the expert mesh (see ``parallel/expert_parallel.py``).  Router
-    statistics (``moe.tokens_per_expert``) stay per rank: each rank counts the tokens it routed.
+    Under MoE folding (expert parallel or expert tensor parallel) the experts are split over
+    ``[ep]``, ``[ep, etp]`` or ``[etp]``, ETP groups pool their tokens, and the experts get
+    their own FSDP units over the expert mesh (see ``parallel/expert_parallel.py``).
+    ``archon.moe_router_dtype = "float32"`` runs every router gate in float32 (under FSDP in
+    its own unit whose parameters stay float32).
     """
     archon = config.archon
     # Collected before AC wraps the blocks; the wrappers keep these module objects.
-    experts = [block.moe.experts for block in model.layers.values() if block.moe_enabled]
-    ep = parallel_dims.ep_enabled
-    if ep:
+    moes = [block.moe for block in model.layers.values() if block.moe_enabled]
+    experts = [m.experts for m in moes]
+    folding = parallel_dims.moe_folding_enabled
+    if folding:
         check_expert_parallel(experts[0].num_experts if experts else 0, len(experts), parallel_dims.ep,
-                              type(model).__name__)
+                              type(model).__name__, etp=parallel_dims.etp,
+                              moe_hidden_dim=getattr(model.args, "moe_hidden_dim", 0))
+    router_dtype = _router_dtype(archon)
+    for m in moes:
+        m.router.gate_dtype = router_dtype
     if parallel_dims.tp_enabled:
-        moe_tp = "ep_etp" if ep and parallel_dims.etp_enabled else "ep" if ep else "etp"
-        apply_tp(model, parallel_dims.get_mesh("tp"), loss_parallel=parallel_dims.loss_parallel_enabled, moe_tp=moe_tp)
-    if ep:
-        apply_ep(experts, expert_parallel_mesh(parallel_dims))
+        apply_tp(model, parallel_dims.get_mesh("tp"), loss_parallel=parallel_dims.loss_parallel_enabled,
+                 moe_tp="local" if folding else "etp")
+    if folding:
+        apply_moe_folding(moes, parallel_dims)
     if parallel_dims.cp_enabled:
         check_heads_divisible(model.args.n_heads, parallel_dims.tp, parallel_dims.cp, type(model).__name__)
         apply_cp(model.layers, parallel_dims.get_mesh("cp"), core="attention.core")
@@ -177,9 +184,10 @@ def parallelize_decoder(model: nn.Module, parallel_dims: Any, config: Any) -> nn
                  compile_enabled=archon.enable_compile,
                  preserve_rng_state=archon.use_deterministic_algorithms, debug=archon.ac_debug)
     if archon.enable_compile:
-        # Under EP the dispatch/combine hooks break the block graph (data-dependent all-to-alls).
-        apply_compile(model.layers, fullgraph=not ep)
-    if ep:
+        # Under MoE folding the dispatch/pooling hooks break the block graph (data-dependent
+        # all-to-alls), and MoE router bookkeeping runs eagerly too.
+        apply_compile(model.layers, fullgraph=not moes)
+    if folding:
         # Experts first, on their own mesh, so that the block units below leave them out.
         apply_expert_fsdp(experts, expert_fsdp_mesh(parallel_dims), parallel_dims.fsdp_gradient_divide_factor,
                           param_dtype=config.dtype, reduce_dtype=config.grad_reduce_dtype,
@@ -188,7 +196,18 @@ def parallelize_decoder(model: nn.Module, parallel_dims: Any, config: Any) -> nn
     if parallel_dims.fsdp_enabled:
         mesh = parallel_dims.get_mesh("hsdp") if parallel_dims.dp_replicate_enabled else \
             parallel_dims.get_mesh("dp_shard_cp")
+        if router_dtype is not None and to_dtype(config.dtype) != router_dtype:
+            # Gates get their own units so that FSDP gathers them in float32, not in `dtype`.
+            apply_fsdp(model, mesh, [m.router.gate for m in moes], param_dtype=router_dtype,
+                       reduce_dtype=config.grad_reduce_dtype, pp_enabled=parallel_dims.pp_enabled,
+                       cpu_offload=archon.offload_params, reshard_after_forward_policy=archon.reshard_after_forward_policy,
+                       shard_root=False)
         apply_fsdp(model, mesh, _fsdp_units(model), param_dtype=config.dtype, reduce_dtype=config.grad_reduce_dtype,
                    pp_enabled=parallel_dims.pp_enabled, cpu_offload=archon.offload_params,
                    reshard_after_forward_policy=archon.reshard_after_forward_policy)
     return model
+
+
+def _router_dtype(archon: Any) -> Any:
+    name = getattr(archon, "moe_router_dtype", "auto")
+    return None if name in ("auto", "", None) else to_dtype(name)

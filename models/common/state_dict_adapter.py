@@ -7,6 +7,11 @@ reports as unexpected tensors.  MoE experts are stored per expert on disk
 (``mlp.experts.gate_up_proj [E, 2I, H]``, ``mlp.experts.down_proj [E, H, I]``), and both
 forms are accepted when loading.  Writing always uses the per-expert form, which every
 transformers version reads.
+
+The routing bias of aux-loss-free balancing (``moe.expert_bias``) has no field in Qwen's HF
+models; it travels under DeepSeek-V3's name (``mlp.gate.e_score_correction_bias``) to
+Archon's own rollout server and sync folders, and is left out of HF exports
+(``is_hf_field``).  A checkpoint without it loads with a zero bias.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ _LAYER_KEYS: dict[str, str] = {
     "mlp.up_proj.weight": "feed_forward.w3.weight",
     "mlp.down_proj.weight": "feed_forward.w2.weight",
     "mlp.gate.weight": "moe.router.gate.weight",
+    # DeepSeek-V3's name for the routing bias; Qwen's HF models have no such field (see below).
+    "mlp.gate.e_score_correction_bias": "moe.expert_bias",
 }
 _LAYER_KEYS_INV = {v: k for k, v in _LAYER_KEYS.items()}
 _EXPERT_HF_TO_ARCHON = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
@@ -48,6 +55,8 @@ _HF_FUSED_GATE_UP = "mlp.experts.gate_up_proj"
 _HF_FUSED_DOWN = "mlp.experts.down_proj"
 _ARCHON_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _ARCHON_EXPERTS = re.compile(r"^moe\.experts\.(w1|w2|w3)$")
+_EXPERT_BIAS_HF = re.compile(r"^model\.layers\.\d+\.mlp\.gate\.e_score_correction_bias$")
+_EXPERT_BIAS = re.compile(r"^layers\.\d+\.moe\.expert_bias$")
 
 
 class DecoderStateDictAdapter(BaseStateDictAdapter):
@@ -127,5 +136,12 @@ class DecoderStateDictAdapter(BaseStateDictAdapter):
         return int(getattr(self.model_args, "num_experts", 0))
 
     def is_optional(self, archon_name: str) -> bool:
-        # A critic built from a causal-LM checkpoint has no value head in it.
+        # A critic built from a causal-LM checkpoint has no value head in it; HF checkpoints
+        # of Qwen models have no routing bias (it stays zero).
+        if _EXPERT_BIAS.match(archon_name):
+            return True
         return bool(self.model_args.is_critic) and archon_name == "output.weight"
+
+    def is_hf_field(self, hf_name: str) -> bool:
+        # transformers' Qwen3-MoE routes without a bias, so an exported bias would be ignored.
+        return not _EXPERT_BIAS_HF.match(hf_name)
