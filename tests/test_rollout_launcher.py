@@ -104,7 +104,7 @@ def test_sglang_d4t4_with_dp_attention_and_expert_parallel(tmp_path):
         assert "--enable-dp-attention" in s.cmd
         assert "--enable-return-routed-experts" not in s.cmd
     replay = build_launch_specs(_cfg(*moe, "cluster.n_nodes=2", "cluster.n_gpus_per_node=16",
-                                     "actor.moe_routing_replay=true"), tmp_path)
+                                     "actor.moe_routing_replay=true"), tmp_path, node=0)
     assert all(s.cmd.count("--enable-return-routed-experts") == 1 for s in replay)  # routing replay asks SGLang
     # On 8-GPU nodes servers 2 and 3 land on node 1 and training on nodes 2-3: the trainer reaches
     # none of them, a cluster launcher starts each node's own.
