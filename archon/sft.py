@@ -38,14 +38,14 @@ def run_sft(cfg: Config) -> list[dict[str, Any]]:
     from archon.data.sampler import EpochSampler
     from archon.data.sft_dataset import SFTDataset
     from archon.engine.checkpoint import CheckpointManager
-    from archon.engine.engine import ArchonEngine
+    from archon.engine import build_engine
     from archon.metrics import MetricsLogger, peak_memory_gb
 
     if not cfg.actor.path:
         raise ConfigError("actor.path is empty; SFT needs a Hugging Face model folder with a tokenizer")
     if not cfg.train_dataset.path:
         raise ConfigError("train_dataset.path is empty; point it at a jsonl file of {\"prompt\", \"completion\"}")
-    engine = ArchonEngine(cfg.actor, name="actor", seed=cfg.seed, device=cfg.device,
+    engine = build_engine(cfg.actor, name="actor", seed=cfg.seed, device=cfg.device,
                           total_steps=cfg.total_train_steps).initialize()
     rank0 = dist.get_rank() == 0
     tokenizer = AutoTokenizer.from_pretrained(cfg.actor.path)

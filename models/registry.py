@@ -67,8 +67,9 @@ def get_model_spec(model_type: str) -> ModelSpec:
         return _BY_MODEL_TYPE[model_type]
     except KeyError:
         raise ModelRegistryError(
-            f"model_type {model_type!r} is not supported by Archon; supported: {supported_model_types()}. "
-            "Add a model spec (see models/qwen3 for the layout) or use another backend."
+            f"model_type {model_type!r} has no Archon model spec; supported: {supported_model_types()}. "
+            f"Generate one with `python scripts/add_model.py {model_type}`, or train the transformers model "
+            "as it is with an 'fsdp:' allocation (d, t, c)."
         ) from None
 
 

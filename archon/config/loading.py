@@ -26,7 +26,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
-from archon.alloc import AllocationError, ModelAllocation
+from archon.alloc import AllocationError, ModelAllocation, megatron_refusal
 from archon.config.schema import INHERITED_ENGINE_FIELDS, Config, ConfigError
 
 
@@ -260,12 +260,11 @@ def validate_config(cfg: Config, sources: dict[str, str] | None = None) -> None:
             raise ConfigError(f"{key} (from {sources.get(key, 'the defaults')}): {exc}") from None
         inference = engine == "rollout"
         if allocs[engine].is_inference != inference:
-            kind = "an inference backend (sglang, vllm, local)" if inference else "a training backend (archon, fsdp, megatron)"
+            kind = "an inference backend (sglang, vllm, local)" if inference else "a training backend (archon, fsdp)"
             raise ConfigError(f"{key} = '{value}' must use {kind}")
     for engine in ("actor", "critic", "ref"):
-        if allocs[engine].backend != "archon":
-            raise ConfigError(f"{engine}.backend = '{allocs[engine]}' uses backend "
-                              f"'{allocs[engine].backend}', but this is Archon; write 'archon:{_dims_of(allocs[engine])}'")
+        if allocs[engine].backend == "megatron":
+            raise ConfigError(megatron_refusal(f"{engine}.backend", allocs[engine]))
     try:
         check_cluster_fit(allocs, cfg.cluster.n_nodes, cfg.cluster.n_gpus_per_node)
     except AllocationError as exc:
@@ -298,6 +297,3 @@ def validate_config(cfg: Config, sources: dict[str, str] | None = None) -> None:
         raise ConfigError(f"actor.archon.selective_ac_option = '{opt}' must be 'op' or a positive integer N "
                           "(checkpoint every Nth block)")
 
-
-def _dims_of(alloc: ModelAllocation) -> str:
-    return str(alloc).split(":", 1)[1]

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from archon.cli import JobError
 from archon.config import Config, ConfigError
-from archon.engine.engine import ArchonEngine
+from archon.engine import ArchonEngine, build_engine
 from archon.rl.actor import PPOActor, ReferenceModel
 from archon.rl.advantages import AdvantageConfig, compute_advantages
 from archon.rl.critic import PPOCritic
@@ -96,17 +96,17 @@ class RLTrainer:
         cfg = self.cfg
         common = dict(seed=cfg.seed, device=cfg.device, temperature=self.temperature)
         actor_steps = cfg.total_train_steps * cfg.actor.ppo_n_minibatches
-        self.actor_engine = ArchonEngine(cfg.actor, name="actor", total_steps=actor_steps, **common).initialize()
+        self.actor_engine = build_engine(cfg.actor, name="actor", total_steps=actor_steps, **common).initialize()
         self.actor = PPOActor(self.actor_engine, cfg.actor, max_new_tokens=cfg.gconfig.max_new_tokens)
         self.engines: dict[str, ArchonEngine] = {"actor": self.actor_engine}
         self.ref = None
         if self.use_ref:
-            ref_engine = ArchonEngine(cfg.ref, name="ref", trainable=False, **common).initialize()
+            ref_engine = build_engine(cfg.ref, name="ref", trainable=False, **common).initialize()
             self.ref = ReferenceModel(ref_engine)
         self.critic = None
         if self.use_critic:
             critic_steps = cfg.total_train_steps * cfg.critic.ppo_n_minibatches
-            critic_engine = ArchonEngine(cfg.critic, name="critic", is_critic=True, total_steps=critic_steps,
+            critic_engine = build_engine(cfg.critic, name="critic", is_critic=True, total_steps=critic_steps,
                                          **common).initialize()
             self.critic = PPOCritic(critic_engine, cfg.critic, agg_mode=cfg.actor.loss_agg_mode,
                                     max_new_tokens=cfg.gconfig.max_new_tokens)
