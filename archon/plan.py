@@ -1,7 +1,7 @@
 """Placing engines on the cluster: does the run fit, and which devices does each part get.
 
 Rollout servers take the first devices (global indices ``[0, R)``), training takes the next
-``T`` (``[R, R+T)``), as AReaL lays them out.  Actor, critic and reference are colocated on
+``T`` (``[R, R+T)``), as AReaL lays them out.  Actor, critic, reference and teacher are colocated on
 the same training ranks, so they must have the same world size (their layouts may differ).
 
 On a machine without GPUs the ``local`` backend's servers are CPU processes; CPU configs set
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from archon.alloc import AllocationError, ModelAllocation
 
-TRAINING_ENGINES = ("actor", "critic", "ref")
+TRAINING_ENGINES = ("actor", "critic", "ref", "teacher")
 
 
 @dataclass(frozen=True)
@@ -67,8 +67,8 @@ def check_cluster_fit(allocs: dict[str, ModelAllocation], n_nodes: int, n_gpus_p
         first = next(iter(train))
         other = next(k for k in train if sizes[k] != sizes[first])
         raise AllocationError(f"{first}.backend '{train[first]}' needs {sizes[first]} ranks but {other}.backend "
-                              f"'{train[other]}' needs {sizes[other]}; actor, critic and ref share the training ranks, "
-                              "so give them allocations of the same world size")
+                              f"'{train[other]}' needs {sizes[other]}; actor, critic, ref and teacher share the "
+                              "training ranks, so give them allocations of the same world size")
     train_world = next(iter(sizes.values()), 0)
     rollout = allocs.get("rollout")
     rollout_world = rollout.world_size if rollout is not None else 0

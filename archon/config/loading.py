@@ -222,8 +222,8 @@ def load_config(config_path: str | Path | None = None, overrides: typing.Sequenc
 
 
 def _inherit_from_actor(cfg: Config, explicit: set[str]) -> None:
-    """critic/ref take actor's engine fields unless the user set them (empty backend/path inherit too)."""
-    for engine in ("critic", "ref"):
+    """critic/ref/teacher take actor's engine fields unless the user set them (empty backend/path inherit too)."""
+    for engine in ("critic", "ref", "teacher"):
         target = getattr(cfg, engine)
         for name in INHERITED_ENGINE_FIELDS:
             value = getattr(target, name)
@@ -251,7 +251,7 @@ def validate_config(cfg: Config, sources: dict[str, str] | None = None) -> None:
 
     sources = sources or {}
     allocs: dict[str, ModelAllocation] = {}
-    for engine in ("rollout", "actor", "critic", "ref"):
+    for engine in ("rollout", "actor", "critic", "ref", "teacher"):
         key = f"{engine}.backend"
         value = getattr(cfg, engine).backend
         try:
@@ -262,7 +262,7 @@ def validate_config(cfg: Config, sources: dict[str, str] | None = None) -> None:
         if allocs[engine].is_inference != inference:
             kind = "an inference backend (sglang, vllm, local)" if inference else "a training backend (archon, fsdp)"
             raise ConfigError(f"{key} = '{value}' must use {kind}")
-    for engine in ("actor", "critic", "ref"):
+    for engine in ("actor", "critic", "ref", "teacher"):
         if allocs[engine].backend == "megatron":
             raise ConfigError(megatron_refusal(f"{engine}.backend", allocs[engine]))
     try:

@@ -1,8 +1,8 @@
 """The config schema: nested dataclasses with a one-line doc under every field.
 
-Section and key names follow AReaL's wherever AReaL has one.  ``critic`` and ``ref`` have
-the shape of ``actor``'s engine fields and inherit every one of them from ``actor`` unless
-set explicitly (``archon.config.loading``).
+Section and key names follow AReaL's wherever AReaL has one.  ``critic``, ``ref`` and
+``teacher`` have the shape of ``actor``'s engine fields and inherit every one of them from
+``actor`` unless set explicitly (``archon.config.loading``).
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ class TrainEngineConfig:
     mb_spec: MicroBatchSpec = field(default_factory=MicroBatchSpec)
     """How a data-parallel rank's share of the batch is cut into packed microbatches."""
     archon: ArchonEngineConfig = field(default_factory=ArchonEngineConfig)
-    """Archon-specific engine options."""
+    """Engine options; the fsdp: engine reads the activation checkpointing, compile, FSDP and determinism ones too."""
 
 
 @dataclass
@@ -169,6 +169,12 @@ class ActorConfig(TrainEngineConfig):
     """KL-to-reference term inside the loss; 0 disables it."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
     """KL estimator for the reward penalty and the loss term."""
+    kd_coef: float = 0.0
+    """On-policy distillation: weight of the reverse KL to the teacher (`teacher.*`) on the sampled
+    tokens in the loss; 0 disables it and the teacher."""
+    kd_estimator: Literal["k1", "k2", "k3"] = "k2"
+    """Estimator of the distillation KL (as `kl_estimator`); k2's gradient is the reverse KL's
+    gradient on on-policy samples."""
     discount: float = 1.0
     """Discount factor (GAE, REINFORCE++)."""
     gae_lambda: float = 1.0
@@ -331,6 +337,9 @@ class Config:
     """Value model (used by adv_estimator = 'gae'); inherits actor's engine fields."""
     ref: TrainEngineConfig = field(default_factory=TrainEngineConfig)
     """Reference model for the KL terms; inherits actor's engine fields."""
+    teacher: TrainEngineConfig = field(default_factory=TrainEngineConfig)
+    """Teacher for on-policy distillation (used when actor.kd_coef > 0; forward only); inherits
+    actor's engine fields."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Rollout servers."""
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
@@ -356,6 +365,7 @@ class Config:
             "actor": ModelAllocation.from_str(self.actor.backend),
             "critic": ModelAllocation.from_str(self.critic.backend),
             "ref": ModelAllocation.from_str(self.ref.backend),
+            "teacher": ModelAllocation.from_str(self.teacher.backend),
         }
 
 

@@ -194,7 +194,8 @@ def tp_plan_of(model: nn.Module) -> dict[str, str]:
 
 
 def check_tp_sizes(config: Any, tp: int, plan: dict[str, str]) -> None:
-    """Heads and hidden sizes must split evenly over ``tp`` wherever the plan shards them."""
+    """Heads and the MLP width must split evenly over ``tp`` where the plan shards them (a rowwise
+    layer takes its input as equal local slices); the vocabulary may split unevenly."""
     sharded = set(plan.values())
     sizes = {}
     if {"colwise", "rowwise"} & sharded:
@@ -202,9 +203,6 @@ def check_tp_sizes(config: Any, tp: int, plan: dict[str, str]) -> None:
             value = getattr(config, key, None)
             if isinstance(value, int):
                 sizes[key] = value
-    if sharded & {"embedding_rowwise", "colwise_gather_output", "colwise_rep"} and isinstance(
-            getattr(config, "vocab_size", None), int):
-        sizes["vocab_size"] = config.vocab_size
     for key, value in sizes.items():
         if value % tp:
             raise TransformersModelError(f"model_type '{config.model_type}': {key}={value} is not divisible by the "
@@ -271,7 +269,8 @@ def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
         raise TransformersModelError(f"{name} did not pass the engine's keyword arguments to its attention function, "
                                      "so Ulysses context parallel cannot run on this model; use c1")
     if dropout:
-        raise TransformersModelError(f"{name} asks for attention dropout {dropout}; context parallel attention has none")
+        raise TransformersModelError(f"{name} asks for attention dropout {dropout}; context parallel attention "
+                                     "has none")
     if kwargs.get("s_aux") is not None:
         raise TransformersModelError(f"{name} uses attention sinks, which context parallel attention does not "
                                      "implement; use c1")

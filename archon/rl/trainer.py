@@ -85,6 +85,7 @@ class RLTrainer:
         self.group_size = resolved_group_size(cfg)
         self.temperature = policy_temperature(cfg)
         self.use_ref = bool(cfg.actor.kl_ctl or cfg.actor.kl_loss_coef)
+        self.use_teacher = bool(cfg.actor.kd_coef)
         self.use_critic = cfg.actor.adv_estimator == "gae"
         self.adv_cfg = AdvantageConfig.from_actor_config(
             dataclasses.replace(cfg.actor, group_size=self.group_size), max_new_tokens=cfg.gconfig.max_new_tokens)
@@ -103,6 +104,10 @@ class RLTrainer:
         if self.use_ref:
             ref_engine = build_engine(cfg.ref, name="ref", trainable=False, **common).initialize()
             self.ref = ReferenceModel(ref_engine)
+        self.teacher = None
+        if self.use_teacher:
+            teacher_engine = build_engine(cfg.teacher, name="teacher", trainable=False, **common).initialize()
+            self.teacher = ReferenceModel(teacher_engine)
         self.critic = None
         if self.use_critic:
             critic_steps = cfg.total_train_steps * cfg.critic.ppo_n_minibatches
@@ -205,6 +210,11 @@ class RLTrainer:
         if self.ref is not None:
             policy = batch.get("old_logprobs", batch["logprobs"])
             metrics["kl_ref"] = float(aggregate(kl_estimate(policy, batch["ref_logprobs"], "k1"), mask, "token-mean"))
+        if self.teacher is not None:
+            batch["teacher_logprobs"] = self.teacher.compute_logprobs(batch)
+            policy = batch.get("old_logprobs", batch["logprobs"])
+            metrics["kl_teacher"] = float(aggregate(kl_estimate(policy, batch["teacher_logprobs"], "k1"), mask,
+                                                    "token-mean"))
         if self.critic is not None:
             batch["values"] = self.critic.compute_values(batch)
         adv = compute_advantages(batch, self.adv_cfg)
