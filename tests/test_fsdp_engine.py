@@ -189,3 +189,40 @@ def test_fsdp_refuses_what_the_model_cannot_split(gemma2_path):
     with pytest.raises(DistributedTestError, match="num_key_value_heads=2 is not divisible by the tensor-parallel "
                                                    "size t4"):
         run_distributed(build_engine, 4, gemma2_path, "fsdp:t4")
+
+
+def _sft(model: str, data: str, out: str, backend: str) -> list[float] | None:
+    import torch.distributed as dist
+
+    from archon.config import load_config
+    from archon.sft import run_sft
+
+    cfg = load_config(None, [f"actor.backend={backend}", f"actor.path={model}", "actor.dtype=float32",
+                             "actor.archon.enable_compile=false", "actor.optimizer.lr=1e-2",
+                             f"train_dataset.path={data}", "train_dataset.batch_size=8", "total_train_steps=3",
+                             f"output_dir={out}", "cluster.n_gpus_per_node=3", "seed=7"])
+    history = run_sft(cfg)
+    return [h["loss"] for h in history] if dist.get_rank() == 0 else None
+
+
+def test_sft_trains_a_llama_on_the_fsdp_engine(tmp_path):
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_fixtures import make_tiny_tokenizer
+
+    model = tmp_path / "llama"
+    tok = make_tiny_tokenizer(model)
+    save_tiny_hf(model, "llama", seed=4, vocab_size=len(tok), bos_token_id=None, eos_token_id=tok.eos_token_id,
+                 pad_token_id=tok.pad_token_id)
+    rows = [{"prompt": f"what is {a} + {b} ?", "completion": f"{a + b}"} for a in range(6) for b in range(4)]
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    d1 = run_distributed(_sft, 1, str(model), str(data), str(tmp_path / "d1"), "fsdp:d1")[0]
+    d2 = run_distributed(_sft, 2, str(model), str(data), str(tmp_path / "d2"), "fsdp:d2")[0]
+    assert max(abs(a - b) for a, b in zip(d1, d2)) < 1e-4, (d1, d2)
+    assert d1[-1] < d1[0]
+    exported = tmp_path / "d2" / "hf"
+    assert AutoTokenizer.from_pretrained(exported).eos_token == tok.eos_token
+    assert AutoModelForCausalLM.from_pretrained(exported).config.model_type == "llama"
