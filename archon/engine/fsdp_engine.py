@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from archon.engine.engine import ArchonEngine, EngineError, _named_state
 from archon.engine.microbatch import Batch, pack, rows_of
+from archon.engine.optimizer import build_lr_scheduler, build_optimizer
 from archon.engine.transformers_model import (
     TransformersModelError,
     apply_tp_plan,
@@ -48,6 +49,7 @@ from archon.engine.transformers_model import (
     critic_config,
     embeddings_tied,
     fsdp_units,
+    model_class_for,
     register_ulysses_attention,
     restore_buffers,
     retie_embeddings,
@@ -108,7 +110,7 @@ class FSDPEngine(ArchonEngine):
         if self._tied and not embeddings_tied(model):
             retie_embeddings(model)
         self.model = model
-        self.export_config = self._export_config(build_config)
+        self.export_config = self._export_config()
         self._load_weights(build_config)
         self.packed = pd.cp_enabled or self._packing_works()
         self._reshard()
@@ -119,8 +121,6 @@ class FSDPEngine(ArchonEngine):
         if not self.trainable:
             self.model.requires_grad_(False)
         else:
-            from archon.engine.optimizer import build_lr_scheduler, build_optimizer
-
             self.optimizer = build_optimizer(self.model.parameters(), cfg.optimizer, self.device_type)
             self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.optimizer, self.total_steps)
         return self
@@ -138,7 +138,7 @@ class FSDPEngine(ArchonEngine):
             heads = getattr(model.config, "num_attention_heads", None)
             if isinstance(heads, int):
                 check_heads_divisible(heads, pd.tp, pd.cp, type(model).__name__)
-        if cfg.gradient_checkpointing and archon.ac_mode not in ("none", "memory_budget"):
+        if cfg.gradient_checkpointing:
             self._apply_ac(model)
         if archon.enable_compile:
             for block in fsdp_units(model):
@@ -165,7 +165,7 @@ class FSDPEngine(ArchonEngine):
         wrapped = {id(block): view[str(i)] for i, block in enumerate(blocks)}
         wrap_blocks(model, lambda block: wrapped[id(block)])
 
-    def _export_config(self, build_config):
+    def _export_config(self):
         """The config.json ``export_hf`` writes: the source config with this model's class as architecture."""
         config = copy.deepcopy(critic_config(self.hf_config) if self.is_critic else self.hf_config)
         config.architectures = [type(self.model).__name__]
@@ -183,8 +183,6 @@ class FSDPEngine(ArchonEngine):
                                                                         broadcast_from_rank0=True, strict=True))
 
     def _full_state_dict_on_cpu(self, build_config) -> dict[str, torch.Tensor]:
-        from archon.engine.transformers_model import model_class_for
-
         cls = model_class_for(build_config, self.is_critic)
         torch_state = torch.get_rng_state()
         torch.manual_seed(self.seed)
@@ -192,7 +190,7 @@ class FSDPEngine(ArchonEngine):
             if self.config.path:
                 model, info = cls.from_pretrained(self.config.path, config=build_config, dtype=torch.float32,
                                                   output_loading_info=True)
-                missing = [k for k in info["missing_keys"]]
+                missing = sorted(info["missing_keys"])
                 if missing and not self.is_critic:
                     raise EngineError(f"{self.name}.path = '{self.config.path}' lacks weights {missing[:5]}; point "
                                       "it at a complete Hugging Face checkpoint")
