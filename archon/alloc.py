@@ -355,7 +355,7 @@ class _Parser:
         accepted = ", ".join(allowed)
         fix = f"{backend} accepts {accepted}"
         if ch in "pe" and backend in ("fsdp",):
-            fix += "; use 'archon:' (or 'megatron:') for pipeline or expert parallel"
+            fix += "; use 'archon:' for pipeline or expert parallel"
         elif ch == "p" and backend == "sglang":
             fix += "; use 'vllm:' for pipeline parallel inference"
         return (f"{name} parallel '{ch}' is not supported by backend '{backend}'", fix)
@@ -426,6 +426,14 @@ class _Parser:
                 raise AllocationError(f"invalid allocation '{self.text}': both components are {kind} backends and "
                                       "unnamed, so it is ambiguous which is which; name them, e.g. "
                                       f"'{components[0].backend}[a]:...+{components[1].backend}[b]:...'")
+
+
+def megatron_refusal(key: str, alloc: ModelAllocation) -> str:
+    """Why a ``megatron:`` training allocation is refused, and what to write instead (one sentence)."""
+    dims = str(alloc).split(":", 1)[1]
+    return (f"{key} = '{alloc}' asks for Megatron-Core, which Archon does not bundle; write 'archon:{dims}' "
+            "(Archon's models: qwen2, qwen3, qwen3_moe and any added with scripts/add_model.py; every dim) "
+            "or, for any other transformers model, 'fsdp:' with d, t and c only")
 
 
 def allocation_rows(allocs: dict[str, ModelAllocation]) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:

@@ -56,7 +56,7 @@ PANELS: tuple[Panel, ...] = (
     Panel("reward", ("reward_mean",), band=("reward_mean", "reward_std"), ylabel="mean reward (+-std)"),
     Panel("response length", ("response_len_mean",), ylabel="tokens"),
     Panel("actor loss", ("actor/loss",)),
-    Panel("KL", ("actor/approx_kl", "kl_ref")),
+    Panel("KL", ("actor/approx_kl", "kl_ref", "kl_teacher")),
     Panel("train/inference mismatch", ("behav_prox_logprob_diff",), ylabel="mean |logprob diff|"),
     Panel("entropy", ("actor/entropy", "entropy"), ylabel="nats / token"),
     Panel("grad norm", ("actor/grad_norm", "grad_norm")),

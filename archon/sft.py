@@ -38,7 +38,7 @@ def run_sft(cfg: Config) -> list[dict[str, Any]]:
     from archon.data.sft_dataset import SFTDataset
     from archon.engine.checkpoint import CheckpointManager
     from archon.cli import init_run
-    from archon.engine.engine import ArchonEngine
+    from archon.engine import build_engine
     from archon.metrics import MetricsLogger, peak_memory_gb
 
     if not cfg.actor.path:
@@ -46,7 +46,7 @@ def run_sft(cfg: Config) -> list[dict[str, Any]]:
     if not cfg.train_dataset.path:
         raise ConfigError("train_dataset.path is empty; point it at a jsonl file of {\"prompt\", \"completion\"}")
     init_run(cfg, "sft")
-    engine = ArchonEngine(cfg.actor, name="actor", seed=cfg.seed, device=cfg.device,
+    engine = build_engine(cfg.actor, name="actor", seed=cfg.seed, device=cfg.device,
                           total_steps=cfg.total_train_steps).initialize()
     rank0 = dist.get_rank() == 0
     tokenizer = load_tokenizer(cfg.actor.path)

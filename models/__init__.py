@@ -5,7 +5,8 @@
     logits = model(tokens)                                   # same function as transformers
     models.save_hf(model, "/path/to/out")                     # from_pretrained-loadable
 
-Importing this package registers the built-in specs (qwen2, qwen3, qwen3_moe).
+Importing this package registers the built-in specs (qwen2, qwen3, qwen3_moe) and every other
+model package found in ``models/`` or on ``$ARCHON_MODELS_PATH`` (``scripts/add_model.py`` writes them).
 """
 
 from models.hf_checkpoint import (
@@ -22,14 +23,17 @@ from models.registry import (
     ModelRegistryError,
     ModelSpec,
     get_model_spec,
+    import_model_packages,
     register_model_spec,
     spec_for_model,
     supported_model_types,
 )
 from models.state_dict_adapter import BaseStateDictAdapter, HFKeyTarget, UnknownKeyError
 
-# Built-in models register themselves on import.
+# Built-in models register themselves on import; so do packages added with scripts/add_model.py.
 from models import qwen2, qwen3, qwen3_moe  # noqa: E402,F401  isort: skip
+
+import_model_packages()
 
 __all__ = [
     "BaseModelArgs",
@@ -44,6 +48,7 @@ __all__ = [
     "adapter_for",
     "build_model",
     "get_model_spec",
+    "import_model_packages",
     "load_hf_model",
     "load_hf_weights",
     "read_hf_config",

@@ -10,8 +10,9 @@ silently computing a different function.
 from __future__ import annotations
 
 import copy
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 
 class HFConfigError(ValueError):
@@ -100,6 +101,50 @@ def reject_unsupported_activation(cfg: Mapping[str, Any], supported: tuple[str, 
     act = cfg.get("hidden_act", "silu")
     if act not in supported:
         raise HFConfigError(f"{_where(cfg)} uses hidden_act={act!r}; Archon implements only {list(supported)}.")
+
+
+@dataclass(frozen=True)
+class RefusedSetting:
+    """A config value that switches on something the model does not implement; ``from_hf_config`` refuses it."""
+
+    key: str
+    """The config.json key."""
+    off: Any
+    """The value that means "not used" (None, False, 1.0, ...)."""
+    what: str
+    """What the setting switches on, for the error message."""
+    off_key: str = ""
+    """When set, the setting is off if it equals this other key's value (e.g. ``head_dim``)."""
+
+    def is_on(self, cfg: Mapping[str, Any]) -> bool:
+        value = cfg.get(self.key)
+        off = cfg.get(self.off_key) if self.off_key else self.off
+        return not (value is None or value is False or value == off)
+
+    def check(self, cfg: Mapping[str, Any]) -> None:
+        if self.is_on(cfg):
+            off = f"{self.off_key} ({cfg.get(self.off_key)})" if self.off_key else repr(self.off)
+            raise HFConfigError(f"{_where(cfg)} sets {self.key}={cfg.get(self.key)!r} ({self.what}), which this "
+                                f"Archon model does not implement; set it to {off} if the checkpoint was trained "
+                                "without it, or implement it in the model package")
+
+
+_PROBING = [False]
+
+
+@contextmanager
+def allow_unimplemented() -> Iterator[None]:
+    """Let ``from_hf_config`` build a model whose args list unimplemented differences (parity probes only)."""
+    _PROBING.append(True)
+    try:
+        yield
+    finally:
+        _PROBING.pop()
+
+
+def probing_unimplemented() -> bool:
+    """True inside ``allow_unimplemented()``."""
+    return _PROBING[-1]
 
 
 @dataclass

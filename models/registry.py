@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch.nn as nn
@@ -67,8 +70,9 @@ def get_model_spec(model_type: str) -> ModelSpec:
         return _BY_MODEL_TYPE[model_type]
     except KeyError:
         raise ModelRegistryError(
-            f"model_type {model_type!r} is not supported by Archon (supported: {supported_model_types()}); "
-            "add a model spec (see models/qwen3 for the layout) or use another backend."
+            f"model_type {model_type!r} has no Archon model spec (supported: {supported_model_types()}); generate "
+            f"one with `python scripts/add_model.py {model_type}`, or train the transformers model as it is with an "
+            "'fsdp:' allocation (d, t, c)"
         ) from None
 
 
@@ -96,3 +100,29 @@ def spec_for_args(args: object) -> ModelSpec:
         if type(args) is spec.model_args_class:
             return spec
     raise ModelRegistryError(f"no registered model spec uses {type(args).__name__}; register one first.")
+
+
+MODELS_PATH_ENV = "ARCHON_MODELS_PATH"
+"""Environment variable: extra folders (``os.pathsep``-separated) holding model packages."""
+
+
+def import_model_packages(*folders: str | os.PathLike) -> list[str]:
+    """Import (and so register) every model package: a folder with ``spec.py`` inside ``models/``, ``folders``
+    or the folders of ``$ARCHON_MODELS_PATH``; they become ``models.<name>``.  Returns the package names."""
+    import models
+
+    extra = [str(f) for f in folders] + [p for p in os.environ.get(MODELS_PATH_ENV, "").split(os.pathsep) if p]
+    for folder in extra:
+        folder = str(Path(folder).resolve())
+        if folder not in models.__path__:
+            models.__path__.append(folder)
+    names = []
+    for root in list(models.__path__):
+        root_path = Path(root)
+        if not root_path.is_dir():
+            continue
+        for child in sorted(root_path.iterdir()):
+            if (child / "spec.py").is_file() and (child / "__init__.py").is_file():
+                importlib.import_module(f"models.{child.name}")
+                names.append(child.name)
+    return names

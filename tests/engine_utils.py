@@ -54,9 +54,9 @@ def resume_losses(path: str, ckpt: str, phase: str, backend: str, steps: int = 4
     """
     import torch.distributed as dist
 
-    from archon.engine.engine import ArchonEngine
+    from archon.engine import build_engine as make_engine
 
-    engine = ArchonEngine(engine_config(path, backend), total_steps=steps).initialize()
+    engine = make_engine(engine_config(path, backend), total_steps=steps).initialize()
     if phase == "full":
         todo = range(steps)
     elif phase == "first":
@@ -73,9 +73,9 @@ def resume_losses(path: str, ckpt: str, phase: str, backend: str, steps: int = 4
 
 def export_after_one_step(path: str, backend: str, out: str, engine_kw: dict | None = None) -> None:
     """Train one SFT step on ``backend`` (engine config options ``engine_kw``) and ``export_hf`` to ``out``."""
-    from archon.engine.engine import ArchonEngine
+    from archon.engine import build_engine as make_engine
 
-    engine = ArchonEngine(engine_config(path, backend, **(engine_kw or {})), total_steps=1).initialize()
+    engine = make_engine(engine_config(path, backend, **(engine_kw or {})), total_steps=1).initialize()
     engine.train_batch(make_batch(0), sft_loss, sft_weight)
     engine.export_hf(out)
 
@@ -88,9 +88,9 @@ def critic_losses_and_values(path: str, backend: str):
     """
     import torch.distributed as dist
 
-    from archon.engine.engine import ArchonEngine
+    from archon.engine import build_engine as make_engine
 
-    engine = ArchonEngine(engine_config(path, backend), is_critic=True, total_steps=2).initialize()
+    engine = make_engine(engine_config(path, backend), is_critic=True, total_steps=2).initialize()
     batch = make_batch(0)
     batch["returns"] = torch.linspace(-1, 1, batch["input_ids"].numel()).view_as(batch["input_ids"])
 
@@ -106,17 +106,17 @@ def critic_losses_and_values(path: str, backend: str):
 
 def forward_outputs(path: str, backend: str) -> dict[str, torch.Tensor]:
     """``engine.forward`` of a frozen engine on ``backend`` (2 microbatches) for ``make_batch(7, n=5)``."""
-    from archon.engine.engine import ArchonEngine
+    from archon.engine import build_engine as make_engine
 
-    engine = ArchonEngine(engine_config(path, backend, mb_spec={"n_mbs": 2}), trainable=False).initialize()
+    engine = make_engine(engine_config(path, backend, mb_spec={"n_mbs": 2}), trainable=False).initialize()
     return engine.forward(make_batch(7, n=5))
 
 
 def build_engine(path: str, backend: str, engine_kw: dict | None = None) -> str:
     """Only ``initialize()`` an engine (for tests of what a layout refuses)."""
-    from archon.engine.engine import ArchonEngine
+    from archon.engine import build_engine as make_engine
 
-    ArchonEngine(engine_config(path, backend, **(engine_kw or {}))).initialize()
+    make_engine(engine_config(path, backend, **(engine_kw or {}))).initialize()
     return "built"
 
 

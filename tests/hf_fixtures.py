@@ -41,13 +41,14 @@ TINY_PER_TYPE: dict[str, dict[str, Any]] = {
     ),
 }
 MODEL_TYPES = tuple(TINY_PER_TYPE)
+"""Archon's built-in model types; any other transformers model type works too (``TINY`` plus overrides)."""
 
 
 def make_tiny_hf_config(model_type: str, tie: bool = False, **overrides: Any):
     """A tiny transformers config of ``model_type`` (hidden 64, 2 layers, 4 heads, 2 kv heads)."""
     from transformers import AutoConfig
 
-    kwargs = {**TINY, **TINY_PER_TYPE[model_type], "tie_word_embeddings": tie, **overrides}
+    kwargs = {**TINY, **TINY_PER_TYPE.get(model_type, {}), "tie_word_embeddings": tie, **overrides}
     return AutoConfig.for_model(model_type, **kwargs)
 
 

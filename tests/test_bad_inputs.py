@@ -182,8 +182,8 @@ def _pickle_only(folder: Path) -> None:
 FOLDERS = [
     ("no_config", lambda f: (f / "config.json").unlink(), ("config.json does not exist", "next to its safetensors")),
     ("unsupported_type", _edit_config(model_type="llama"),
-     ("model_type 'llama' is not supported", "qwen3", "add a model spec")),
-    ("unknown_type", _edit_config(model_type="foobar"), ("model_type 'foobar' is not supported", "add a model spec")),
+     ("model_type 'llama' has no Archon model spec", "qwen3", "add_model.py", "'fsdp:'")),
+    ("unknown_type", _edit_config(model_type="foobar"), ("model_type 'foobar' has no Archon model spec", "add_model.py")),
     ("missing_tensor", _edit_tensors(lambda sd: sd.pop("model.layers.1.mlp.up_proj.weight")),
      ("lacks 1 tensor", "'model.layers.1.mlp.up_proj.weight'", "check that the checkpoint is complete")),
     ("extra_tensor", _edit_tensors(lambda sd: sd.update({"model.layers.0.mlp.extra.weight": torch.zeros(2)})),

@@ -61,7 +61,8 @@ def test_unsupported_model_type(tmp_path, dense_folder):
     cfg = json.loads((dense_folder / "config.json").read_text())
     cfg["model_type"] = "llama"
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelRegistryError, match=r"'llama' is not supported.*\['qwen2', 'qwen3', 'qwen3_moe'\]"):
+    with pytest.raises(ModelRegistryError, match=r"'llama' has no Archon model spec.*\['qwen2', 'qwen3', 'qwen3_moe'\]"
+                                                 r".*add_model.py llama.*'fsdp:'"):
         models.load_hf_model(tmp_path)
 
 

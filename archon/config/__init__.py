@@ -6,7 +6,7 @@ accepted too, and a value that is not valid TOML is taken as a plain string, so
 ``actor.backend=archon:d2t2`` works without quotes.  A leading ``+`` on a key is accepted
 (``+actor.archon.enable_compile=False``) for compatibility with AReaL command lines.
 
-Section and key names follow AReaL's wherever AReaL has one.  ``critic`` and ``ref`` have
+Section and key names follow AReaL's wherever AReaL has one.  ``critic``, ``ref`` and ``teacher`` have
 the shape of ``actor``'s engine fields and inherit every one of them from ``actor`` unless
 set explicitly (an empty ``backend`` or ``path`` also means "inherit").
 

@@ -26,7 +26,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
-from archon.alloc import AllocationError, ModelAllocation
+from archon.alloc import AllocationError, ModelAllocation, megatron_refusal
 from archon.config.ranges import check_ranges
 from archon.config.schema import INHERITED_ENGINE_FIELDS, Config, ConfigError, NormConfig
 
@@ -242,8 +242,8 @@ def load_config(config_path: str | Path | None = None, overrides: typing.Sequenc
 
 
 def _inherit_from_actor(cfg: Config, explicit: set[str]) -> None:
-    """critic/ref take actor's engine fields unless the user set them (empty backend/path inherit too)."""
-    for engine in ("critic", "ref"):
+    """critic/ref/teacher take actor's engine fields unless the user set them (empty backend/path inherit too)."""
+    for engine in ("critic", "ref", "teacher"):
         target = getattr(cfg, engine)
         for name in INHERITED_ENGINE_FIELDS:
             value = getattr(target, name)
@@ -286,7 +286,7 @@ def validate_config(cfg: Config, sources: dict[str, str] | None = None, job: str
 
     sources = sources or {}
     allocs: dict[str, ModelAllocation] = {}
-    for engine in ("rollout", "actor", "critic", "ref"):
+    for engine in ("rollout", "actor", "critic", "ref", "teacher"):
         key = f"{engine}.backend"
         value = getattr(cfg, engine).backend
         try:
@@ -295,12 +295,11 @@ def validate_config(cfg: Config, sources: dict[str, str] | None = None, job: str
             raise ConfigError(f"{key} (from {sources.get(key, 'the defaults')}): {exc}") from None
         inference = engine == "rollout"
         if allocs[engine].is_inference != inference:
-            kind = "an inference backend (sglang, vllm, local)" if inference else "a training backend (archon, fsdp, megatron)"
+            kind = "an inference backend (sglang, vllm, local)" if inference else "a training backend (archon, fsdp)"
             raise ConfigError(f"{key} = '{value}' must use {kind}")
-    for engine in ("actor", "critic", "ref"):
-        if allocs[engine].backend != "archon":
-            raise ConfigError(f"{engine}.backend = '{allocs[engine]}' uses backend "
-                              f"'{allocs[engine].backend}', but this is Archon; write 'archon:{_dims_of(allocs[engine])}'")
+    for engine in ("actor", "critic", "ref", "teacher"):
+        if allocs[engine].backend == "megatron":
+            raise ConfigError(megatron_refusal(f"{engine}.backend", allocs[engine]))
     if job not in ("rl", "sft"):
         raise ValueError(f"job must be 'rl' or 'sft', got {job!r}")
     if cfg.cluster.gpu_memory_gb <= 0:
@@ -412,7 +411,3 @@ def _check_rollout_backend(cfg: Config, rollout: ModelAllocation) -> None:
         from archon.rollout.vllm import check_vllm_config
 
         check_vllm_config(cfg)
-
-
-def _dims_of(alloc: ModelAllocation) -> str:
-    return str(alloc).split(":", 1)[1]

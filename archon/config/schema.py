@@ -1,8 +1,8 @@
 """The config schema: nested dataclasses with a one-line doc under every field.
 
-Section and key names follow AReaL's wherever AReaL has one.  ``critic`` and ``ref`` have
-the shape of ``actor``'s engine fields and inherit every one of them from ``actor`` unless
-set explicitly (``archon.config.loading``).
+Section and key names follow AReaL's wherever AReaL has one.  ``critic``, ``ref`` and
+``teacher`` have the shape of ``actor``'s engine fields and inherit every one of them from
+``actor`` unless set explicitly (``archon.config.loading``).
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ class TrainEngineConfig:
     mb_spec: MicroBatchSpec = field(default_factory=MicroBatchSpec)
     """How a data-parallel rank's share of the batch is cut into packed microbatches."""
     archon: ArchonEngineConfig = field(default_factory=ArchonEngineConfig)
-    """Archon-specific engine options."""
+    """Engine options; the fsdp: engine reads the activation checkpointing, compile, FSDP and determinism ones too."""
 
 
 @dataclass
@@ -217,6 +217,10 @@ class ActorConfig(TrainEngineConfig):
     """KL-to-reference term inside the loss; 0 disables it."""
     kl_loss_type: Literal["k1", "k2", "k3", "k1+", "k3+", "kl", "mse", "low_var_kl", "kl+", "low_var_kl+"] = "low_var_kl"
     """KL estimator of the loss term (verl's kl_loss_type): low_var_kl = k3, whose gradient is that of KL(ref||pi); k2 (mse) and the straight-through k1+/k3+ (value of k1/k3) have the gradient of KL(pi||ref); k1 (kl) has zero expected gradient."""
+    kd_coef: float = 0.0
+    """On-policy distillation: weight of the reverse KL to the teacher (`teacher.*`) on the sampled tokens in the loss; 0 disables it and the teacher."""
+    kd_estimator: Literal["k1", "k2", "k3", "k1+", "k3+", "kl", "mse", "low_var_kl", "kl+", "low_var_kl+"] = "k2"
+    """Estimator of the distillation KL (choices as kl_loss_type); k2's and k3+'s gradients are the reverse KL's on on-policy samples, k1's averages to zero."""
     discount: float = 1.0
     """Discount factor (GAE, REINFORCE++)."""
     gae_lambda: float = 1.0
@@ -419,6 +423,9 @@ class Config:
     """Value model (used by adv_estimator = 'gae'); inherits actor's engine fields."""
     ref: TrainEngineConfig = field(default_factory=TrainEngineConfig)
     """Reference model for the KL terms; inherits actor's engine fields."""
+    teacher: TrainEngineConfig = field(default_factory=TrainEngineConfig)
+    """Teacher for on-policy distillation (used when actor.kd_coef > 0; forward only); inherits
+    actor's engine fields."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Rollout servers."""
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
@@ -448,6 +455,7 @@ class Config:
             "actor": ModelAllocation.from_str(self.actor.backend),
             "critic": ModelAllocation.from_str(self.critic.backend),
             "ref": ModelAllocation.from_str(self.ref.backend),
+            "teacher": ModelAllocation.from_str(self.teacher.backend),
         }
 
 

@@ -22,7 +22,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ClassVar, Iterator
 
 import torch
 import torch.distributed as dist
@@ -84,6 +84,11 @@ class _StepTotals:
 class ArchonEngine:
     """Builds, trains, evaluates, checkpoints and exports one model (actor, critic or reference)."""
 
+    backend: ClassVar[str] = "archon"
+    """The allocation backend this engine runs."""
+    engine_label: ClassVar[str] = "Archon"
+    """How the initialization log names the engine."""
+
     def __init__(self, config: TrainEngineConfig, *, name: str = "actor", is_critic: bool = False,
                  seed: int = 1, device: str = "auto", temperature: float = 1.0, total_steps: int = 1,
                  trainable: bool = True):
@@ -107,30 +112,7 @@ class ArchonEngine:
         from models import get_model_spec
 
         cfg = self.config
-        self.device_type = resolve_device_type(self.device_setting)
-        if cfg.archon.use_deterministic_algorithms:
-            from parallel.determinism import apply_determinism
-
-            # Environment variables must be set before the first kernel/communicator exists.
-            apply_determinism(self.device_type)
-        # The entry points already joined with the GPU the cluster plan gives this rank (init_run).
-        init_distributed(self.device_type)
-        self.device = current_device(self.device_type)
-        self.allocation = ModelAllocation.from_str(cfg.backend)
-        world = dist.get_world_size()
-        if self.allocation.world_size != world:
-            raise EngineError(f"{self.name}.backend = '{cfg.backend}' needs {self.allocation.world_size} ranks but "
-                              f"the job has {world}; launch with --nproc_per_node={self.allocation.world_size} "
-                              f"or change the allocation")
-        try:
-            self.parallel_dims = ParallelDims.from_allocation(self.allocation, world_size=world,
-                                                              dp_replicate=cfg.archon.dp_replicate)
-        except ValueError as exc:  # parallel/ cannot raise Archon's errors; its ValueErrors are the user's
-            raise EngineError(f"{self.name}.backend = '{cfg.backend}': {exc}") from None
-        self.parallel_dims.build_meshes(self.device_type)
-        if dist.get_rank() == 0:
-            logger.info("Initialized Archon engine with parallel dims: %s", self.parallel_dims.describe())
-
+        self._init_parallel()
         self.hf_config = self._load_hf_config()
         self.spec = get_model_spec(self.hf_config.model_type)
         self.model_args = self.spec.model_args_class.from_hf_config(self.hf_config, is_critic=self.is_critic)
@@ -164,6 +146,38 @@ class ArchonEngine:
             self.optimizer = build_optimizer(self.model.parameters(), cfg.optimizer, self.device_type)
             self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.optimizer, self.total_steps)
         return self
+
+    def _init_parallel(self) -> None:
+        """Device, process group, allocation and device meshes: what every engine sets up first."""
+        cfg = self.config
+        self.device_type = resolve_device_type(self.device_setting)
+        if cfg.archon.use_deterministic_algorithms:
+            from parallel.determinism import apply_determinism
+
+            # Environment variables must be set before the first kernel/communicator exists.
+            apply_determinism(self.device_type)
+        # The entry points already joined with the GPU the cluster plan gives this rank (init_run).
+        init_distributed(self.device_type)
+        self.device = current_device(self.device_type)
+        self.allocation = ModelAllocation.from_str(cfg.backend)
+        if self.allocation.backend != self.backend:
+            raise EngineError(f"{self.name}.backend = '{cfg.backend}' is a '{self.allocation.backend}:' allocation, "
+                              f"but {type(self).__name__} runs '{self.backend}:' ones; build engines with "
+                              "archon.engine.build_engine(config, ...), which picks the engine by backend")
+        world = dist.get_world_size()
+        if self.allocation.world_size != world:
+            raise EngineError(f"{self.name}.backend = '{cfg.backend}' needs {self.allocation.world_size} ranks but "
+                              f"the job has {world}; launch with --nproc_per_node={self.allocation.world_size} "
+                              f"or change the allocation")
+        try:
+            self.parallel_dims = ParallelDims.from_allocation(self.allocation, world_size=world,
+                                                              dp_replicate=cfg.archon.dp_replicate)
+        except ValueError as exc:  # parallel/ cannot raise Archon's errors; its ValueErrors are the user's
+            raise EngineError(f"{self.name}.backend = '{cfg.backend}': {exc}") from None
+        self.parallel_dims.build_meshes(self.device_type)
+        if dist.get_rank() == 0:
+            logger.info("Initialized %s engine with parallel dims: %s", self.engine_label,
+                        self.parallel_dims.describe())
 
     def _split_into_stages(self, model: torch.nn.Module) -> PipelinedModel:
         """This rank's pipeline stages of the meta-device ``model``, each parallelized."""
@@ -573,7 +587,7 @@ class ArchonEngine:
 
         tensors = ((n, t.cpu()) for n, t in self.named_full_tensors(dtype, extras=extras))
         if dist.get_rank() == 0:
-            save_hf_tensors(tensors, self.hf_config.to_dict(), path, max_shard_size=max_shard_size)
+            save_hf_tensors(tensors, self._export_hf_config(), path, max_shard_size=max_shard_size)
             source = Path(self.config.path) / "generation_config.json" if self.config.path else None
             if source is not None and source.is_file():
                 # EOS ids and sampling defaults live here; generate() and servers read them.
@@ -582,6 +596,10 @@ class ArchonEngine:
             for _ in tensors:  # join the collectives
                 pass
         dist.barrier()
+
+    def _export_hf_config(self) -> dict[str, Any]:
+        """The config.json ``export_hf`` writes."""
+        return self.hf_config.to_dict()
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, path: str | Path, extra_state: dict[str, Any] | None = None) -> None:

@@ -79,6 +79,9 @@ def _engines(cfg: "Config", job: str) -> list[tuple[str, "TrainEngineConfig", bo
         engines.append(("ref", cfg.ref, False, False))
     if job == "rl" and cfg.actor.adv_estimator == "gae":
         engines.append(("critic", cfg.critic, True, True))
+    if job == "rl" and cfg.actor.kd_coef:
+        # Counted with the actor's architecture: a teacher of another size is estimated as the actor's.
+        engines.append(("teacher", cfg.teacher, False, False))
     return engines
 
 

@@ -1,7 +1,7 @@
 """Which process of a run runs on which node and GPU: ``ClusterPlan``.
 
 A run is rollout servers (``sglang:dNtM``: N servers of M*P GPUs; ``local:dN``: N built-in
-servers of one slot each) and training ranks (one GPU each; actor, critic and reference share
+servers of one slot each) and training ranks (one GPU each; actor, critic, reference and teacher share
 them).  ``plan_cluster`` places them, rollout first and training after, as AReaL does:
 
 1. A server never spans nodes, so a node holds ``n_gpus_per_node // server_size`` servers.
@@ -47,7 +47,7 @@ from archon.alloc import AllocationError, ModelAllocation
 if TYPE_CHECKING:
     from archon.config import Config
 
-TRAINING_ENGINES = ("actor", "critic", "ref")
+TRAINING_ENGINES = ("actor", "critic", "ref", "teacher")
 
 Role = Literal["rollout", "train"]
 Job = Literal["rl", "sft"]
@@ -174,8 +174,8 @@ def _training_world(allocs: dict[str, ModelAllocation]) -> tuple[int, str]:
         first = next(iter(train))
         other = next(k for k in train if sizes[k] != sizes[first])
         raise AllocationError(f"{first}.backend '{train[first]}' needs {sizes[first]} ranks but {other}.backend "
-                              f"'{train[other]}' needs {sizes[other]}; actor, critic and ref share the training ranks, "
-                              "so give them allocations of the same world size")
+                              f"'{train[other]}' needs {sizes[other]}; actor, critic, ref and teacher share the "
+                              "training ranks, so give them allocations of the same world size")
     if not train:
         return 0, ""
     return next(iter(sizes.values())), str(next(iter(train.values())))

@@ -1,4 +1,4 @@
-"""The PPO/GRPO actor (and the reference model) on an ArchonEngine.
+"""The PPO/GRPO actor (and the frozen reference and teacher models) on a training engine.
 
 Every rank holds the whole rollout batch; the engine takes its data-parallel share and
 returns results in the original sample order, so actor, critic and reference may have
@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from archon.engine.engine import ArchonEngine
+from archon.rl.distill import distillation_loss
 from archon.rl.losses import aggregate, loss_weight, make_actor_loss_fn
 from archon.rl.rejection_sampling import RejectionSampling
 from archon.rl.rollout_batch import ppo_minibatches
@@ -40,6 +41,7 @@ class PPOActor:
         self.engine = engine
         self.cfg = cfg
         self.agg_mode = cfg.loss_agg_mode
+        self.max_new_tokens = max_new_tokens
         self.loss_fn = make_actor_loss_fn(
             use_decoupled_loss=cfg.use_decoupled_loss,
             eps_clip=cfg.eps_clip,
@@ -66,6 +68,13 @@ class PPOActor:
 
     def _loss_with_mismatch(self, outputs: Batch, mb: Batch) -> tuple[torch.Tensor, Batch]:
         loss, stats = self.loss_fn(outputs, mb)
+        if self.cfg.kd_coef:
+            # On-policy distillation toward the teacher's logprobs of the sampled tokens.
+            kd, stats["kd_loss"] = distillation_loss(
+                outputs["logprobs"], mb["teacher_logprobs"], mb["loss_mask"], estimator=self.cfg.kd_estimator,
+                agg_mode=self.agg_mode, max_response_len=self.max_new_tokens)
+            loss = loss + self.cfg.kd_coef * kd
+            stats["loss"] = loss.detach().float()
         # The training/inference mismatch before this update: |trainer - rollout server| logprob.
         diff = (outputs["logprobs"].detach() - mb["logprobs"]).abs()
         stats["behav_logprob_diff"] = aggregate(diff, mb["loss_mask"], "token-mean"
@@ -78,7 +87,8 @@ class PPOActor:
 
         The batch needs ``advantages``, ``loss_mask``, ``logprobs`` (behaviour) and, when the
         proximal policy was recomputed, ``old_logprobs``; ``ref_logprobs`` for the KL loss;
-        ``seq_no_eos_mask`` for ``overlong_filtering`` (truncated rows leave the loss).
+        ``teacher_logprobs`` for distillation (``kd_coef``); ``seq_no_eos_mask`` for
+        ``overlong_filtering`` (truncated rows leave the loss).
         """
         cfg = self.cfg
         if cfg.overlong_filtering:
@@ -103,7 +113,8 @@ class PPOActor:
 
 
 class ReferenceModel:
-    """A frozen copy of the initial policy for KL terms (its own engine and allocation)."""
+    """A frozen model scoring sampled tokens: the reference for KL terms, or the distillation teacher
+    (its own engine and allocation)."""
 
     def __init__(self, engine: ArchonEngine):
         self.engine = engine

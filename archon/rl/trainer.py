@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from archon.cli import JobError
 from archon.config import Config, ConfigError
-from archon.engine.engine import ArchonEngine
+from archon.engine import ArchonEngine, build_engine
 from archon.errors import user_error_types
 from archon.rl.actor import PPOActor, ReferenceModel
 from archon.rl.advantages import AdvantageConfig, compute_advantages
@@ -96,6 +96,7 @@ class RLTrainer:
         self.group_size = resolved_group_size(cfg)
         self.temperature = policy_temperature(cfg)
         self.use_ref = bool(cfg.actor.kl_ctl or cfg.actor.kl_loss_coef)
+        self.use_teacher = bool(cfg.actor.kd_coef)
         self.use_critic = cfg.actor.adv_estimator == "gae"
         try:
             self.adv_cfg = AdvantageConfig.from_actor_config(
@@ -114,17 +115,21 @@ class RLTrainer:
         cfg = self.cfg
         common = dict(seed=cfg.seed, device=cfg.device, temperature=self.temperature)
         actor_steps = cfg.total_train_steps * cfg.actor.ppo_n_minibatches * cfg.actor.ppo_epochs
-        self.actor_engine = ArchonEngine(cfg.actor, name="actor", total_steps=actor_steps, **common).initialize()
+        self.actor_engine = build_engine(cfg.actor, name="actor", total_steps=actor_steps, **common).initialize()
         self.actor = PPOActor(self.actor_engine, cfg.actor, max_new_tokens=cfg.gconfig.max_new_tokens)
         self.engines: dict[str, ArchonEngine] = {"actor": self.actor_engine}
         self.ref = None
         if self.use_ref:
-            ref_engine = ArchonEngine(cfg.ref, name="ref", trainable=False, **common).initialize()
+            ref_engine = build_engine(cfg.ref, name="ref", trainable=False, **common).initialize()
             self.ref = ReferenceModel(ref_engine)
+        self.teacher = None
+        if self.use_teacher:
+            teacher_engine = build_engine(cfg.teacher, name="teacher", trainable=False, **common).initialize()
+            self.teacher = ReferenceModel(teacher_engine)
         self.critic = None
         if self.use_critic:
             critic_steps = cfg.total_train_steps * cfg.critic.ppo_n_minibatches * cfg.critic.ppo_epochs
-            critic_engine = ArchonEngine(cfg.critic, name="critic", is_critic=True, total_steps=critic_steps,
+            critic_engine = build_engine(cfg.critic, name="critic", is_critic=True, total_steps=critic_steps,
                                          **common).initialize()
             self.critic = PPOCritic(critic_engine, cfg.critic, agg_mode=cfg.actor.loss_agg_mode,
                                     max_new_tokens=cfg.gconfig.max_new_tokens)
@@ -248,6 +253,11 @@ class RLTrainer:
         if self.ref is not None:
             policy = batch.get("old_logprobs", batch["logprobs"])
             metrics["kl_ref"] = float(aggregate(kl_estimate(policy, batch["ref_logprobs"], "k1"), mask, "token-mean"))
+        if self.teacher is not None:
+            batch["teacher_logprobs"] = self.teacher.compute_logprobs(batch)
+            policy = batch.get("old_logprobs", batch["logprobs"])
+            metrics["kl_teacher"] = float(aggregate(kl_estimate(policy, batch["teacher_logprobs"], "k1"), mask,
+                                                    "token-mean"))
         if self.critic is not None:
             batch["values"], batch["values_after"] = self.critic.compute_values(batch)
         adv = compute_advantages(batch, dataclasses.replace(self.adv_cfg, kl_ctl=self.kl_ctl.value))

@@ -8,7 +8,9 @@ from typing import Any, ClassVar
 from models.model_args import (
     BaseModelArgs,
     HFConfigError,
+    RefusedSetting,
     hf_config_to_dict,
+    probing_unimplemented,
     read_head_dim,
     read_rope,
     reject_sliding_window,
@@ -23,6 +25,13 @@ class DecoderArgs(BaseModelArgs):
 
     hf_model_type: ClassVar[str] = ""
     hf_architecture: ClassVar[str] = ""
+    hf_key_aliases: ClassVar[dict[str, str]] = {}
+    """This model's config.json spelling -> the spelling read here (e.g. ``{"layer_norm_eps": "rms_norm_eps"}``)."""
+    refused_settings: ClassVar[tuple[RefusedSetting, ...]] = ()
+    """Config values that switch on features this model does not implement (checked by ``from_hf_config``)."""
+    unimplemented: ClassVar[tuple[str, ...]] = ()
+    """Differences from transformers' model not implemented yet (``scripts/add_model.py`` lists them); while any
+    remain, ``from_hf_config`` refuses to build the model outside ``allow_unimplemented()`` (parity probes)."""
 
     dim: int = 4096
     """Hidden size (``hidden_size``)."""
@@ -64,7 +73,11 @@ class DecoderArgs(BaseModelArgs):
     def _decoder_fields_from_hf(cls, cfg: dict[str, Any]) -> dict[str, Any]:
         require_keys(cfg, "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size")
         reject_sliding_window(cfg)
-        reject_unsupported_activation(cfg)
+        if not any(point.startswith("mlp") for point in cls.unimplemented):
+            # (while the MLP is a listed difference, the parity probes must still build the model)
+            reject_unsupported_activation(cfg)
+        for setting in cls.refused_settings:
+            setting.check(cfg)
         rope_type, rope_theta, scaling = read_rope(cfg)
         if rope_type != "default":
             raise HFConfigError(
@@ -115,12 +128,18 @@ class DecoderArgs(BaseModelArgs):
     def from_hf_config(cls, hf_config: Any, is_critic: bool = False) -> "DecoderArgs":
         cfg = hf_config_to_dict(hf_config)
         cls._check_model_type(cfg)
+        if cls.unimplemented and not probing_unimplemented():
+            raise HFConfigError(f"{cls.__name__} ({cls.hf_model_type}) does not implement yet: "
+                                f"{', '.join(cls.unimplemented)}; see the report at the top of its model.py and "
+                                "its parity test, or train this model type with an 'fsdp:' allocation meanwhile")
+        source = dict(cfg)
+        cfg = {**cfg, **{ours: cfg[theirs] for theirs, ours in cls.hf_key_aliases.items() if theirs in cfg}}
         fields = cls._decoder_fields_from_hf(cfg)
         fields.update(cls._model_fields_from_hf(cfg))
         if is_critic:
             # A critic's value head is its own matrix even if the LM head was tied.
             fields["tie_word_embeddings"] = False
-        return cls(**fields, is_critic=is_critic, hf_config=cfg)
+        return cls(**fields, is_critic=is_critic, hf_config=source)
 
     def _update_hf_config(self, cfg: dict[str, Any]) -> None:
         """Write the config.json fields specific to one model type; subclasses override."""
@@ -151,6 +170,9 @@ class DecoderArgs(BaseModelArgs):
         cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta}
         cfg["rope_theta"] = self.rope_theta
         cfg.pop("rope_scaling", None)
+        for theirs, ours in self.hf_key_aliases.items():
+            # Written in this model's own spelling (the shared spelling is what was read).
+            cfg[theirs] = cfg.pop(ours, cfg.get(theirs))
         self._update_hf_config(cfg)
         if self.is_critic:
             # transformers' *ForTokenClassification with one label is the HF form of a critic.

@@ -1,4 +1,5 @@
-"""HF <-> Archon names for the Qwen decoder family (qwen2, qwen3, qwen3_moe).
+"""HF <-> Archon names for the Qwen decoder family (qwen2, qwen3, qwen3_moe), and table-driven names
+for packages ``scripts/add_model.py`` generates (``TableStateDictAdapter``).
 
 HF checkpoints of all three share one naming scheme; keys a model does not have (q_norm for
 qwen2, experts for a dense model) map to Archon names the model lacks, which the loader
@@ -17,6 +18,7 @@ Archon's own rollout server and sync folders, and is left out of HF exports
 from __future__ import annotations
 
 import re
+from typing import Any, ClassVar
 
 import torch
 
@@ -145,3 +147,63 @@ class DecoderStateDictAdapter(BaseStateDictAdapter):
     def is_hf_field(self, hf_name: str) -> bool:
         # transformers' Qwen3-MoE routes without a bias, so an exported bias would be ignored.
         return not _EXPERT_BIAS_HF.match(hf_name)
+
+
+class TableStateDictAdapter(BaseStateDictAdapter):
+    """HF <-> Archon names from two tables, for decoders whose checkpoints name things their own way.
+
+    ``scripts/add_model.py`` derives the tables by matching a transformers model's parameters
+    against Archon's shared blocks.  ``top_keys`` maps whole HF keys (embedding, final norm,
+    LM head); ``layer_keys`` maps what follows ``<hf_layer_prefix>.{i}.`` to what follows
+    ``layers.{i}.``.  A critic reads and writes its value head as ``score.weight``.
+    """
+
+    hf_layer_prefix: ClassVar[str] = "model.layers"
+    """HF path of the block list."""
+    top_keys: ClassVar[dict[str, str]] = {}
+    """HF key -> Archon name outside the blocks."""
+    layer_keys: ClassVar[dict[str, str]] = {}
+    """HF key suffix inside block i -> Archon name suffix inside ``layers.{i}``."""
+    ignored: ClassVar[tuple[str, ...]] = (r".*\.rotary_emb\.inv_freq",)
+    """Regular expressions of HF keys that hold nothing Archon needs."""
+
+    def __init__(self, model_args: Any) -> None:
+        super().__init__(model_args)
+        self._layer = re.compile(rf"^{re.escape(self.hf_layer_prefix)}\.(\d+)\.(.+)$")
+        self._top_inv = {v: k for k, v in self.top_keys.items()}
+        self._layer_inv = {v: k for k, v in self.layer_keys.items()}
+
+    def _unknown(self, name: str, direction: str) -> UnknownKeyError:
+        return UnknownKeyError(f"{type(self).__name__} has no {direction} mapping for {name!r}")
+
+    def map_hf_key(self, hf_name: str) -> tuple[str, int | None] | None:
+        critic = bool(self.model_args.is_critic)
+        if any(re.fullmatch(p, hf_name) for p in self.ignored):
+            return None
+        if hf_name in self.top_keys:
+            target = self.top_keys[hf_name]
+            # A critic loaded from a causal-LM checkpoint keeps its freshly initialised value head.
+            return None if critic and target == "output.weight" else (target, None)
+        if hf_name == "score.weight" and critic:
+            return "output.weight", None
+        m = self._layer.match(hf_name)
+        if m and m.group(2) in self.layer_keys:
+            return f"layers.{m.group(1)}.{self.layer_keys[m.group(2)]}", None
+        raise self._unknown(hf_name, "HF -> Archon")
+
+    def to_hf_tensors(self, archon_name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        args = self.model_args
+        if archon_name == "output.weight":
+            if args.is_critic:
+                return [("score.weight", tensor)]
+            if args.tie_word_embeddings:
+                return []  # stored once, as the embedding
+        if archon_name in self._top_inv:
+            return [(self._top_inv[archon_name], tensor)]
+        m = _ARCHON_LAYER.match(archon_name)
+        if m and m.group(2) in self._layer_inv:
+            return [(f"{self.hf_layer_prefix}.{m.group(1)}.{self._layer_inv[m.group(2)]}", tensor)]
+        raise self._unknown(archon_name, "Archon -> HF")
+
+    def is_optional(self, archon_name: str) -> bool:
+        return bool(self.model_args.is_critic) and archon_name == "output.weight"
