@@ -205,8 +205,9 @@ class ArchonEngine:
                               "model folder (config.json + *.safetensors)")
         from models import get_model_spec, read_hf_config
 
-        # Archon's sentence for an unsupported model_type, before transformers' paragraph about it.
-        get_model_spec(read_hf_config(folder).get("model_type", ""))
+        if self.backend == "archon":
+            # Archon's sentence for an unsupported model_type, before transformers' paragraph about it.
+            get_model_spec(read_hf_config(folder).get("model_type", ""))
         return AutoConfig.from_pretrained(str(folder))
 
     @torch.no_grad()

@@ -223,10 +223,10 @@ class RLTrainer:
                 return_routed_experts=replay))
             if results is None:
                 return None  # servers lost: every rank recovers them, then the rollout is repeated
-            args = self.actor_engine.model_args
+            args = self.actor_engine.model_args if replay else None
             completions = [Completion(p.input_ids, r.output_ids, r.output_logprobs, r.finish_reason,
                                       routed_experts_array(r.routed_experts, args.n_layers, args.top_k)
-                                      if replay else None)
+                                      if args is not None else None)
                            for p, r in zip(prompts, results)]
             t1 = time.perf_counter()
             texts = [self.tokenizer.decode(c.output_ids, skip_special_tokens=True) for c in completions]
