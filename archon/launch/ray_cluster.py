@@ -59,6 +59,7 @@ logger = logging.getLogger("archon.launch")
 _POLL_S = 1.0
 _STOP_GRACE_S = 15.0
 _TAIL_LINES = 30
+_FAILURE_GRACE_S = 20.0
 
 
 def _import_ray() -> Any:
@@ -308,30 +309,42 @@ class RayLaunch:
                         row["ip"], row["CUDA_VISIBLE_DEVICES"], row["log"])
 
     # ------------------------------------------------------------------ watching
+    def _poll(self) -> list[int | None]:
+        try:
+            return self.ray.get([r.slot.poll.remote() for r in self.running])
+        except self.ray.exceptions.RayActorError as exc:
+            raise LaunchError(f"Ray lost a process slot of this run (its node died or was removed): {exc}") from None
+
     def watch(self) -> int:
-        """Until every training rank has exited: 0 when all succeeded, else ``LaunchError`` with the first failure."""
+        """Until every training rank has exited: 0 when all succeeded, else ``LaunchError`` naming the failure."""
         ray = self.ray
         while True:
-            try:
-                codes = ray.get([r.slot.poll.remote() for r in self.running])
-            except ray.exceptions.RayActorError as exc:
-                raise LaunchError(f"Ray lost a process slot of this run (its node died or was removed): {exc}") \
-                    from None
-            ranks = [(r, c) for r, c in zip(self.running, codes) if r.proc.role == "train"]
+            codes = self._poll()
             for run, code in zip(self.running, codes):
                 if run.proc.role == "rollout" and code is not None and not run.reported:
                     run.reported = True
                     logger.error("%s (plan node %d, %s) exited with code %s; last lines of %s:\n%s", run.name,
                                  run.proc.node, run.node_ip, code, run.log_path, ray.get(run.slot.tail.remote()))
-            failed = [(r, c) for r, c in ranks if c not in (None, 0)]
-            if failed:
-                run, code = failed[0]
-                raise LaunchError(f"training {run.name} (plan node {run.proc.node}, {run.node_ip}) exited with code "
-                                  f"{code}; last lines of {run.log_path}:\n{ray.get(run.slot.tail.remote())}")
+            ranks = [(r, c) for r, c in zip(self.running, codes) if r.proc.role == "train"]
+            if any(c not in (None, 0) for _, c in ranks):
+                raise self._failure()
             if all(c == 0 for _, c in ranks):
                 logger.info("training finished on all %d rank(s)", len(ranks))
                 return 0
             time.sleep(_POLL_S)
+
+    def _failure(self) -> LaunchError:
+        """The error of a failed run: the rank that printed the job's one-line reason, with its log's last lines."""
+        deadline = time.monotonic() + _FAILURE_GRACE_S
+        while True:  # ranks that fail together print their shared reason once, on one rank: let them all exit
+            ranks = [(r, c) for r, c in zip(self.running, self._poll()) if r.proc.role == "train"]
+            if all(c is not None for _, c in ranks) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        failed = [(r, c, self.ray.get(r.slot.tail.remote())) for r, c in ranks if c not in (None, 0)]
+        run, code, tail = next((f for f in failed if "\nerror: " in f"\n{f[2]}"), failed[0])
+        return LaunchError(f"training {run.name} (plan node {run.proc.node}, {run.node_ip}) exited with code {code}; "
+                           f"last lines of {run.log_path}:\n{tail}")
 
     def stop(self) -> None:
         """Stop every process, then the slots, the directory and the placement groups (idempotent)."""
@@ -377,7 +390,12 @@ def launch_ray(cfg: Config, plan: ClusterPlan, config: str | None, overrides: Se
         ray.init(**kwargs)
     except ConnectionError as exc:
         raise ClusterError(f"cannot connect to the Ray cluster at {address}: {exc}") from None
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # SIGTERM (e.g. from a job scheduler) stops the run like Ctrl-C
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
     try:
         return RayLaunch(cfg, plan, config, overrides, job, cpus_per_gpu, placement_timeout).run()
     finally:
+        signal.signal(signal.SIGTERM, previous)
         ray.shutdown()
