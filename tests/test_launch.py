@@ -162,6 +162,25 @@ def test_recipe_scripts_follow_the_plan(config, rollout_nodes, train_nodes, serv
     assert "<api key>" in shown
 
 
+def test_submit_hands_the_written_script_to_sbatch(tmp_path, monkeypatch, capsys):
+    args = ["slurm", "--config", str(DENSE), "--script", str(tmp_path / "job.sbatch"), "--submit",
+            "--sbatch-arg=--partition=gpu", f"output_dir={tmp_path / 'run'}"]
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert main(args) == 2
+    assert "sbatch is not on PATH" in capsys.readouterr().err
+    fake = tmp_path / "bin" / "sbatch"
+    fake.parent.mkdir()
+    fake.write_text(f"#!{sys.executable}\nimport sys\nopen({str(tmp_path / 'argv')!r}, 'w').write(sys.argv[1])\n"
+                    "print('Submitted batch job 31337')\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", str(fake.parent))
+    assert main(args) == 0
+    assert "Submitted batch job 31337" in capsys.readouterr().out
+    assert (tmp_path / "argv").read_text() == str(tmp_path / "job.sbatch")
+    script = (tmp_path / "job.sbatch").read_text()
+    assert "#SBATCH --partition=gpu\n" in script and f"#SBATCH --output={tmp_path / 'run'}/launch/slurm-%j.log" in script
+
+
 def test_training_nodes_with_different_gpus_are_refused_for_torchrun():
     # 2 nodes of 8: four 1-GPU servers and 12 ranks share node 0 (ranks on GPUs 4-7) and fill node 1.
     cfg = load_config(DEMO, ["cluster.n_nodes=2", "cluster.n_gpus_per_node=8", "rollout.backend=local:d4",
