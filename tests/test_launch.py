@@ -162,6 +162,15 @@ def test_recipe_scripts_follow_the_plan(config, rollout_nodes, train_nodes, serv
     assert "<api key>" in shown
 
 
+def test_one_node_job_runs_its_servers_and_training_side_by_side():
+    job = _job(DENSE, "cluster.n_nodes=1", "rollout.backend=sglang:d2t2", "actor.backend=archon:d4")
+    script = render_script(job)
+    srun = [line for line in script.splitlines() if line.startswith("srun ")]
+    assert len(srun) == 2 and all('--nodelist="${NODES[0]}"' in line and "--overlap" in line for line in srun)
+    train = script[script.index(srun[1]):]
+    assert "env CUDA_VISIBLE_DEVICES=4,5,6,7 " in train and "--nnodes=1 --nproc_per_node=4" in train
+
+
 def test_submit_hands_the_written_script_to_sbatch(tmp_path, monkeypatch, capsys):
     args = ["slurm", "--config", str(DENSE), "--script", str(tmp_path / "job.sbatch"), "--submit",
             "--sbatch-arg=--partition=gpu", f"output_dir={tmp_path / 'run'}"]
