@@ -21,6 +21,10 @@ class DataError(ArchonError, ValueError):
     """A data file is missing, empty or malformed; the message names the file, the line and the fix."""
 
 
+class ClusterError(ArchonError, ValueError):
+    """The cluster or its launcher cannot run the plan (too few nodes, unreachable, run directory not shared)."""
+
+
 def user_error_types() -> tuple[type[BaseException], ...]:
     """``ArchonError`` and the user-error classes of the layers below ``archon/`` (which cannot import it)."""
     import models

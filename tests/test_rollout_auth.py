@@ -129,13 +129,13 @@ def test_routable_addresses_need_a_key(folders, tmp_path):
     assert out.returncode != 0 and "Traceback" not in out.stderr
     assert "reachable from other machines" in out.stderr and "ARCHON_API_KEY" in out.stderr
 
-    # Multi-node runs bind every interface, and every server gets the run's key.
+    # Multi-node runs bind every interface, and every server gets the run's key (node 0's: the plan puts them there).
     cfg = load_config(None, [f"actor.path={folders / 'served'}", "rollout.backend=local:d2", "cluster.n_nodes=2",
                              "cluster.n_gpus_per_node=2", "actor.backend=archon:d2"])
-    specs = build_launch_specs(cfg, tmp_path, node=0)  # the plan gives node 0 to rollout
+    specs = build_launch_specs(cfg, tmp_path, node=0)
     assert {s.host for s in specs} == {"0.0.0.0"} and len({s.api_key for s in specs}) == 1
     assert all(s.env[API_KEY_ENV] == s.api_key for s in specs)
     sg = load_config(None, [f"actor.path={folders / 'served'}", "rollout.backend=sglang:d2t1", "cluster.n_nodes=2",
                             "cluster.n_gpus_per_node=2", "actor.backend=archon:d2"])
-    for spec in build_launch_specs(sg, tmp_path, api_key="k123", node=0):
+    for spec in build_launch_specs(sg, tmp_path, node=0, api_key="k123"):
         assert spec.cmd[spec.cmd.index("--api-key") + 1] == "k123"

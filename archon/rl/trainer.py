@@ -158,9 +158,10 @@ class RLTrainer:
         self.sampling = sampling_params(cfg.gconfig, stop_token_ids=stop)
 
     def _build_rollout(self) -> None:
-        """Rank 0 launches (or connects to) the servers; every rank joins the weight sync."""
+        """Rank 0 gets the servers (``server_source``: launched, published, given); every rank joins the weight sync."""
         from archon.rollout.client import RolloutClient
-        from archon.rollout.launcher import RolloutLauncher, ranks_per_server
+        from archon.rollout.discovery import server_source
+        from archon.rollout.launcher import ranks_per_server
         from archon.rollout.recovery import ServerSupervisor
         from archon.rollout.weight_sync import build_weight_sync
         from parallel.fsdp import to_dtype
@@ -169,7 +170,7 @@ class RLTrainer:
         rollout_alloc = cfg.allocations()["rollout"]
 
         def connect() -> None:
-            self.launcher = RolloutLauncher.from_config(cfg, cfg.run_dir)
+            self.launcher = server_source(cfg)
             addrs = self.launcher.start()
             self.client = RolloutClient.from_config(cfg.rollout, addrs, api_key=self.launcher.api_key)
             self.client.wait_healthy(cfg.rollout.setup_timeout)

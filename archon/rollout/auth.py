@@ -76,6 +76,14 @@ def write_api_key(path: Path, api_key: str) -> None:
         fh.write(api_key + "\n")
 
 
+def read_api_key(path: Path) -> str | None:
+    """The key ``write_api_key`` wrote to ``path``; None when there is no such file."""
+    try:
+        return path.read_text().strip() or None
+    except FileNotFoundError:
+        return None
+
+
 class APIKeyMiddleware:
     """ASGI middleware: every request but ``/health*`` needs ``Authorization: Bearer <api_key>``.
 

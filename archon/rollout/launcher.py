@@ -24,7 +24,8 @@ cluster launcher or ``rollout.server_addrs``.
 Every launched server gets the run's API key (``archon.rollout.auth``): the built-in one in
 its environment, SGLang as ``--api-key`` (redacted in the log), vLLM as ``VLLM_API_KEY``;
 ``RolloutLauncher.api_key`` hands it to the client, and ``<run_dir>/rollout/api_key`` holds it
-while the servers run.
+while the servers run (a cluster launcher writes that file once for the whole run, and its
+serve-node steps pass ``write_key_file=False``; ``archon.rollout.discovery``).
 """
 
 from __future__ import annotations
@@ -226,8 +227,9 @@ def _servers_of_node(rollout: ModelAllocation, plan: ClusterPlan, node: int | No
         where = ", ".join(f"server {s.index} on node {s.node} (GPUs {','.join(map(str, s.gpus))})" for s in remote)
         raise ConfigError(f"rollout.backend = '{rollout}' places {where}, but the trainer launches servers only on "
                           f"its own node {here} (that of training rank 0); start the run with a cluster launcher "
-                          "that starts every node's servers, or start them yourself and list every server's "
-                          "host:port in rollout.server_addrs (`python -m archon.plan` shows the layout)")
+                          "that starts every node's servers (`python -m archon.launch slurm|ray`), or start them "
+                          "yourself and list every server's host:port in rollout.server_addrs (`python -m archon.plan` "
+                          "shows the layout)")
     return plan.servers
 
 
@@ -331,13 +333,15 @@ class RolloutLauncher:
     """Starts rollout servers, waits until they are healthy, and always stops them."""
 
     def __init__(self, specs: Sequence[LaunchSpec], *, setup_timeout: float = 300.0, stop_grace_s: float = 10.0,
-                 server_addrs: Sequence[str] = ()):
+                 server_addrs: Sequence[str] = (), write_key_file: bool = True):
         if specs and server_addrs:
             raise ValueError("give RolloutLauncher either launch specs or existing server_addrs, not both")
         self.specs = list(specs)
         self.setup_timeout = setup_timeout
         self.stop_grace_s = stop_grace_s
         self._external = list(server_addrs)
+        # A cluster launcher's serve-node runs beside others that share the run's key file: not its to write.
+        self._write_key_file = write_key_file
         self._running: list[_Running] = []
         self._prev_handlers: dict[int, Any] = {}
         self._atexit_registered = False
@@ -366,7 +370,9 @@ class RolloutLauncher:
     @property
     def key_path(self) -> Path | None:
         """``<run_dir>/rollout/api_key`` while the servers run."""
-        return self.specs[0].log_path.parent / "api_key" if self.specs and self.api_key else None
+        if not (self.specs and self.api_key and self._write_key_file):
+            return None
+        return self.specs[0].log_path.parent / "api_key"
 
     def start(self) -> list[str]:
         """Launch every server and wait for /health; on any failure stop them all and raise."""

@@ -110,6 +110,8 @@ class ServerSupervisor:
                 index = self._index[url]
                 tail = self.launcher.log_tail(index, _TAIL_LINES).replace("\n", "\n    ")
                 part += f"; last lines of {self.launcher.log_path(index)}:\n    {tail}\n"
+            elif hasattr(self.launcher, "log_hint"):
+                part += f"; {self.launcher.log_hint(url)}"
             parts.append(part)
         if self._index and self.restarts >= self.max_restarts:
             used = (f"all {self.max_restarts} restart(s) of rollout.max_server_restarts are used up"
@@ -118,6 +120,9 @@ class ServerSupervisor:
                    "checkpoint"
         elif self._index:
             hint = "restarting them failed; find the cause in the log above, then rerun to resume"
+        elif hasattr(self.launcher, "log_hint"):
+            hint = ("; a cluster launcher started them on their nodes, so the trainer cannot restart them; find the "
+                    "cause in their logs, then rerun the launch to resume from the last checkpoint")
         else:
             hint = ("Archon did not start them (rollout.server_addrs), so it cannot restart them; restart them, then "
                     "rerun the same command to resume from the last checkpoint")
