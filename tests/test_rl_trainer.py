@@ -207,9 +207,9 @@ def test_rank0_failures_end_every_rank_with_the_same_reason(rl_setup):
     # Nothing listens on port 9: rank 0 cannot reach the servers; rank 1 must not wait for it forever.
     args = overrides(model, data, root / "unreachable", "archon:d2", **{"rollout.setup_timeout": 2.0}) + [
         'rollout.server_addrs=["127.0.0.1:9"]']
-    errors = run_distributed(_train_expecting_failure, 2, args, timeout=120)
+    errors = run_distributed(_train_expecting_failure, 2, args, timeout=300)
     assert all("starting the rollout servers failed on rank 0" in e for e in errors), errors
     assert errors[0] == errors[1] and "127.0.0.1:9" in errors[0]
     errors = run_distributed(_train_expecting_failure, 2, overrides(model, data, root / "badfn", "archon:d2",
-                                                                    **{"reward.fn": "no_such_module:fn"}), timeout=120)
+                                                                    **{"reward.fn": "no_such_module:fn"}), timeout=300)
     assert all("no_such_module" in e for e in errors), errors
