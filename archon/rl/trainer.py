@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from archon.cli import JobError
 from archon.config import Config, ConfigError
+from archon.drill import drill_point
 from archon.engine.engine import ArchonEngine
 from archon.rl.actor import PPOActor, ReferenceModel
 from archon.rl.advantages import AdvantageConfig, compute_advantages
@@ -178,8 +179,10 @@ class RLTrainer:
             t0 = time.perf_counter()
             params = [{**self.sampling, "sampling_seed": rollout_seed(self.cfg.seed, step, i)}
                       for i in range(len(prompts))]
-            results = self.client.generate_many([p.input_ids for p in prompts], params,
-                                                max_concurrency=self.cfg.rollout.max_concurrent_rollouts)
+            pending = self.client.submit(self.client.agenerate_many(
+                [p.input_ids for p in prompts], params, max_concurrency=self.cfg.rollout.max_concurrent_rollouts))
+            drill_point("rollout")  # kill-and-resume drills stop here, requests in flight
+            results = pending.result()
             completions = [Completion(p.input_ids, r.output_ids, r.output_logprobs, r.finish_reason)
                            for p, r in zip(prompts, results)]
             t1 = time.perf_counter()
@@ -251,23 +254,25 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ run
     def run(self) -> list[dict[str, Any]]:
-        from archon.engine.checkpoint import CheckpointManager
+        from archon.engine.checkpoint_manager import CheckpointManager
         from archon.engine.dist import init_distributed, resolve_device_type
         from archon.metrics import MetricsLogger
 
         cfg = self.cfg
         init_distributed(resolve_device_type(cfg.device))
         self.rank0 = dist.get_rank() == 0
+        ckpt = CheckpointManager(cfg.run_dir, cfg.saver.keep_last)
+        ckpt.check_writable()
         self._build_data()
         self._build_engines()
-        ckpt = CheckpointManager(cfg.run_dir, cfg.saver.keep_last)
+        ckpt.check_space(self.engines)
         extra = ckpt.load(self.engines)
         start = 0
         if extra is not None:
             self.loader.load_state_dict(extra["loader"])
             start = int(extra["step"])
             if self.rank0:
-                logger.info("resumed from %s at RL step %d", ckpt.latest(), start)
+                logger.info("resumed from %s at RL step %d", ckpt.loaded, start)
         history: list[dict[str, Any]] = []
         try:
             self._build_rollout()
