@@ -282,3 +282,33 @@ def test_resumed_metrics_drop_redone_steps_and_a_line_cut_by_a_kill(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 5, "lo')  # killed mid-write
     MetricsLogger(tmp_path, total_steps=6, start_step=2).close()
     assert (tmp_path / "metrics.jsonl").read_text() == lines[0] + "\n" + lines[1] + "\n"
+
+
+def _pipelined(path: str, run_dir: str, phase: str) -> list[float] | None:
+    """Under archon:p2 each rank's optimizer holds its own stage's parameters: save on one, resume on the other."""
+    import torch.distributed as dist
+
+    from archon.config import ArchonEngineConfig
+    from archon.engine.checkpoint_manager import CheckpointManager
+    from archon.engine.engine import ArchonEngine
+
+    cfg = engine_config(path, "archon:p2", archon={"pp_schedule": "1F1B"})
+    assert isinstance(cfg.archon, ArchonEngineConfig)
+    engine = ArchonEngine(cfg, total_steps=STEPS + 1).initialize()
+    ckpt = CheckpointManager(run_dir)
+    if phase == "first":
+        losses = [_step(engine, s) for s in (1, 2)]
+        ckpt.save(2, {"actor": engine}, {"at": 2})
+    elif phase == "second":
+        assert ckpt.load({"actor": engine}) == {"at": 2} and engine.step == 2
+        losses = [_step(engine, s) for s in (3, 4)]
+    else:
+        losses = [_step(engine, s) for s in (1, 2, 3, 4)]
+    return losses if dist.get_rank() == 0 else None
+
+
+def test_resume_under_pipeline_parallel_repeats_the_uninterrupted_run(model_path, tmp_path):
+    full = run_distributed(_pipelined, 2, model_path, str(tmp_path / "full"), "full", timeout=300)[0]
+    first = run_distributed(_pipelined, 2, model_path, str(tmp_path / "run"), "first", timeout=300)[0]
+    second = run_distributed(_pipelined, 2, model_path, str(tmp_path / "run"), "second", timeout=300)[0]
+    assert first + second == pytest.approx(full, abs=1e-6)

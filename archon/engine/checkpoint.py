@@ -114,7 +114,8 @@ class _TensorOnlyLoadPlanner(DefaultLoadPlanner):
 # ---------------------------------------------------------------------------- state
 
 def _states(engine: "ArchonEngine") -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The tensors DCP saves and loads, and the optimizer's param groups (JSON, beside them)."""
+    """The tensors DCP saves and loads, and this rank's optimizer param groups (parameter names and
+    hyper-parameters; the hyper-parameters go to JSON beside the tensors)."""
     state: dict[str, Any] = {"model": get_model_state_dict(engine.model)}
     groups: list[dict[str, Any]] = []
     if engine.optimizer is not None:
@@ -134,9 +135,21 @@ def _python_rng_from_json(state: list[Any]) -> tuple:
     return version, tuple(internal), gauss
 
 
-def _groups_from_json(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    # JSON turns tuples (AdamW's betas) into lists; param fqns stay a list.
-    return [{k: (tuple(v) if isinstance(v, list) and k != "params" else v) for k, v in g.items()} for g in groups]
+def _hyperparameters(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Param groups without their parameter names.
+
+    They are the same on every rank (one config, one schedule), while the names are this rank's
+    own (a pipeline stage's), so rank 0's are saved and every rank puts them on its own names.
+    """
+    return [{k: v for k, v in g.items() if k != "params"} for g in groups]
+
+
+def _restore_groups(path: Path, mine: list[dict[str, Any]], saved: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    if len(mine) != len(saved):
+        raise CheckpointError(f"'{path}' has {len(saved)} optimizer param group(s) but the engine has {len(mine)}; "
+                              "resume with the optimizer settings it was written with")
+    # JSON turns tuples (AdamW's betas) into lists.
+    return [{**g, **{k: tuple(v) if isinstance(v, list) else v for k, v in s.items()}} for g, s in zip(mine, saved)]
 
 
 def _engine_state(engine: "ArchonEngine", groups: list[dict[str, Any]], extra_state: dict[str, Any]) -> str:
@@ -144,7 +157,7 @@ def _engine_state(engine: "ArchonEngine", groups: list[dict[str, Any]], extra_st
         "step": engine.step,
         "allocation": str(engine.allocation),
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-        "optimizer_param_groups": groups,
+        "optimizer_param_groups": _hyperparameters(groups),
         "python_rng": _python_rng_to_json(random.getstate()),
         "extra": extra_state,
     }
@@ -217,7 +230,7 @@ def load_checkpoint(engine: "ArchonEngine", path: Path) -> dict[str, Any]:
         rng = load_file(str(path / RNG_STATE))
     except (OSError, ValueError, SafetensorError) as exc:
         raise CheckpointError(f"the engine state in '{path}' is damaged ({exc}); use an intact checkpoint") from None
-    state, _ = _states(engine)
+    state, groups = _states(engine)
     if "optim" in state and not meta.get("optimizer_param_groups"):
         raise CheckpointError(f"'{path}' has no optimizer state for {engine.name}; it was saved from an "
                               "engine without an optimizer")
@@ -228,7 +241,8 @@ def load_checkpoint(engine: "ArchonEngine", path: Path) -> dict[str, Any]:
                               "is damaged or was written for another model") from None
     set_model_state_dict(engine.model, state["model"], options=StateDictOptions(strict=True))
     if "optim" in state:
-        optim = {"state": state["optim"]["state"], "param_groups": _groups_from_json(meta["optimizer_param_groups"])}
+        optim = {"state": state["optim"]["state"],
+                 "param_groups": _restore_groups(path, groups, meta["optimizer_param_groups"])}
         set_optimizer_state_dict(engine.model, engine.optimizer, optim)
     engine.step = meta["step"]
     if engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
