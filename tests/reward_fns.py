@@ -44,9 +44,3 @@ def segfaults(prompt, completion, answer, **kw):
 
 def one(prompt, completion, answer, **kw):
     return 1.0
-
-
-def slow_length(prompt, completion, answer, **kw):
-    """length_reward that takes a while, so a test can kill a run between two steps."""
-    time.sleep(0.05)
-    return length_reward(prompt, completion, answer, **kw)
