@@ -122,14 +122,13 @@ def _uninterrupted(overrides: list[str]) -> list[dict] | None:
 
 
 class Drill:
-    """Reruns of one command in one output_dir, each killed (or not) as the test says."""
+    """Reruns of one command (``script args``, writing to ``out``), each killed (or not) as the test says."""
 
-    def __init__(self, assets, root: Path, backend: str, seed: int):
-        self.out = root / "run"
+    def __init__(self, root: Path, out: Path, script: str, args: list[str], seed: int = 0):
+        self.out = out
         self.root = root
         self.cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                    str(REPO / "scripts" / "train_rl.py"), "--config", str(CONFIG),
-                    *_overrides(assets, self.out, backend)]
+                    str(REPO / "scripts" / script), *args]
         self.rng = random.Random(seed)
         self.launches = 0
 
@@ -189,17 +188,17 @@ class Drill:
 
 
 def _resumed_from(log: str) -> int | None:
-    m = re.search(r"resumed from \S+/step_(\d+) at RL step (\d+)", log)
+    m = re.search(r"resumed from \S+/step_(\d+) at (?:RL )?step (\d+)", log)
     if m is None:
         return None
     assert m.group(1) == m.group(2)
     return int(m.group(1))
 
 
-def _assert_same_metrics(drill: Drill, reference: list[dict]) -> None:
+def _assert_same_metrics(drill: Drill, reference: list[dict], keys: tuple[str, ...] = COMPARED) -> None:
     records = [json.loads(line) for line in (drill.out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    for key in COMPARED:
+    for key in keys:
         assert [r[key] for r in records] == pytest.approx([r[key] for r in reference], abs=1e-6), key
 
 
@@ -212,7 +211,9 @@ def _assert_same_metrics(drill: Drill, reference: list[dict]) -> None:
 def test_rl_run_killed_anywhere_resumes_to_the_uninterrupted_metrics(demo_assets, tmp_path, backend, plan):
     reference = run_distributed(_uninterrupted, 2, _overrides(demo_assets, tmp_path / "reference", backend),
                                 timeout=600)[0]
-    drill = Drill(demo_assets, tmp_path, backend, seed=len(backend) + len(plan))
+    out = tmp_path / "run"
+    drill = Drill(tmp_path, out, "train_rl.py", ["--config", str(CONFIG), *_overrides(demo_assets, out, backend)],
+                  seed=len(backend) + len(plan))
     for phase, n in plan:
         before = drill.complete_checkpoints()
         log = drill.kill_at_random(n, before[-1]) if phase == "random" else drill.kill_at(phase, n)
@@ -227,3 +228,37 @@ def test_rl_run_killed_anywhere_resumes_to_the_uninterrupted_metrics(demo_assets
     assert _resumed_from(log) == before[-1]
     _assert_same_metrics(drill, reference)
     assert not list((drill.out / "checkpoints").glob("*.partial"))
+
+
+# ---------------------------------------------------------------------------------- SFT drill
+
+def _sft_overrides(assets, out: Path) -> list[str]:
+    return [f"actor.path={assets.model}", "actor.backend=archon:d2", "actor.dtype=float32",
+            "actor.archon.enable_compile=false", f"train_dataset.path={assets.sft}", "train_dataset.batch_size=8",
+            f"total_train_steps={STEPS}", "saver.freq_steps=1", "saver.export_hf=false", f"output_dir={out}",
+            "cluster.n_gpus_per_node=4"]
+
+
+def _sft_uninterrupted(overrides: list[str]) -> list[dict] | None:
+    import torch.distributed as dist
+
+    from archon.config import load_config
+    from archon.sft import run_sft
+
+    history = run_sft(load_config(None, overrides))
+    return history if dist.get_rank() == 0 else None
+
+
+@pytest.mark.slow
+def test_sft_run_killed_mid_checkpoint_resumes_to_the_uninterrupted_metrics(demo_assets, tmp_path):
+    """SFT shares the checkpoints (and the optimizer-step drill point) with RL; one kill mid-checkpoint."""
+    reference = run_distributed(_sft_uninterrupted, 2, _sft_overrides(demo_assets, tmp_path / "reference"),
+                                timeout=600)[0]
+    out = tmp_path / "run"
+    drill = Drill(tmp_path, out, "train_sft.py", _sft_overrides(demo_assets, out))
+    log = drill.kill_at("checkpoint", 3)  # steps 1 and 2 checkpointed, step 3's half-written
+    assert _resumed_from(log) is None and drill.complete_checkpoints() == [1, 2]
+    assert [p.name for p in (out / "checkpoints").glob("*.partial")] == ["step_3.partial"]
+    log = drill.finish()
+    assert _resumed_from(log) == 2
+    _assert_same_metrics(drill, reference, ("loss", "grad_norm", "lr", "tokens"))
