@@ -10,7 +10,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from dist_utils import run_distributed
 from hf_fixtures import make_tiny_tokenizer, save_tiny_hf

@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from archon.config import ConfigError
+from archon.drill import drill_point
 from archon.engine.checkpoint import CheckpointError, CheckpointWriteError, all_ranks_ok
 
 if TYPE_CHECKING:
@@ -39,12 +41,6 @@ logger = logging.getLogger("archon.checkpoint")
 COMPLETE = "complete.json"
 PARTIAL_SUFFIX = ".partial"
 _STEP_DIR = re.compile(r"step_(\d+)")
-
-
-def _drill(phase: str) -> None:
-    from archon.drill import drill_point
-
-    drill_point(phase)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -152,8 +148,6 @@ class CheckpointManager:
     # ------------------------------------------------------------------ before training
     def check_writable(self) -> None:
         """Collective: every rank can create files in the checkpoint folder, or every rank raises ``ConfigError``."""
-        from archon.config import ConfigError
-
         error = None
         probe = self.root / f".write_probe_rank{dist.get_rank()}"
         try:
@@ -169,8 +163,6 @@ class CheckpointManager:
 
     def check_space(self, engines: dict[str, "ArchonEngine"]) -> None:
         """Collective: the disk has room for one more checkpoint of ``engines``, or every rank raises ``ConfigError``."""
-        from archon.config import ConfigError
-
         needed = estimate_checkpoint_bytes(engines)
         where = self.root
         while not where.exists() and where != where.parent:
@@ -207,7 +199,7 @@ class CheckpointManager:
             for i, (name, engine) in enumerate(engines.items()):
                 engine.save(partial / name, extra_state)
                 if i == 0:
-                    _drill("checkpoint")  # mid-checkpoint: shards of one engine written, nothing complete
+                    drill_point("checkpoint")  # mid-checkpoint: shards of one engine written, nothing complete
             error = None
             if rank0:
                 try:
