@@ -312,3 +312,31 @@ def test_resume_under_pipeline_parallel_repeats_the_uninterrupted_run(model_path
     first = run_distributed(_pipelined, 2, model_path, str(tmp_path / "run"), "first", timeout=300)[0]
     second = run_distributed(_pipelined, 2, model_path, str(tmp_path / "run"), "second", timeout=300)[0]
     assert first + second == pytest.approx(full, abs=1e-6)
+
+
+def _run_job(kind: str, out: str) -> str:
+    from archon.config import ConfigError, load_config
+
+    # Nothing else is read before the check: the model and data paths need not exist.
+    cfg = load_config(None, ["actor.path=/nonexistent/model", "train_dataset.path=/nonexistent/data.jsonl",
+                             f"output_dir={out}", "cluster.n_gpus_per_node=8", "actor.backend=archon:d1"])
+    try:
+        if kind == "rl":
+            from archon.rl.trainer import RLTrainer
+
+            RLTrainer(cfg).run()
+        else:
+            from archon.sft import run_sft
+
+            run_sft(cfg)
+    except ConfigError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("kind", ["rl", "sft"])
+def test_rl_and_sft_check_output_dir_before_anything_else(tmp_path, kind):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    msg = run_distributed(_run_job, 1, kind, str(blocker / "run"), timeout=300)[0]
+    assert msg.startswith(f"output_dir {blocker / 'run'} cannot be written"), msg
