@@ -206,6 +206,8 @@ _SELF_SIGNAL_SCRIPT = textwrap.dedent("""
     sys.path[:0] = [{tests!r}, {repo!r}]
     from archon.rollout.launcher import LaunchSpec, RolloutLauncher, free_ports
     from fake_sglang import fake_command
+    # As in a terminal: a shell's background job (a CI runner, a soak loop) inherits SIGINT ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     ports = free_ports(2)
     specs = [LaunchSpec(i, fake_command(p), {{}}, "127.0.0.1", p, Path({logs!r}) / f"server_{{i}}.log")
              for i, p in enumerate(ports)]
