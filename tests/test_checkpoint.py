@@ -340,3 +340,29 @@ def test_rl_and_sft_check_output_dir_before_anything_else(tmp_path, kind):
     blocker.write_text("not a folder")
     msg = run_distributed(_run_job, 1, kind, str(blocker / "run"), timeout=300)[0]
     assert msg.startswith(f"output_dir {blocker / 'run'} cannot be written"), msg
+
+
+def test_pruning_keeps_the_newest_intact_and_leaves_later_steps_for_the_run_to_replace(tmp_path, caplog):
+    from archon.engine.checkpoint_manager import COMPLETE, CheckpointManager, manifest
+
+    root = tmp_path / "checkpoints"
+
+    def folder(step: int, marker: bool = True, damaged: bool = False) -> None:
+        path = root / f"step_{step}" / "actor"
+        path.mkdir(parents=True)
+        (path / "shard").write_bytes(b"x" * 10)
+        if marker:
+            files = manifest(root / f"step_{step}")
+            (root / f"step_{step}" / COMPLETE).write_text(json.dumps({"step": step, "files": files}))
+        if damaged:
+            (path / "shard").write_bytes(b"x" * 3)  # truncated after completion
+
+    for step in (1, 2, 4):
+        folder(step)
+    folder(3, damaged=True)
+    folder(6, marker=False)  # a later step the resumed run has not reached yet
+    (root / "step_5.partial").mkdir()
+    caplog.set_level(logging.WARNING, logger="archon.checkpoint")
+    CheckpointManager(tmp_path, keep_last=2)._prune(4)
+    assert sorted(p.name for p in root.iterdir()) == ["step_2", "step_4", "step_6"]
+    assert any("step_3" in r.getMessage() and "3 bytes, 10 were written" in r.getMessage() for r in caplog.records)

@@ -235,11 +235,17 @@ class CheckpointManager:
         _write_atomically(self.root / "latest", folder.name)
 
     def _prune(self, step: int) -> None:
-        """Delete all but the newest ``keep_last`` intact checkpoints, and damaged ones (rank 0)."""
+        """Rank 0: keep the newest ``keep_last`` intact checkpoints up to ``step``; delete every other one up to it.
+
+        Folders of later steps (left when a run resumed from an older checkpoint) stay until the
+        run reaches their step and replaces them.
+        """
         intact = 0
         for n, folder in self.folders():
+            if n > step:
+                continue
             problem = damage(folder)
-            if problem is None and n <= step and intact < self.keep_last:
+            if problem is None and intact < self.keep_last:
                 intact += 1
                 continue
             if problem is not None:
