@@ -13,11 +13,7 @@ import torch.distributed as dist
 
 from archon.config import Config, load_config
 from archon.engine.dist import init_distributed, resolve_device_type, shutdown_distributed
-from archon.errors import ArchonError, user_error_types
-
-
-class JobError(ArchonError, RuntimeError):
-    """A job failed for a reason every rank knows and can state in one line (no traceback needed)."""
+from archon.errors import JobError, user_error_types  # noqa: F401 - JobError is public here
 
 
 def run_job(job: Callable[[Config], Any], description: str, argv: Sequence[str] | None = None,

@@ -25,6 +25,10 @@ class ClusterError(ArchonError, ValueError):
     """The cluster or its launcher cannot run the plan (too few nodes, unreachable, run directory not shared)."""
 
 
+class JobError(ArchonError, RuntimeError):
+    """A job failed for a reason every rank knows and can state in one line (no traceback needed)."""
+
+
 def user_error_types() -> tuple[type[BaseException], ...]:
     """``ArchonError`` and the user-error classes of the layers below ``archon/`` (which cannot import it)."""
     import models

@@ -61,10 +61,22 @@ class MetricsLogger:
         self._t0 = time.perf_counter()
 
     def _truncate_after(self, step: int) -> None:
-        """Drop lines of steps a resumed run will redo (written after the checkpoint)."""
-        keep = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step]
-        self.path.write_text("".join(line + "\n" for line in keep))
+        """Drop lines of steps a resumed run will redo (written after the checkpoint).
+
+        A line cut short by a kill mid-write is dropped too; the file is replaced atomically, so a
+        kill now loses nothing.
+        """
+        keep = []
+        for line in self.path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and record.get("step", 0) <= step:
+                keep.append(line)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        tmp.replace(self.path)
 
     def log(self, metrics: dict[str, Any]) -> None:
         if not self.enabled:

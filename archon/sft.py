@@ -36,9 +36,9 @@ def run_sft(cfg: Config) -> list[dict[str, Any]]:
     from archon.data.encoding import load_tokenizer
     from archon.data.sampler import EpochSampler
     from archon.data.sft_dataset import SFTDataset
-    from archon.engine.checkpoint import CheckpointManager
     from archon.cli import init_run
     from archon.engine import build_engine
+    from archon.engine.checkpoint_manager import CheckpointManager
     from archon.metrics import MetricsLogger, peak_memory_gb
 
     if not cfg.actor.path:
@@ -46,20 +46,22 @@ def run_sft(cfg: Config) -> list[dict[str, Any]]:
     if not cfg.train_dataset.path:
         raise ConfigError("train_dataset.path is empty; point it at a jsonl file of {\"prompt\", \"completion\"}")
     init_run(cfg, "sft")
+    ckpt = CheckpointManager(cfg.run_dir, cfg.saver.keep_last)
+    ckpt.check_writable()
     engine = build_engine(cfg.actor, name="actor", seed=cfg.seed, device=cfg.device,
                           total_steps=cfg.total_train_steps).initialize()
+    ckpt.check_space({"actor": engine})
     rank0 = dist.get_rank() == 0
     tokenizer = load_tokenizer(cfg.actor.path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     dataset = SFTDataset(cfg.train_dataset.path, tokenizer, max_length=cfg.train_dataset.max_length)
     sampler = EpochSampler(len(dataset), cfg.train_dataset.batch_size, seed=cfg.seed,
                            shuffle=cfg.train_dataset.shuffle, drop_last=cfg.train_dataset.drop_last)
-    ckpt = CheckpointManager(cfg.run_dir, cfg.saver.keep_last)
     extra = ckpt.load({"actor": engine})
     if extra is not None:
         sampler.load_state_dict(extra["sampler"])
         if rank0:
-            logger.info("resumed from %s at step %d", ckpt.latest(), engine.step)
+            logger.info("resumed from %s at step %d", ckpt.loaded, engine.step)
     metrics_log = MetricsLogger(cfg.run_dir, cfg.total_train_steps, enabled=rank0,
                                 headline=("loss", "grad_norm", "tokens_per_s"), start_step=engine.step)
     history = []

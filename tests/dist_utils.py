@@ -117,9 +117,31 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
 
 
 def pid_alive(pid: int) -> bool:
-    """True while process ``pid`` exists (for checks that launched servers were stopped)."""
+    """True while process ``pid`` runs (for checks that launched servers were stopped).
+
+    A zombie (exited, not yet reaped by whoever inherited it) counts as gone.
+    """
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True  # no /proc (not Linux): existence is all we can tell
+    return state not in ("Z", "X")
+
+
+def wait_until(pred: Callable[[], bool], what: str, timeout: float = 120.0, poll_s: float = 0.01) -> None:
+    """Poll ``pred`` until it holds.
+
+    Tests wait for the state they assert, never for a fixed time; ``timeout`` is only the point
+    at which a state that never comes is reported as a failure, so it is generous for a loaded
+    2-core machine.
+    """
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(poll_s)

@@ -433,6 +433,17 @@ class FakeSGLang:
         await site.start()
         self.port = self._runner.addresses[0][1]
 
+    def hold(self) -> None:
+        """Keep every generate request waiting (counted in ``in_flight``) until ``release()``, as a
+        paused server does; tests use it to decide when requests finish instead of timing them."""
+        assert self._loop is not None
+        asyncio.run_coroutine_threadsafe(self.pause(None), self._loop).result(10)  # type: ignore[arg-type]
+
+    def release(self) -> None:
+        """Answer the held generate requests (and new ones at once)."""
+        assert self._loop is not None
+        asyncio.run_coroutine_threadsafe(self.resume(None), self._loop).result(10)  # type: ignore[arg-type]
+
     def kill(self) -> None:
         """Drop every connection and stop listening, like a killed process (the loop keeps running)."""
         assert self._loop is not None

@@ -58,6 +58,7 @@ def crc_quarter(prompt, completion, answer, **kw):
 
     return float(zlib.crc32(completion.encode()) % 4 == 0)
 
+
 def misbehaves(prompt, completion, answer, **kw):
     """Fails in every way a reward function can, chosen by the completion."""
     if completion == "raise":

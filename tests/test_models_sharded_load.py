@@ -106,7 +106,7 @@ def _load_into_dtensors(folder: str, read_slices: bool) -> dict:
 
 def test_load_hf_weights_into_dtensor_parameters(moe_folder, fused_moe_folder):
     cases = [(str(f), read_slices) for f in (moe_folder, fused_moe_folder) for read_slices in (True, False)]
-    per_rank = run_distributed(_load_all, 2, cases, timeout=120)
+    per_rank = run_distributed(_load_all, 2, cases, timeout=300)
     for results in per_rank:
         for (folder, read_slices), r in zip(cases, results):
             assert r["worst"] == 0.0, (folder, read_slices)  # exact copies of the single-device load

@@ -10,9 +10,8 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
-from dist_utils import pid_alive, run_distributed
+from dist_utils import run_distributed
 from hf_fixtures import make_tiny_tokenizer, save_tiny_hf
 
 
@@ -145,79 +144,6 @@ def test_ppo_with_critic_trains_the_value_head(rl_setup):
     assert history[-1]["critic/returns_mean"] == pytest.approx(1.0)
 
 
-@pytest.mark.slow
-def test_killed_run_resumes_to_the_same_metrics(rl_setup):
-    """SIGKILL a torchrun job after its step-2 checkpoint; the same command then finishes the run
-    with exactly the metrics of an uninterrupted run (and the killed run's server does not linger)."""
-    import os
-    import re
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    from dist_utils import find_free_port
-
-    model, data, root = rl_setup
-    steps = 6
-    extra = {"total_train_steps": steps, "saver.freq_steps": 2, "reward.fn": "reward_fns:slow_length"}
-    full = _run(1, overrides(model, data, root / "kill_full", **extra))
-    out = root / "killed"
-    repo = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(repo), str(repo / "tests")])}
-
-    def launch() -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={find_free_port()}",
-               str(repo / "scripts" / "train_rl.py"), *overrides(model, data, out, **extra)]
-        return subprocess.Popen(cmd, env=env, cwd=repo, start_new_session=True, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True)
-
-    proc = launch()
-    latest = out / "checkpoints" / "latest"
-    deadline = time.monotonic() + 180
-    while not latest.is_file() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert latest.is_file(), proc.stderr.read() if proc.poll() is not None else "no checkpoint in time"
-    # torchrun puts its workers in sessions of their own: kill every process of this run, as a
-    # node failure would (the agent and the trainer worker, found by the run's output_dir).
-    for pid in [proc.pid] + _pids_mentioning(str(out)):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait()
-    server_pid = int(re.search(r"started rollout server 0 \(pid (\d+)\)", proc.stderr.read()).group(1))
-    deadline = time.monotonic() + 15
-    while pid_alive(server_pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not pid_alive(server_pid)
-    done = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert max(done) < steps  # really interrupted
-
-    proc = launch()
-    _, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 0, stderr[-3000:]
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(1, steps + 1))
-    for key in ("actor/loss", "reward_mean", "response_len_mean", "actor/grad_norm", "actor/entropy"):
-        assert [r[key] for r in records] == pytest.approx([r[key] for r in full], abs=1e-5), key
-
-
-
-def _pids_mentioning(text: str) -> list[int]:
-    """Processes with ``text`` somewhere in their command line (Linux /proc)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if text.encode() in (entry / "cmdline").read_bytes():
-                    pids.append(int(entry.name))
-            except OSError:
-                continue
-    return pids
-
-
 def _train_expecting_failure(args: list[str]) -> str:
     from archon.config import load_config
     from archon.rl.trainer import RLTrainer
@@ -234,9 +160,9 @@ def test_rank0_failures_end_every_rank_with_the_same_reason(rl_setup):
     # Nothing listens on port 9: rank 0 cannot reach the servers; rank 1 must not wait for it forever.
     args = overrides(model, data, root / "unreachable", "archon:d2", **{"rollout.setup_timeout": 2.0}) + [
         'rollout.server_addrs=["127.0.0.1:9"]']
-    errors = run_distributed(_train_expecting_failure, 2, args, timeout=120)
+    errors = run_distributed(_train_expecting_failure, 2, args, timeout=300)
     assert all("starting the rollout servers failed on rank 0" in e for e in errors), errors
     assert errors[0] == errors[1] and "127.0.0.1:9" in errors[0]
     errors = run_distributed(_train_expecting_failure, 2, overrides(model, data, root / "badfn", "archon:d2",
-                                                                    **{"reward.fn": "no_such_module:fn"}), timeout=120)
+                                                                    **{"reward.fn": "no_such_module:fn"}), timeout=300)
     assert all("no_such_module" in e for e in errors), errors

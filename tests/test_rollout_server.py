@@ -33,7 +33,7 @@ import models
 from archon.rollout.generator import Generator
 from archon.rollout.server import RunningServer, serve_in_thread
 from archon.rollout.weight_group import broadcast_tensor, destroy_weight_update_group, init_weight_update_group
-from dist_utils import find_free_port
+from dist_utils import find_free_port, wait_until
 from hf_fixtures import random_tokens, save_tiny_hf
 
 REPO = Path(__file__).resolve().parents[1]
@@ -125,11 +125,19 @@ def _assert_matches(response: dict[str, Any], reference: tuple[list[int], list[f
     assert max(abs(lp - r) for (lp, _, _), r in zip(got, logprobs)) < ATOL
 
 
-def _wait_until(pred, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "timed out waiting for the server"
-        time.sleep(0.002)
+def _generating(gen: Generator, rid: str):
+    """True once request ``rid`` is running and has produced a token: a control request sent
+    now acts mid-generation.  (Merely running is not enough: the prefill may not have sampled yet.)"""
+    return lambda: gen.progress().get(rid, 0) >= 1
+
+
+def _engine_turn(gen: Generator) -> None:
+    """Return once the engine thread has gone around its loop with everything queued so far.
+
+    A second pause (idempotent) is answered from a loop turn that first takes in new
+    requests and then admits none of them while paused.
+    """
+    gen.pause().result(timeout=120)
 
 
 # ---- /generate ---------------------------------------------------------------------------------
@@ -246,15 +254,14 @@ def test_pause_continue_and_abort(folders, serve):
     gen = srv.server.generator
     ref_model = models.load_hf_model(folders["old"])
     p, q = random_tokens(4, 7), random_tokens(6, 8)
-    running = lambda: gen.stats()["num_running_reqs"] == 1  # noqa: E731
     queued = lambda n: lambda: gen.stats()["num_queued_reqs"] == n  # noqa: E731
 
     with ThreadPoolExecutor(4) as pool:
         # Pause aborts the running request; its partial tokens are still correct greedy tokens.
         long = pool.submit(_post, srv.url, "/generate", _greedy_body(p, 200, rid="long"))
-        _wait_until(running)
+        wait_until(_generating(gen, "long"), "request long to generate")
         assert _post(srv.url, "/pause_generation", {})[0] == 200
-        status, aborted = long.result(timeout=30)
+        status, aborted = long.result(timeout=120)
         meta = aborted["meta_info"]
         assert status == 200 and meta["finish_reason"]["type"] == "abort" and meta["finish_reason"]["message"]
         n = meta["completion_tokens"]
@@ -264,24 +271,25 @@ def test_pause_continue_and_abort(folders, serve):
         # While paused, new requests wait; an aborted queued request answers with no tokens.
         waiting = pool.submit(_post, srv.url, "/generate", _greedy_body(q, 3))
         doomed = pool.submit(_post, srv.url, "/generate", _greedy_body(q, 3, rid="doomed"))
-        _wait_until(queued(2))
-        time.sleep(0.2)
+        wait_until(queued(2), "two queued requests")
+        _engine_turn(gen)
+        assert gen.stats() == {"num_running_reqs": 0, "num_queued_reqs": 2}
         assert not waiting.done() and not doomed.done()
         assert _post(srv.url, "/abort_request", {"rid": "doomed"})[0] == 200
-        status, body = doomed.result(timeout=30)
+        status, body = doomed.result(timeout=120)
         assert body["output_ids"] == [] and body["meta_info"]["finish_reason"]["type"] == "abort"
         assert not waiting.done()
         assert _post(srv.url, "/continue_generation", {})[0] == 200
-        status, body = waiting.result(timeout=30)
+        status, body = waiting.result(timeout=120)
         assert status == 200 and body["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
         _assert_matches(body, _reference(ref_model, q, 3))
 
         # Abort one running request by rid, then everything with abort_all.
         for abort_body in ({"rid": "victim"}, {"abort_all": True}):
             victim = pool.submit(_post, srv.url, "/generate", _greedy_body(p, 200, rid="victim"))
-            _wait_until(running)
+            wait_until(_generating(gen, "victim"), "request victim to generate")
             assert _post(srv.url, "/abort_request", abort_body)[0] == 200
-            body = victim.result(timeout=30)[1]
+            body = victim.result(timeout=120)[1]
             assert body["meta_info"]["finish_reason"]["type"] == "abort"
             assert 0 < body["meta_info"]["completion_tokens"] < 200
     assert _post(srv.url, "/abort_request", {})[0] == 400
@@ -298,13 +306,13 @@ def test_update_weights_from_disk(folders, serve):
 
     with ThreadPoolExecutor(2) as pool:
         # A request already running finishes on the old weights; the update waits for it.
-        before = pool.submit(_post, srv.url, "/generate", _greedy_body(p, 120))
-        _wait_until(lambda: srv.server.generator.stats()["num_running_reqs"] == 1)
+        before = pool.submit(_post, srv.url, "/generate", _greedy_body(p, 120, rid="before"))
+        wait_until(_generating(srv.server.generator, "before"), "request before to generate")
         status, answer = _post(srv.url, "/update_weights_from_disk",
                                {"model_path": str(folders["new"]), "weight_version": "v1"})
         assert status == 200 and answer["success"] is True, answer
-        assert before.done()
-        body = before.result()[1]
+        # All 120 tokens on the old weights: the update waited for the running request.
+        body = before.result(timeout=120)[1]
         assert body["meta_info"]["weight_version"] == "default"
         assert body["meta_info"]["finish_reason"] == {"type": "length", "length": 120}
         _assert_matches(body, _reference(old_model, p, 120))
@@ -316,13 +324,13 @@ def test_update_weights_from_disk(folders, serve):
 
     # abort_all_requests: the running request is cut short and keeps reporting its version.
     with ThreadPoolExecutor(1) as pool:
-        victim = pool.submit(_post, srv.url, "/generate", _greedy_body(p, 240))
-        _wait_until(lambda: srv.server.generator.stats()["num_running_reqs"] == 1)
+        victim = pool.submit(_post, srv.url, "/generate", _greedy_body(p, 240, rid="victim"))
+        wait_until(_generating(srv.server.generator, "victim"), "request victim to generate")
         status, answer = _post(srv.url, "/update_weights_from_disk",
                                {"model_path": str(folders["old"]), "weight_version": "v2",
                                 "abort_all_requests": True})
         assert status == 200 and answer["success"] is True
-        meta = victim.result(timeout=30)[1]["meta_info"]
+        meta = victim.result(timeout=120)[1]["meta_info"]
         assert meta["finish_reason"]["type"] == "abort" and meta["weight_version"] == "v1"
     _assert_matches(_post(srv.url, "/generate", _greedy_body(q, 8))[1], _reference(old_model, q, 8))
 
@@ -347,7 +355,7 @@ def _launch(folder: Path) -> tuple[subprocess.Popen, str]:
     return proc, f"http://127.0.0.1:{port}"
 
 
-def _wait_healthy(proc: subprocess.Popen, url: str, timeout: float = 60.0) -> None:
+def _wait_healthy(proc: subprocess.Popen, url: str, timeout: float = 300.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -388,7 +396,7 @@ def test_cli_serves_generate_and_stops_on_sigterm(cli_servers):
     assert info["model_path"] == str(folder) and info["weight_version"] == "default"
     proc.terminate()
     # uvicorn shuts down gracefully, then re-raises SIGTERM (the conventional exit status).
-    assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
+    assert proc.wait(timeout=120) in (0, -signal.SIGTERM)
 
 
 @pytest.mark.parametrize("model_type,seed", [("qwen3", 41), ("qwen3_moe", 42)])
@@ -415,7 +423,7 @@ def test_update_weights_from_distributed(cli_servers, tmp_path, model_type, seed
     status, answer = _post(url, "/init_weights_update_group", {
         "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
         "group_name": group_name, "backend": "gloo"})
-    trainer.join(timeout=60)
+    trainer.join(timeout=300)
     assert status == 200 and answer["success"] is True, answer
     pg = joined["pg"]
 
@@ -426,7 +434,7 @@ def test_update_weights_from_distributed(cli_servers, tmp_path, model_type, seed
             pending = pool.submit(_post, url, "/update_weights_from_distributed", body)
             for name in names:
                 broadcast_tensor(tensors[name].contiguous(), pg, src=0)
-            return pending.result(timeout=60)
+            return pending.result(timeout=300)
 
     try:
         before = _post(url, "/generate", _greedy_body(p, 8))[1]

@@ -72,7 +72,7 @@ def servers(tmp_path_factory) -> Iterator[list[str]]:
     logs = tmp_path_factory.mktemp("rollout_logs")
     specs = [LaunchSpec(i, fake_command(p), {}, "127.0.0.1", p, logs / f"server_{i}.log")
              for i, p in enumerate(free_ports(2))]
-    with RolloutLauncher(specs, setup_timeout=60) as launcher:
+    with RolloutLauncher(specs, setup_timeout=300) as launcher:
         yield launcher.addrs
 
 
@@ -87,7 +87,7 @@ def _snapshot(addrs: list[str]) -> list[dict[str, Any]]:
 
 
 def _distributed_worker(addrs: list[str]) -> dict[str, Any]:
-    client = RolloutClient(addrs, setup_timeout=30, backoff_s=0.01)
+    client = RolloutClient(addrs, setup_timeout=300, backoff_s=0.01)
     engine = ShardedEngine(step=0)
     sync = build_weight_sync("distributed", engine, client, chunk_mb=1, backend="gloo",
                              master_address="127.0.0.1")
@@ -108,7 +108,7 @@ def _distributed_worker(addrs: list[str]) -> dict[str, Any]:
 
 
 def test_distributed_sync_sends_exact_full_tensors_in_buckets(servers):
-    results = run_distributed(_distributed_worker, 2, servers, timeout=120)
+    results = run_distributed(_distributed_worker, 2, servers, timeout=300)
     q, k, v, embed, norm, bias = NAMES
     v1_buckets = [[q, k], [v], [embed], [norm, bias]]
     v2_buckets = [[q, k, v], [embed], [norm, bias]]  # bf16 halves every size
@@ -139,7 +139,7 @@ def test_distributed_sync_sends_exact_full_tensors_in_buckets(servers):
 
 
 def _disk_worker(addrs: list[str], folder: str) -> dict[str, Any]:
-    client = RolloutClient(addrs, setup_timeout=30, backoff_s=0.01)
+    client = RolloutClient(addrs, setup_timeout=300, backoff_s=0.01)
     engine = ShardedEngine(step=0)
     sync = build_weight_sync("disk", engine, client, folder=folder)
     assert isinstance(sync, DiskWeightSync)
@@ -166,7 +166,7 @@ def _disk_worker(addrs: list[str], folder: str) -> dict[str, Any]:
 
 def test_disk_sync_publishes_versioned_folders(servers, tmp_path):
     folder = tmp_path / "weights"
-    results = run_distributed(_disk_worker, 2, servers, str(folder), timeout=120)
+    results = run_distributed(_disk_worker, 2, servers, str(folder), timeout=300)
     out = results[0]
     assert out["listing_v1"] == ["v1"] and out["listing_v2"] == ["v2"]  # no temp dirs, old version removed
     assert results[1]["v1"]["weight_sync_bytes"] == out["v1"]["weight_sync_bytes"] > \
@@ -184,7 +184,7 @@ def test_disk_sync_publishes_versioned_folders(servers, tmp_path):
 
 
 def _failing_bucket_worker(addrs: list[str]) -> str:
-    client = RolloutClient(addrs, setup_timeout=30, backoff_s=0.01)
+    client = RolloutClient(addrs, setup_timeout=300, backoff_s=0.01)
     sync = DistributedWeightSync(ShardedEngine(), client, chunk_mb=1, backend="gloo", master_address="127.0.0.1",
                                  group_name="wsync_fail_bucket")
     sync.setup()
@@ -198,7 +198,7 @@ def _failing_bucket_worker(addrs: list[str]) -> str:
 
 
 def test_a_server_refusing_a_bucket_fails_every_rank(servers):
-    msgs = run_distributed(_failing_bucket_worker, 2, servers, timeout=120)
+    msgs = run_distributed(_failing_bucket_worker, 2, servers, timeout=300)
     assert servers[1] in msgs[0] and "out of GPU memory" in msgs[0]
     assert msgs[1].startswith("weight sync failed on trainer rank 0:") and "out of GPU memory" in msgs[1]
 
@@ -232,7 +232,7 @@ def test_a_sync_failing_half_way_keeps_the_old_version(servers):
 
 
 def _refused_setup_worker(addrs: list[str]) -> str:
-    client = RolloutClient(addrs, setup_timeout=30, backoff_s=0.01)
+    client = RolloutClient(addrs, setup_timeout=300, backoff_s=0.01)
     sync = DistributedWeightSync(ShardedEngine(), client, chunk_mb=1, backend="gloo", master_address="127.0.0.1",
                                  group_name="wsync_refused")
     msgs = []
@@ -247,7 +247,7 @@ def _refused_setup_worker(addrs: list[str]) -> str:
 
 def test_servers_refusing_the_group_fail_fast(servers):
     configure(servers[0], fail_weight_update="nccl version mismatch")
-    msgs = run_distributed(_refused_setup_worker, 2, servers, timeout=60)  # far below the 600 s join timeout
+    msgs = run_distributed(_refused_setup_worker, 2, servers, timeout=300)  # below the 600 s join timeout
     (setup0, sync0), (setup1, sync1) = msgs
     assert "did not join weight-update group 'wsync_refused'" in setup0 and servers[0] in setup0
     assert "nccl version mismatch" in setup1

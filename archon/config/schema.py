@@ -396,7 +396,7 @@ class SaverConfig:
     freq_steps: int = 0
     """Save a resumable checkpoint every N steps; 0 only at the end."""
     keep_last: int = 2
-    """Checkpoints kept on disk (older ones are deleted)."""
+    """Complete checkpoints kept on disk (older ones are deleted once a newer one is complete)."""
     export_hf: bool = True
     """Export the final actor as a Hugging Face folder under output_dir/hf."""
 

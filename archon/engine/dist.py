@@ -21,7 +21,9 @@ from the plan is refused, because the plan's GPUs would then collide.
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import sys
 from datetime import timedelta
 from typing import TYPE_CHECKING, Mapping
 
@@ -96,6 +98,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def exit_with_launcher() -> None:
+    """Under torchrun: be killed as soon as the torchrun agent dies, however it dies (Linux).
+
+    torchrun starts every worker in a session of its own, so when the agent is SIGKILLed (by a
+    user, a scheduler or the OOM killer) nothing tells the workers: they would hold their
+    memory and ports until the collective timeout (30 minutes).  The kernel's parent-death
+    signal tells them; the rollout servers rank 0 started follow through their own.
+    """
+    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() == 1:  # the agent died before the request above: nobody would signal us
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def init_distributed(device_type: str, timeout_s: float = 1800.0, plan: "ClusterPlan | None" = None) -> None:
     """Select this rank's GPU (``plan``: see the module docstring) and join the job's process group.
 
@@ -104,6 +124,7 @@ def init_distributed(device_type: str, timeout_s: float = 1800.0, plan: "Cluster
     """
     if dist.is_initialized():
         return
+    exit_with_launcher()
     if device_type == "cuda":
         torch.cuda.set_device(cuda_device_index(plan_gpu(plan) if plan is not None else None))
         backend = "cpu:gloo,cuda:nccl"

@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from archon.alloc import ModelAllocation
 from archon.config import TrainEngineConfig
+from archon.drill import drill_point
 from archon.engine.dist import current_device, init_distributed, resolve_device_type
 from archon.errors import ArchonError
 from archon.engine.microbatch import (
@@ -441,6 +442,7 @@ class ArchonEngine:
         grad_norm = clip_grad_norm_(self.model.parameters(), self.config.optimizer.max_grad_norm, pp_group=pp_group)
         finite = bool(torch.isfinite(grad_norm))
         lr = self.optimizer.param_groups[0]["lr"]
+        drill_point("optimizer_step")
         if finite:
             self.optimizer.step()
         else:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from archon.cli import JobError
 from archon.config import Config, ConfigError
+from archon.drill import drill_point
 from archon.engine import ArchonEngine, build_engine
 from archon.errors import user_error_types
 from archon.rl.actor import PPOActor, ReferenceModel
@@ -219,9 +220,15 @@ class RLTrainer:
             params = [{**self.sampling, "sampling_seed": rollout_seed(self.cfg.seed, step, first_index + i)}
                       for i in range(len(prompts))]
             replay = self.cfg.actor.moe_routing_replay
-            results = generate_or_recover(self.supervisor, lambda: self.client.generate_many(
-                [p.input_ids for p in prompts], params, max_concurrency=self.cfg.rollout.max_concurrent_rollouts,
-                return_routed_experts=replay))
+
+            def generate() -> list:
+                pending = self.client.submit(self.client.agenerate_many(
+                    [p.input_ids for p in prompts], params, max_concurrency=self.cfg.rollout.max_concurrent_rollouts,
+                    return_routed_experts=replay))
+                drill_point("rollout")  # kill-and-resume drills stop here, requests in flight
+                return pending.result()
+
+            results = generate_or_recover(self.supervisor, generate)
             if results is None:
                 return None  # servers lost: every rank recovers them, then the rollout is repeated
             args = self.actor_engine.model_args if replay else None
@@ -313,16 +320,18 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ run
     def run(self) -> list[dict[str, Any]]:
-        from archon.engine.checkpoint import CheckpointManager
         from archon.cli import init_run
+        from archon.engine.checkpoint_manager import CheckpointManager
         from archon.metrics import MetricsLogger
 
         cfg = self.cfg
         init_run(cfg, "rl")
         self.rank0 = dist.get_rank() == 0
+        ckpt = CheckpointManager(cfg.run_dir, cfg.saver.keep_last)
+        ckpt.check_writable()
         self._build_data()
         self._build_engines()
-        ckpt = CheckpointManager(cfg.run_dir, cfg.saver.keep_last)
+        ckpt.check_space(self.engines)
         extra = ckpt.load(self.engines)
         start = 0
         if extra is not None:
@@ -331,7 +340,7 @@ class RLTrainer:
                 self.kl_ctl.load_state_dict(extra["kl_ctl"])
             start = int(extra["step"])
             if self.rank0:
-                logger.info("resumed from %s at RL step %d", ckpt.latest(), start)
+                logger.info("resumed from %s at RL step %d", ckpt.loaded, start)
         history: list[dict[str, Any]] = []
         try:
             self._build_rollout()

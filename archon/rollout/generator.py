@@ -236,8 +236,18 @@ class Generator:
         """Requests running and queued, KV-cache rows in use and bytes held (a snapshot, for monitoring and tests)."""
         with self._cond:
             queued = len(self._inbox) + len(self._waiting)
-            return {"num_running_reqs": len(self._running), "num_queued_reqs": queued,
+            running = len(self.progress())
+            return {"num_running_reqs": running, "num_queued_reqs": queued,
                     "kv_cache_rows": self.cache.num_rows, "kv_cache_bytes": self.cache.nbytes}
+
+    def progress(self) -> dict[str, int]:
+        """Tokens generated so far by each running request, by rid (a snapshot, for monitoring and tests).
+
+        A request whose result is already out counts as finished, even in the moment before the
+        engine thread drops its row.
+        """
+        running = list(self._running)  # one atomic copy; the engine thread changes the list meanwhile
+        return {s.request.rid: len(s.output_ids) for s in running if not s.future.done()}
 
     def check_request(self, request: GenerationRequest) -> None:
         """Raise ``ValueError`` (one sentence: what and how to fix) if the request cannot be served."""

@@ -8,12 +8,15 @@ trainer then broadcasts each tensor from rank 0.
 
 The rendezvous matches what SGLang's own ``init_custom_process_group`` does (a TCP store
 hosted by rank 0, a ``PrefixStore`` named after the group, torch's process-group
-constructor), so the trainer side also works against real SGLang servers.  A process may hold several such
+constructor), so the trainer side also works against real SGLang servers.  Rank 0's store
+listens on ``master_address`` only (loopback in a single-node run), not on every interface.  A process may hold several such
 groups (one per trainer it serves) without a default group of its own.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 from datetime import timedelta
 
 import torch
@@ -39,8 +42,18 @@ def init_weight_update_group(
     # The store is built directly rather than through ``rendezvous("tcp://...")``: under torchrun
     # (TORCHELASTIC_USE_AGENT_STORE=True) that helper makes even rank 0 a client of the agent's
     # store, so nobody would host this group's rendezvous and every rank would wait forever.
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=(rank == 0), timeout=timeout,
-                          wait_for_workers=False)
+    if rank == 0:
+        # Left to itself the store listens on every interface; it only needs the one the servers dial.
+        fd = listen_on(master_address, master_port)
+        try:
+            store = dist.TCPStore(master_address, master_port, world_size, is_master=True, timeout=timeout,
+                                  wait_for_workers=False, master_listen_fd=fd)
+        except BaseException:
+            os.close(fd)
+            raise
+    else:
+        store = dist.TCPStore(master_address, master_port, world_size, is_master=False, timeout=timeout,
+                              wait_for_workers=False)
     pg, _ = _new_process_group_helper(
         world_size, rank, [], dist.Backend(backend), PrefixStore(group_name, store),
         group_name=group_name, timeout=timeout,
@@ -48,6 +61,21 @@ def init_weight_update_group(
     # Register ranks so that dist.broadcast(..., group=pg) maps group rank == global rank here.
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
+
+
+def listen_on(address: str, port: int) -> int:
+    """A socket listening on exactly ``address:port`` (not on every interface); returns its fd, now the caller's."""
+    family, kind, proto, _, sockaddr = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(1024)
+    except OSError as exc:
+        sock.close()
+        raise OSError(exc.errno, f"cannot listen on {address}:{port} for the weight-update group: "
+                                 f"{exc.strerror}") from None
+    return sock.detach()
 
 
 def destroy_weight_update_group(pg: dist.ProcessGroup) -> None:

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from archon.config import ConfigError
+from archon.drill import drill_point
 from archon.errors import ArchonError
 from archon.rollout.launcher import free_ports
 from archon.rollout.weight_group import destroy_weight_update_group, init_weight_update_group
@@ -154,6 +155,7 @@ class DiskWeightSync:
         nbytes = 0
         if _rank() == 0:
             final = self.folder / f"v{version}"
+            drill_point("weight_sync")
             try:
                 nbytes = sum(f.stat().st_size for f in Path(tmp).glob("*.safetensors"))
                 if final.exists():
@@ -233,7 +235,7 @@ class DistributedWeightSync:
 
     def _setup_rank0(self) -> None:
         addr = self.master_address or reachable_address(self.client.up_addrs[0])
-        port = free_ports(1, "0.0.0.0")[0]
+        port = free_ports(1, addr)[0]
         world_size, _ = self.client.weight_group_layout(self.ranks_per_server)
         # The servers' HTTP call only returns once everybody joined, so it must be in flight while we join.
         request = self.client.submit(self.client.ainit_weights_update_group(
@@ -348,6 +350,7 @@ class DistributedWeightSync:
             names, [dtype_name(t.dtype) for _, t in bucket], [list(t.shape) for _, t in bucket], self.group_name,
             version if flush else None, flush_cache=flush))
         works = [dist.broadcast(t, src=0, group=self._pg, async_op=True) for _, t in bucket]
+        drill_point("weight_sync")
         # Poll instead of blocking in wait(): a server that refuses the bucket never receives, and its
         # HTTP error must not be hidden behind a broadcast that waits for the group timeout.
         deadline = time.monotonic() + self.timeout_s
