@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import math
 import multiprocessing as mp
 import os
-import pickle
 import socket
 import tempfile
 import time
@@ -205,10 +205,10 @@ def _child(conn: Any, rank: int, world: int, port: int, fn: Callable, args: tupl
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=30))
-        conn.send_bytes(pickle.dumps(("ok", fn(*args))))
+        conn.send_bytes(json.dumps(["ok", fn(*args)]).encode())  # per-step floats: JSON, not pickle
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         try:
-            conn.send_bytes(pickle.dumps(("err", traceback.format_exc())))
+            conn.send_bytes(json.dumps(["err", traceback.format_exc()]).encode())
         finally:
             os._exit(1)
     try:
@@ -243,7 +243,7 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout_s: float = 3600.0) -
             for conn in mp.connection.wait([conns[r] for r in pending], timeout=1.0):
                 rank = conns.index(conn)
                 try:
-                    status, payload = pickle.loads(conn.recv_bytes())
+                    status, payload = json.loads(conn.recv_bytes())
                 except EOFError:
                     raise RehearsalError(f"rank {rank} died without reporting (exit code {procs[rank].exitcode})"
                                          ) from None
@@ -282,7 +282,7 @@ def rehearse(cfg: "Config", steps: int = 3) -> tuple[Rehearsal, RehearsalResult]
     with tempfile.TemporaryDirectory(prefix="archon-rehearsal-") as tmp:
         model_dir = Path(tmp) / "model"
         model_dir.mkdir()
-        (model_dir / "config.json").write_text(__import__("json").dumps(plan.hf_config, indent=1))
+        (model_dir / "config.json").write_text(json.dumps(plan.hf_config, indent=1))
         start = time.perf_counter()
         layout = run_ranks(_train, world, plan.engine, str(model_dir), steps, plan.sequences, vocab, cfg.seed)[0]
         one = dataclasses.replace(plan.engine, backend="archon:d1")
