@@ -319,7 +319,8 @@ def _run_job(kind: str, out: str) -> str:
 
     # Nothing else is read before the check: the model and data paths need not exist.
     cfg = load_config(None, ["actor.path=/nonexistent/model", "train_dataset.path=/nonexistent/data.jsonl",
-                             f"output_dir={out}", "cluster.n_gpus_per_node=8", "actor.backend=archon:d1"])
+                             f"output_dir={out}", "cluster.n_gpus_per_node=8", "actor.backend=archon:d1",
+                             "gconfig.n_samples=2"])
     try:
         if kind == "rl":
             from archon.rl.trainer import RLTrainer

@@ -270,7 +270,9 @@ def test_slurm_job_runs_the_demo_on_two_simulated_nodes(demo_assets, tmp_path):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
 
-    steps = [json.loads(line) for line in srun_log.read_text().splitlines()]
+    # The server step runs in the background: the two steps may log in either order.
+    steps = sorted((json.loads(line) for line in srun_log.read_text().splitlines()),
+                   key=lambda s: "serve-node" not in s["command"])
     assert [s["hosts"] for s in steps] == [["localhost"], ["127.0.0.1"]]
     assert steps[0]["command"][1:5] == ["-m", "archon.launch", "serve-node", "--node"]
     assert f"--rdzv_endpoint=127.0.0.1:{port}" in steps[1]["command"] and "--nproc_per_node=2" in steps[1]["command"]

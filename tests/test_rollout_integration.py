@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from archon.rollout.auth import auth_headers
 from dist_utils import run_distributed, wait_until
 from engine_utils import engine_config, make_batch, sft_loss, sft_weight
 from hf_fixtures import save_tiny_hf
@@ -37,8 +38,9 @@ def _config(model: Path, run_dir: Path, servers: int):
                               "cluster.n_gpus_per_node=8", "rollout.setup_timeout=300"])
 
 
-def _server_info(addr: str) -> dict:
-    with urllib.request.urlopen(f"http://{addr}/get_server_info", timeout=60) as resp:
+def _server_info(addr: str, api_key: str | None) -> dict:
+    request = urllib.request.Request(f"http://{addr}/get_server_info", headers=auth_headers(api_key))
+    with urllib.request.urlopen(request, timeout=60) as resp:
         return json.loads(resp.read())
 
 
@@ -73,7 +75,7 @@ def test_client_spreads_load_and_survives_a_killed_server(model_dir, tmp_path):
             long_params = [{**p, "max_new_tokens": 200} for p in params]
             future = client.submit(client.agenerate_many(prompts, long_params))
             # Once server 0 is decoding, its requests have ~200 steps to go: the kill lands mid-generation.
-            wait_until(lambda: _server_info(addrs[0])["num_running_reqs"] > 0, "server 0 to start generating")
+            wait_until(lambda: _server_info(addrs[0], launcher.api_key)["num_running_reqs"] > 0, "server 0 to start generating")
             os.kill(pids[0], signal.SIGKILL)
             results = future.result(timeout=120)
             assert all(len(r.output_ids) == 200 for r in results)
