@@ -26,13 +26,14 @@ from typing import Any, Callable, ClassVar, Iterator
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
 from archon.alloc import ModelAllocation
-from archon.config import TrainEngineConfig
+from archon.config import ConfigError, TrainEngineConfig
 from archon.drill import drill_point
+from archon.engine.checkpoint import load_checkpoint, save_checkpoint
 from archon.engine.dist import current_device, init_distributed, resolve_device_type
-from archon.errors import ArchonError
 from archon.engine.microbatch import (
     ROUTED_EXPERTS,
     Batch,
@@ -44,14 +45,27 @@ from archon.engine.microbatch import (
     seqlens_of,
     unpack,
 )
+from archon.engine.named_tensors import copy_full_into, named_state, persistent_buffers
 from archon.engine.optimizer import build_lr_scheduler, build_optimizer
-from models.hf_checkpoint import clean_fqn
+from archon.engine.options import parallelize_options, pipeline_options
+from archon.engine.state import (
+    LR_SCHEDULER,
+    MODEL,
+    OPTIMIZER,
+    TRAIN_STATE,
+    LRSchedulerState,
+    ModelState,
+    OptimizerState,
+    TrainState,
+)
+from archon.errors import ArchonError
 from parallel.context_parallel import gather_sequence, shard_sequence
 from parallel.dims import ParallelDims
-from parallel.fsdp import to_dtype
+from parallel.dtypes import to_dtype
+from parallel.errors import ParallelConfigError
 from parallel.grad_clip import clip_grad_norm_
 from parallel.loss_parallel import vocab_parallel_logprobs_entropy
-from pipeline import Microbatch, PipelinedModel
+from pipeline import Microbatch, PipelineConfigError, PipelinedModel
 
 logger = logging.getLogger("archon.engine")
 # FSDP x TP gathers over two mesh dims in sequence; DTensor warns about it on every call.
@@ -59,7 +73,6 @@ logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERR
 
 LossFn = Callable[[dict[str, torch.Tensor], Batch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 LossWeightFn = Callable[[Batch], float]
-
 
 
 def _token_count_weight(mb: Batch) -> float:
@@ -92,8 +105,10 @@ class ArchonEngine:
 
     def __init__(self, config: TrainEngineConfig, *, name: str = "actor", is_critic: bool = False,
                  seed: int = 1, device: str = "auto", temperature: float = 1.0, total_steps: int = 1,
-                 trainable: bool = True):
+                 trainable: bool = True, allocation: ModelAllocation | None = None):
         self.config = config
+        # ``build_engine`` parsed ``config.backend`` to pick this class and hands the result on.
+        self._allocation = allocation
         self.name = name
         self.is_critic = is_critic
         self.seed = seed
@@ -101,12 +116,22 @@ class ArchonEngine:
         self.temperature = temperature
         self.total_steps = max(1, total_steps)
         self.trainable = trainable
-        self.step = 0
+        # Optimizer steps taken and the random generators: what a checkpoint resumes besides the tensors.
+        self.train_state = TrainState()
         self.model: torch.nn.Module | None = None
         # Set under pipeline parallel: this rank's stages; ``model`` is then their weights-only view.
         self.pipeline: PipelinedModel | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.lr_scheduler = None
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken (restored by ``load``)."""
+        return self.train_state.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.train_state.step = value
 
     # ------------------------------------------------------------------ build
     def initialize(self) -> "ArchonEngine":
@@ -124,8 +149,9 @@ class ArchonEngine:
             model, parts = self.pipeline.model, self.pipeline.parts
         else:
             try:
-                model = self.spec.parallelize_fn(model, self.parallel_dims, cfg)
-            except ValueError as exc:  # parallel/ states what the layout cannot do to this model
+                model = self.spec.parallelize_fn(model, parallel_dims=self.parallel_dims,
+                                                 options=self.parallelize_options)
+            except ParallelConfigError as exc:  # parallel/ states what the layout cannot do to this model
                 raise EngineError(f"{self.name}.backend = '{cfg.backend}': {exc}") from None
             parts = [model]
         for part in parts:
@@ -160,7 +186,10 @@ class ArchonEngine:
         # The entry points already joined with the GPU the cluster plan gives this rank (init_run).
         init_distributed(self.device_type)
         self.device = current_device(self.device_type)
-        self.allocation = ModelAllocation.from_str(cfg.backend)
+        self.train_state.device_type = self.device_type
+        self.allocation = self._allocation or ModelAllocation.from_str(cfg.backend)
+        # What parallel/ and pipeline/ are told besides the sizes (dtypes, AC, compile, offload).
+        self.parallelize_options = parallelize_options(cfg)
         if self.allocation.backend != self.backend:
             raise EngineError(f"{self.name}.backend = '{cfg.backend}' is a '{self.allocation.backend}:' allocation, "
                               f"but {type(self).__name__} runs '{self.backend}:' ones; build engines with "
@@ -171,9 +200,8 @@ class ArchonEngine:
                               f"the job has {world}; launch with --nproc_per_node={self.allocation.world_size} "
                               f"or change the allocation")
         try:
-            self.parallel_dims = ParallelDims.from_allocation(self.allocation, world_size=world,
-                                                              dp_replicate=cfg.archon.dp_replicate)
-        except ValueError as exc:  # parallel/ cannot raise Archon's errors; its ValueErrors are the user's
+            self.parallel_dims = ParallelDims.from_allocation(self.allocation, dp_replicate=cfg.archon.dp_replicate)
+        except ParallelConfigError as exc:  # parallel/ cannot raise Archon's errors
             raise EngineError(f"{self.name}.backend = '{cfg.backend}': {exc}") from None
         self.parallel_dims.build_meshes(self.device_type)
         if dist.get_rank() == 0:
@@ -187,9 +215,10 @@ class ArchonEngine:
                               f"type '{self.hf_config.model_type}' has no pipelining function in its ModelSpec; "
                               "use p1 or add one (see models/qwen3/spec.py)")
         try:
-            return self.spec.pipelining_fn(model, self.parallel_dims, self.config, self.spec.parallelize_fn,
-                                           self.device)
-        except ValueError as exc:  # PipelineConfigError, or what parallel/ refuses for a stage
+            return self.spec.pipelining_fn(model, parallel_dims=self.parallel_dims, options=self.parallelize_options,
+                                           pipeline=pipeline_options(self.config),
+                                           parallelize_fn=self.spec.parallelize_fn, device=self.device)
+        except (PipelineConfigError, ParallelConfigError) as exc:  # what the layout cannot do to this model
             raise EngineError(f"{self.name}.backend = '{self.config.backend}': {exc}") from None
 
     def _load_hf_config(self):
@@ -229,7 +258,7 @@ class ArchonEngine:
         full = self.spec.model_class(self.model_args)
         full.init_weights()
         full_sd = dict(full.named_parameters())
-        for name, tensor in _named_state(self.model):
+        for name, tensor in named_state(self.model):
             copy_full_into(tensor, full_sd[name])
 
     @torch.no_grad()
@@ -239,7 +268,7 @@ class ArchonEngine:
         Drawn as full tensors from a generator seeded by the run seed and the name, then
         sharded, so the values do not depend on the allocation.
         """
-        params = dict(_named_state(self.model))
+        params = dict(named_state(self.model))
         std = getattr(self.model_args, "initializer_range", 0.02)
         for name in names:
             if name not in params:  # a buffer (the MoE routing bias) keeps init_buffers' value
@@ -370,7 +399,7 @@ class ArchonEngine:
             if runnable != plan.n_microbatches:
                 # max_tokens_per_mb asked for a count the schedule cannot run: take the next one it can.
                 plan = plan_microbatches(lens, self.dp_size, runnable, mb_spec.max_tokens_per_mb)
-        except ValueError as exc:
+        except ConfigError as exc:  # a sample longer than mb_spec.max_tokens_per_mb
             raise EngineError(f"{self.name}: {exc}") from None
         return plan.per_rank[self.dp_rank]
 
@@ -560,14 +589,14 @@ class ArchonEngine:
         without it only the fields of the model's HF architecture come out.
         """
         adapter = self.spec.state_dict_adapter_class(self.model_args)
-        local = dict(_named_state(self.model, buffers=False))
-        local.update(_persistent_buffers(self.model))
+        local = dict(named_state(self.model, buffers=False))
+        local.update(persistent_buffers(self.model))
         if self.pipeline is not None:
             buffers = {info.name for info in self.pipeline.full_tensors if info.is_buffer}
             # Each tensor comes from the stage holding it, in the full model's order.
             tensors = self.pipeline.named_full_tensors(local)
         else:
-            buffers = set(_persistent_buffers(self.model))
+            buffers = set(persistent_buffers(self.model))
             tensors = ((name, t.full_tensor() if isinstance(t, DTensor) else t) for name, t in local.items())
         for name, full in tensors:
             full = full.detach()
@@ -605,42 +634,33 @@ class ArchonEngine:
         return self.hf_config.to_dict()
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, path: str | Path, extra_state: dict[str, Any] | None = None) -> None:
-        from archon.engine.checkpoint import save_checkpoint
+    def checkpoint_states(self) -> dict[str, Stateful]:
+        """What a checkpoint of this engine holds: the model, the optimizer and LR scheduler (when trainable),
+        and the train state (step, random generators)."""
+        assert self.model is not None, "initialize() first"
+        states: dict[str, Stateful] = {MODEL: ModelState(self.model), TRAIN_STATE: self.train_state}
+        if self.optimizer is not None:
+            states[OPTIMIZER] = OptimizerState(self.model, self.optimizer)
+        if self.lr_scheduler is not None:
+            states[LR_SCHEDULER] = LRSchedulerState(self.lr_scheduler)
+        return states
 
-        save_checkpoint(self, Path(path), extra_state or {})
+    def save(self, path: str | Path, extra_state: dict[str, Any] | None = None) -> None:
+        """Write a resumable checkpoint to ``path`` (collective); ``extra_state`` is the caller's JSON data."""
+        save_checkpoint(self.checkpoint_states(), Path(path), extra_state or {}, name=self.name,
+                        allocation=str(self.allocation))
 
     def load(self, path: str | Path) -> dict[str, Any]:
-        from archon.engine.checkpoint import load_checkpoint
+        """Resume from a checkpoint written by ``save`` (any allocation; collective); returns its extra state."""
+        return load_checkpoint(self.checkpoint_states(), Path(path), name=self.name)
 
-        return load_checkpoint(self, Path(path))
+    def checkpoint_nbytes(self) -> float:
+        """This rank's share of one checkpoint's bytes: parameters, and AdamW's two moments with an optimizer.
 
-
-def _persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Persistent buffers (the MoE routing bias) by wrapper-free name."""
-    out = {}
-    for mod_name, mod in model.named_modules():
-        for buf_name, buf in mod.named_buffers(prefix=mod_name, recurse=False):
-            if buf is not None and buf_name.rsplit(".", 1)[-1] not in mod._non_persistent_buffers_set:
-                out[clean_fqn(buf_name)] = buf
-    return out
-
-
-def _named_state(model: torch.nn.Module, buffers: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """Parameters (and persistent buffers) with wrapper prefixes (AC, compile) removed."""
-    items = list(model.named_parameters())
-    if buffers:
-        items += list(model.named_buffers())
-    for name, tensor in items:
-        yield clean_fqn(name), tensor
-
-
-@torch.no_grad()
-def copy_full_into(target: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy a full tensor into a parameter that may be a DTensor shard (no communication)."""
-    if isinstance(target, DTensor):
-        local = distribute_tensor(full.to(target.device, target.dtype), target.device_mesh, target.placements,
-                                  src_data_rank=None).to_local()
-        target.to_local().copy_(local)
-    else:
-        target.copy_(full.to(target.device, target.dtype))
+        A parameter's global size counts once however it is sharded: each rank of a pipeline stage
+        counts its stage's global sizes divided by the ranks that hold that stage.
+        """
+        ranks_per_stage = dist.get_world_size() / self.allocation.parallel.pp_size
+        per_param = 3 if self.optimizer is not None else 1
+        stage = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return per_param * stage / ranks_per_stage
