@@ -17,12 +17,10 @@ before token ``i``.
 from __future__ import annotations
 
 import logging
-import shutil
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Iterator
+from typing import Any, ClassVar, Iterator
 
 import torch
 import torch.distributed as dist
@@ -41,23 +39,14 @@ from archon.engine.microbatch import (
     pack,
     pack_token_values,
     plan_microbatches,
-    rows_of,
     seqlens_of,
     unpack,
 )
-from archon.engine.named_tensors import copy_full_into, named_state, persistent_buffers
 from archon.engine.optimizer import build_lr_scheduler, build_optimizer
 from archon.engine.options import parallelize_options, pipeline_options
-from archon.engine.state import (
-    LR_SCHEDULER,
-    MODEL,
-    OPTIMIZER,
-    TRAIN_STATE,
-    LRSchedulerState,
-    ModelState,
-    OptimizerState,
-    TrainState,
-)
+from archon.engine.state import TrainState, engine_states
+from archon.engine.step_loss import LossFn, LossWeightFn, StepTotals, microbatch_loss, token_count_weight
+from archon.engine.weights import hf_full_tensors, init_from_seed, init_unloaded, write_hf_folder
 from archon.errors import ArchonError
 from parallel.context_parallel import gather_sequence, shard_sequence
 from parallel.dims import ParallelDims
@@ -71,28 +60,8 @@ logger = logging.getLogger("archon.engine")
 # FSDP x TP gathers over two mesh dims in sequence; DTensor warns about it on every call.
 logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
-LossFn = Callable[[dict[str, torch.Tensor], Batch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
-LossWeightFn = Callable[[Batch], float]
-
-
-def _token_count_weight(mb: Batch) -> float:
-    return float(mb["loss_mask"].sum()) if "loss_mask" in mb else float(mb["attention_mask"].sum())
-
-
 class EngineError(ArchonError, ValueError):
     """A user-caused problem with an engine's config, allocation or data."""
-
-
-@dataclass
-class _StepTotals:
-    """What one rank's microbatches of a step add up to, before reduction over ranks."""
-
-    loss: float = 0.0
-    """Sum of the microbatches' weighted losses."""
-    stats: dict[str, float] = field(default_factory=dict)
-    """Weighted sums of the loss function's stats."""
-    tokens: int = 0
-    """Real (unpadded) tokens."""
 
 
 class ArchonEngine:
@@ -250,33 +219,12 @@ class ArchonEngine:
         if self.config.path:
             result = load_hf_weights(self.model, self.config.path,
                                      self.spec.state_dict_adapter_class(self.model_args), strict=True)
-            self._init_unloaded(result.initialised)
+            init_unloaded(self.model, result.initialised, self.seed,
+                          std=getattr(self.model_args, "initializer_range", 0.02))
             return
         # From scratch: initialise the full model identically on every rank from the seed, then
         # shard it, so that the initial weights do not depend on the allocation.
-        torch.manual_seed(self.seed)
-        full = self.spec.model_class(self.model_args)
-        full.init_weights()
-        full_sd = dict(full.named_parameters())
-        for name, tensor in named_state(self.model):
-            copy_full_into(tensor, full_sd[name])
-
-    @torch.no_grad()
-    def _init_unloaded(self, names: list[str]) -> None:
-        """Seeded init of tensors a checkpoint legitimately lacks (a critic's value head).
-
-        Drawn as full tensors from a generator seeded by the run seed and the name, then
-        sharded, so the values do not depend on the allocation.
-        """
-        params = dict(named_state(self.model))
-        std = getattr(self.model_args, "initializer_range", 0.02)
-        for name in names:
-            if name not in params:  # a buffer (the MoE routing bias) keeps init_buffers' value
-                continue
-            target = params[name]
-            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + sum(map(ord, name)))
-            full = torch.empty(target.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
-            copy_full_into(target, full)
+        init_from_seed(self.model, lambda: self.spec.model_class(self.model_args), self.seed)
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -425,7 +373,7 @@ class ArchonEngine:
         return packs, inputs
 
     # ------------------------------------------------------------------ train
-    def train_batch(self, batch: Batch, loss_fn: LossFn, loss_weight_fn: LossWeightFn = _token_count_weight
+    def train_batch(self, batch: Batch, loss_fn: LossFn, loss_weight_fn: LossWeightFn = token_count_weight
                     ) -> dict[str, float]:
         """Forward+backward over every microbatch, then one optimizer step; returns global stats."""
         assert self.model is not None and self.optimizer is not None, "initialize() a trainable engine first"
@@ -439,7 +387,7 @@ class ArchonEngine:
         my_mbs = self._plan(batch)
         grad_scale = float(self.parallel_dims.fsdp_gradient_divide_factor)
         self.optimizer.zero_grad(set_to_none=True)
-        totals = _StepTotals()
+        totals = StepTotals()
         if self.moe is not None:
             self.moe.begin_step()
             if self.moe.aux_loss_enabled:
@@ -452,8 +400,8 @@ class ArchonEngine:
 
             def last_stage_loss(out: torch.Tensor, i: int) -> torch.Tensor:
                 outputs = self._token_outputs(out, packs[i])
-                return self._microbatch_loss(outputs, batch, my_mbs[i], loss_fn, loss_weight_fn, total_weight,
-                                             totals) * grad_scale
+                return microbatch_loss(outputs, batch, my_mbs[i], loss_fn, loss_weight_fn, total_weight,
+                                       totals) * grad_scale
 
             with self._autocast():
                 self.pipeline.train_step(inputs, last_stage_loss)
@@ -462,8 +410,8 @@ class ArchonEngine:
             for i, indices in enumerate(my_mbs):
                 self._set_gradient_sync(i == len(my_mbs) - 1)
                 packed = self._pack(batch, indices)
-                scaled = self._microbatch_loss(self._run_model(packed), batch, indices, loss_fn, loss_weight_fn,
-                                               total_weight, totals)
+                scaled = microbatch_loss(self._run_model(packed), batch, indices, loss_fn, loss_weight_fn,
+                                         total_weight, totals)
                 (scaled * grad_scale).backward()
                 totals.tokens += packed.n_real_tokens
 
@@ -514,25 +462,6 @@ class ArchonEngine:
             tokens, kwargs = self._model_inputs(packed)
             with self._autocast():
                 self.model(tokens, cu_seqlens=packed.cu_seqlens, **kwargs)
-
-    def _microbatch_loss(self, outputs: dict[str, torch.Tensor], batch: Batch, indices: list[int], loss_fn: LossFn,
-                         loss_weight_fn: LossWeightFn, total_weight: float, totals: "_StepTotals") -> torch.Tensor:
-        """This microbatch's share of the global loss (its weight / the batch's); stats are added to ``totals``."""
-        anchor = outputs.pop("_anchor")
-        if indices:
-            mb = rows_of(batch, indices)
-            loss, stats = loss_fn(outputs, mb)
-            weight = float(loss_weight_fn(mb))
-        else:
-            # A rank without samples still runs backward so FSDP's collectives line up.
-            loss = anchor
-            stats, weight = {}, 0.0
-        scaled = loss * (weight / total_weight)
-        totals.loss += float(scaled.detach())
-        for key, value in stats.items():
-            value = float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
-            totals.stats[key] = totals.stats.get(key, 0.0) + value * weight / total_weight
-        return scaled
 
     # ------------------------------------------------------------------ forward
     @torch.no_grad()
@@ -589,24 +518,7 @@ class ArchonEngine:
         without it only the fields of the model's HF architecture come out.
         """
         adapter = self.spec.state_dict_adapter_class(self.model_args)
-        local = dict(named_state(self.model, buffers=False))
-        local.update(persistent_buffers(self.model))
-        if self.pipeline is not None:
-            buffers = {info.name for info in self.pipeline.full_tensors if info.is_buffer}
-            # Each tensor comes from the stage holding it, in the full model's order.
-            tensors = self.pipeline.named_full_tensors(local)
-        else:
-            buffers = set(persistent_buffers(self.model))
-            tensors = ((name, t.full_tensor() if isinstance(t, DTensor) else t) for name, t in local.items())
-        for name, full in tensors:
-            full = full.detach()
-            if name in buffers:
-                items = adapter.to_hf_tensors(name, full)
-            else:
-                items = adapter.to_hf_tensors(name, full.to(dtype) if dtype is not None else full)
-            for hf_name, value in items:
-                if extras or adapter.is_hf_field(hf_name):
-                    yield hf_name, value
+        yield from hf_full_tensors(self.model, adapter, self.pipeline, dtype, extras)
 
     def export_hf(self, path: str | Path, dtype: torch.dtype | None = None, max_shard_size: str | int = "5GB",
                   extras: bool = False) -> None:
@@ -615,19 +527,8 @@ class ArchonEngine:
         ``extras`` also writes what the HF architecture has no field for (the MoE routing bias),
         for folders that only Archon's own server reads (disk weight sync).
         """
-        from models import save_hf_tensors
-
-        tensors = ((n, t.cpu()) for n, t in self.named_full_tensors(dtype, extras=extras))
-        if dist.get_rank() == 0:
-            save_hf_tensors(tensors, self._export_hf_config(), path, max_shard_size=max_shard_size)
-            source = Path(self.config.path) / "generation_config.json" if self.config.path else None
-            if source is not None and source.is_file():
-                # EOS ids and sampling defaults live here; generate() and servers read them.
-                shutil.copyfile(source, Path(path) / "generation_config.json")
-        else:
-            for _ in tensors:  # join the collectives
-                pass
-        dist.barrier()
+        write_hf_folder(self.named_full_tensors(dtype, extras=extras), self._export_hf_config(), path,
+                        source=self.config.path, max_shard_size=max_shard_size)
 
     def _export_hf_config(self) -> dict[str, Any]:
         """The config.json ``export_hf`` writes."""
@@ -638,12 +539,7 @@ class ArchonEngine:
         """What a checkpoint of this engine holds: the model, the optimizer and LR scheduler (when trainable),
         and the train state (step, random generators)."""
         assert self.model is not None, "initialize() first"
-        states: dict[str, Stateful] = {MODEL: ModelState(self.model), TRAIN_STATE: self.train_state}
-        if self.optimizer is not None:
-            states[OPTIMIZER] = OptimizerState(self.model, self.optimizer)
-        if self.lr_scheduler is not None:
-            states[LR_SCHEDULER] = LRSchedulerState(self.lr_scheduler)
-        return states
+        return engine_states(self.model, self.optimizer, self.lr_scheduler, self.train_state)
 
     def save(self, path: str | Path, extra_state: dict[str, Any] | None = None) -> None:
         """Write a resumable checkpoint to ``path`` (collective); ``extra_state`` is the caller's JSON data."""

@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from archon.engine.engine import ArchonEngine, EngineError
 from archon.engine.microbatch import Batch, pack, rows_of
-from archon.engine.named_tensors import named_state
+from archon.engine.weights import named_state
 from archon.engine.optimizer import build_lr_scheduler, build_optimizer
 from archon.engine.transformers_model import (
     TransformersModelError,

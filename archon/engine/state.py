@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.checkpoint.stateful import Stateful
 
 MODEL = "model"
 OPTIMIZER = "optimizer"
@@ -105,3 +106,14 @@ class TrainState:
         torch.set_rng_state(state_dict["torch_rng"])
         if self.device_type == "cuda" and state_dict.get("cuda_rng") is not None:
             torch.cuda.set_rng_state(state_dict["cuda_rng"])
+
+
+def engine_states(model: nn.Module, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any,
+                  train_state: TrainState) -> dict[str, Stateful]:
+    """An engine's checkpointed parts: the model, the optimizer and LR scheduler when it has them, the train state."""
+    states: dict[str, Stateful] = {MODEL: ModelState(model), TRAIN_STATE: train_state}
+    if optimizer is not None:
+        states[OPTIMIZER] = OptimizerState(model, optimizer)
+    if lr_scheduler is not None:
+        states[LR_SCHEDULER] = LRSchedulerState(lr_scheduler)
+    return states
