@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from archon.alloc import ModelAllocation
+from archon.alloc import AllocationError, ModelAllocation
 from archon.errors import ArchonError
 
 
@@ -448,15 +448,26 @@ class Config:
         """Where this run writes metrics and checkpoints."""
         return Path(self.output_dir or f"outputs/{self.experiment_name}/{self.trial_name}")
 
-    def allocations(self) -> dict[str, ModelAllocation]:
-        """The parsed allocation of every engine (critic/ref already inherited)."""
-        return {
-            "rollout": ModelAllocation.from_str(self.rollout.backend),
-            "actor": ModelAllocation.from_str(self.actor.backend),
-            "critic": ModelAllocation.from_str(self.critic.backend),
-            "ref": ModelAllocation.from_str(self.ref.backend),
-            "teacher": ModelAllocation.from_str(self.teacher.backend),
-        }
+    def allocations(self, sources: dict[str, str] | None = None) -> dict[str, ModelAllocation]:
+        """The parsed allocation of every engine (critic/ref/teacher already inherited).
+
+        The one place a config's ``backend`` strings are parsed: validation, the cluster plan and
+        the launchers take these, and an engine gets its own from ``build_engine``.  A bad string
+        is a ``ConfigError`` naming the key and where it came from (``sources``: key -> file or
+        override).
+        """
+        allocs = {}
+        for section in ALLOCATED_SECTIONS:
+            key = f"{section}.backend"
+            try:
+                allocs[section] = ModelAllocation.from_str(getattr(self, section).backend)
+            except AllocationError as exc:
+                raise ConfigError(f"{key} (from {(sources or {}).get(key, 'the defaults')}): {exc}") from None
+        return allocs
+
+
+ALLOCATED_SECTIONS = ("rollout", "actor", "critic", "ref", "teacher")
+"""Config sections with a ``backend`` allocation string, rollout first."""
 
 
 # Engine fields critic/ref inherit from actor when the user did not set them.
