@@ -267,12 +267,20 @@ class CriticConfig(TrainEngineConfig):
     """Give zero loss weight to responses cut off without EOS."""
 
 
+SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
+"""What SGLang generates for a request without ``max_new_tokens``; Archon's built-in server and its vLLM adapter
+follow it.  Archon's own requests never rely on it: they carry ``gconfig.max_new_tokens``."""
+
+
 @dataclass
 class GenerationConfig:
+    """The run's sampling.  Every field but ``n_samples`` is sent with each request under SGLang's name
+    (``archon.rollout.client.sampling_params``), so a server's own defaults never apply to Archon's requests."""
+
     n_samples: int = 1
     """Completions sampled per prompt."""
     max_new_tokens: int = 512
-    """Maximum completion length."""
+    """Maximum completion length (sent with every request; a request without one gets SGLang's 128)."""
     min_new_tokens: int = 0
     """Minimum completion length (EOS is suppressed before it)."""
     temperature: float = 1.0
