@@ -52,8 +52,9 @@ logger = logging.getLogger("archon.pipeline")
 class PipelineOptions:
     """How a model is cut into pipeline stages and scheduled (the degree is ``ParallelDims.pp``)."""
 
-    schedule: str = "Interleaved1F1B"
-    """torch.distributed.pipelining schedule by name (see ``pipeline.schedules``)."""
+    schedule: str
+    """torch.distributed.pipelining schedule by name (see ``pipeline.schedules``); the engine's config has the
+    default (``archon.pp_schedule``)."""
     layers_per_stage: int = 0
     """Transformer blocks per stage; 0 derives it from the layer count and the schedule."""
 
