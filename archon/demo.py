@@ -251,7 +251,7 @@ def make_assets(out_dir: str | Path, task: DemoTask = DemoTask(), spec: TinyQwen
     """Write tokenizer, model and data into ``out_dir`` (overwriting earlier demo files there)."""
     root = Path(out_dir)
     if root.exists() and not root.is_dir():
-        raise ValueError(f"'{root}' exists and is not a directory; pass a directory for the demo assets")
+        raise NotADirectoryError(f"'{root}' exists and is not a directory; pass a directory for the demo assets")
     assets = DemoAssets(root=root, tokenizer=root / "tokenizer", model=root / "model",
                         train=root / "data" / "train.jsonl", test=root / "data" / "test.jsonl",
                         sft=root / "data" / "sft.jsonl")
@@ -279,7 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     hf_logging.disable_progress_bar()  # one progress bar per tiny shard is noise here
     try:
         assets = make_assets(args.out_dir, DemoTask(seed=args.seed), TinyQwen3(seed=args.seed))
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     from archon.data.jsonl import load_jsonl

@@ -6,8 +6,9 @@ traceback.  Anything else that escapes is a bug and keeps its traceback.  Subcla
 derive from the builtin they refine (``ConfigError`` is a ``ValueError``, ``RolloutError`` a
 ``RuntimeError``), so existing ``except ValueError`` code keeps working.
 
-The lower layers (``models/``, ``pipeline/``) cannot import ``archon``; their user errors
-(``HFConfigError``, ``CheckpointError``, ...) are listed by ``user_error_types()``.
+The lower layers (``parallel/``, ``pipeline/``, ``models/``) cannot import ``archon``; their user errors
+(``HFConfigError``, ``HFCheckpointError``, ``ParallelConfigError``, ...) are listed by
+``user_error_types()``.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ class JobError(ArchonError, RuntimeError):
 def user_error_types() -> tuple[type[BaseException], ...]:
     """``ArchonError`` and the user-error classes of the layers below ``archon/`` (which cannot import it)."""
     import models
+    from parallel.errors import ParallelConfigError
     from pipeline.split import PipelineConfigError
 
-    return (ArchonError, models.HFConfigError, models.ModelRegistryError, models.CheckpointError,
-            PipelineConfigError)
+    return (ArchonError, models.HFConfigError, models.ModelRegistryError, models.HFCheckpointError,
+            PipelineConfigError, ParallelConfigError)

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from archon.errors import DataError
+
 METRICS_FILE = "metrics.jsonl"
 DEFAULT_IMAGE = "curves.png"
 
@@ -108,13 +110,13 @@ def load_metrics(run: str | Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError as exc:
             if lineno == len(lines):
                 break  # a running job may be halfway through writing its last line
-            raise ValueError(f"{path}:{lineno} is not valid JSON ({exc.msg}); metrics.jsonl holds one JSON "
-                             "object per line") from None
+            raise DataError(f"{path}:{lineno} is not valid JSON ({exc.msg}); metrics.jsonl holds one JSON "
+                            "object per line") from None
         if not isinstance(record, dict):
-            raise ValueError(f"{path}:{lineno} holds a {type(record).__name__}, not a JSON object of metrics")
+            raise DataError(f"{path}:{lineno} holds a {type(record).__name__}, not a JSON object of metrics")
         records.append(record)
     if not records:
-        raise ValueError(f"'{path}' holds no metrics yet; plot after the run has logged at least one step")
+        raise DataError(f"'{path}' holds no metrics yet; plot after the run has logged at least one step")
     return records
 
 
@@ -163,7 +165,7 @@ def plot_metrics(records: Sequence[dict[str, Any]], out: str | Path, title: str 
     shown = panels_for(records, panels)
     if not shown:
         keys = sorted({k for p in panels for k in p.keys})
-        raise ValueError(f"the metrics have none of the plotted keys ({', '.join(keys)}); nothing to draw")
+        raise DataError(f"the metrics have none of the plotted keys ({', '.join(keys)}); nothing to draw")
     ncols = min(3, len(shown))
     nrows = math.ceil(len(shown) / ncols)
     # A Figure with its own Agg canvas: no pyplot global state, no display needed.
@@ -215,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         image, shown = plot_run(args.output_dir, args.out)
-    except (OSError, ValueError) as exc:
+    except (OSError, DataError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {image} ({', '.join(shown)})")

@@ -10,7 +10,7 @@ model package found in ``models/`` or on ``$ARCHON_MODELS_PATH`` (``scripts/add_
 """
 
 from models.hf_checkpoint import (
-    CheckpointError,
+    HFCheckpointError,
     HFLoadResult,
     adapter_for,
     load_hf_weights,
@@ -38,7 +38,7 @@ import_model_packages()
 __all__ = [
     "BaseModelArgs",
     "BaseStateDictAdapter",
-    "CheckpointError",
+    "HFCheckpointError",
     "HFConfigError",
     "HFKeyTarget",
     "HFLoadResult",

@@ -23,14 +23,18 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from models.state_dict_adapter import BaseStateDictAdapter, HFKeyTarget, UnknownKeyError
+from parallel.fqn import clean_fqn
 
 CONFIG_NAME = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 
-class CheckpointError(ValueError):
-    """A checkpoint folder or its tensors do not match the model."""
+class HFCheckpointError(ValueError):
+    """A Hugging Face model folder (config.json, safetensors) is missing, damaged, or does not match the model.
+
+    Archon's own resumable checkpoints have their own error, ``archon.engine.checkpoint.CheckpointError``.
+    """
 
 
 # ---- reading ---------------------------------------------------------------------------
@@ -39,25 +43,25 @@ def read_hf_config(folder: str | os.PathLike) -> dict[str, Any]:
     """The ``config.json`` of a Hugging Face model folder, as a dict."""
     folder = Path(folder)
     if not folder.is_dir():
-        raise CheckpointError(f"{folder} is not a directory; pass the folder of a Hugging Face model.")
+        raise HFCheckpointError(f"{folder} is not a directory; pass the folder of a Hugging Face model.")
     path = folder / CONFIG_NAME
     if not path.is_file():
-        raise CheckpointError(
+        raise HFCheckpointError(
             f"{path} does not exist; a Hugging Face model folder needs config.json next to its safetensors."
         )
     try:
         with open(path) as f:
             return json.load(f)
     except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path} is not valid JSON ({e}).") from None
+        raise HFCheckpointError(f"{path} is not valid JSON ({e}).") from None
 
 
 def open_safetensors(path: Path) -> Any:
-    """``safe_open(path)``; a truncated or corrupt file is a ``CheckpointError`` naming it."""
+    """``safe_open(path)``; a truncated or corrupt file is a ``HFCheckpointError`` naming it."""
     try:
         return safe_open(path, framework="pt", device="cpu")
     except Exception as e:  # noqa: BLE001 - safetensors raises its own error type for a damaged file
-        raise CheckpointError(f"{path} is not a readable safetensors file ({e}); it is probably truncated or "
+        raise HFCheckpointError(f"{path} is not a readable safetensors file ({e}); it is probably truncated or "
                               "corrupt, so copy or export it again.") from None
 
 
@@ -74,10 +78,10 @@ def checkpoint_key_files(folder: str | os.PathLike) -> dict[str, str]:
             with open(index_path) as f:
                 weight_map = json.load(f)["weight_map"]
         except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{index_path} is not a safetensors index (needs a weight_map): {e}") from None
+            raise HFCheckpointError(f"{index_path} is not a safetensors index (needs a weight_map): {e}") from None
         for fname in sorted(set(weight_map.values())):
             if not (folder / fname).is_file():
-                raise CheckpointError(f"{index_path} lists shard {fname}, which is missing from {folder}.")
+                raise HFCheckpointError(f"{index_path} lists shard {fname}, which is missing from {folder}.")
         return dict(weight_map)
     files = [SINGLE_FILE] if (folder / SINGLE_FILE).is_file() else sorted(
         p.name for p in folder.glob("*.safetensors")
@@ -87,13 +91,13 @@ def checkpoint_key_files(folder: str | os.PathLike) -> dict[str, str]:
         if any(folder.glob("*.bin")) or any(folder.glob("*.pt")):
             hint = ("; it has PyTorch .bin/.pt weights, which Archon never unpickles, so convert them to safetensors "
                     "first (transformers: save_pretrained(..., safe_serialization=True))")
-        raise CheckpointError(f"{folder} has no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors file{hint}.")
+        raise HFCheckpointError(f"{folder} has no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors file{hint}.")
     key_files: dict[str, str] = {}
     for fname in files:
         with open_safetensors(folder / fname) as f:
             for key in f.keys():
                 if key in key_files:
-                    raise CheckpointError(f"tensor {key!r} appears in both {key_files[key]} and {fname} in {folder}.")
+                    raise HFCheckpointError(f"tensor {key!r} appears in both {key_files[key]} and {fname} in {folder}.")
                 key_files[key] = fname
     return key_files
 
@@ -112,14 +116,6 @@ class HFLoadResult:
 
 def _is_dtensor(t: torch.Tensor) -> bool:
     return hasattr(t, "device_mesh") and hasattr(t, "placements")
-
-
-_WRAPPER_PARTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
-
-
-def clean_fqn(name: str) -> str:
-    """Drop the path parts activation checkpointing and ``torch.compile`` wrappers add."""
-    return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
 
 
 def _model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -258,7 +254,7 @@ class _TensorReader:
         try:
             self._slice = f.get_slice(key)
         except Exception as e:  # the index lists a key the shard does not hold
-            raise CheckpointError(f"cannot read tensor {key!r} from {path}: {e}") from None
+            raise HFCheckpointError(f"cannot read tensor {key!r} from {path}: {e}") from None
         self.shape = tuple(self._slice.get_shape())
         self._full: torch.Tensor | None = None
 
@@ -278,7 +274,7 @@ def adapter_for(model: nn.Module) -> BaseStateDictAdapter:
     from models.registry import spec_for_model
 
     if not hasattr(model, "args"):
-        raise CheckpointError(f"{type(model).__name__} has no .args; pass a state-dict adapter explicitly.")
+        raise HFCheckpointError(f"{type(model).__name__} has no .args; pass a state-dict adapter explicitly.")
     return spec_for_model(model).state_dict_adapter_class(model.args)
 
 
@@ -294,7 +290,7 @@ def load_hf_weights(
     owns; tensors of layers a pipeline stage does not hold are skipped.  DTensor parameters
     receive their local shard.  Per-expert HF tensors fill one slice of a grouped expert
     tensor.  With ``strict`` (default), a checkpoint tensor the model has no place for, a
-    model tensor the checkpoint lacks, or a shape mismatch raises ``CheckpointError`` naming
+    model tensor the checkpoint lacks, or a shape mismatch raises ``HFCheckpointError`` naming
     the tensor and file.  The model must already be materialised (``to_empty``), not on meta.
     """
     folder = Path(folder)
@@ -304,7 +300,7 @@ def load_hf_weights(
     full_shapes = _full_model_shapes(model)
     on_meta = [n for n, t in targets.items() if t.device.type == "meta"]
     if on_meta:
-        raise CheckpointError(
+        raise HFCheckpointError(
             f"model tensor {on_meta[0]!r} is on the meta device; materialise the model "
             "(model.to_empty(device=...)) before loading weights."
         )
@@ -330,7 +326,7 @@ def load_hf_weights(
         if keep:
             plan[fname].append((key, keep))
     if unexpected and strict:
-        raise CheckpointError(
+        raise HFCheckpointError(
             f"checkpoint {folder} has {len(unexpected)} tensor(s) {type(model).__name__} does not use: "
             + ", ".join(unexpected[:10]) + (" ..." if len(unexpected) > 10 else "")
             + "; use the config.json that came with these weights, or weights made for this architecture."
@@ -349,7 +345,7 @@ def load_hf_weights(
                     want = full_shapes[t.name] if t.expert is None else full_shapes[t.name][1:]
                     got = _target_shape(reader.shape, t)
                     if got != tuple(want):
-                        raise CheckpointError(
+                        raise HFCheckpointError(
                             f"checkpoint tensor {key!r} (in {folder / fname}) has shape {got}, "
                             f"but model tensor {t.name!r}{'' if t.expert is None else f' expert {t.expert}'} "
                             f"expects {tuple(want)}; the checkpoint does not match config.json, so use the "
@@ -402,7 +398,7 @@ def load_hf_weights(
             hint = f" (checkpoint key {keys[0]!r}{' ...' if len(keys) > 1 else ''})" if keys else ""
             result.missing.append(f"{name!r}{hint}")
     if result.missing and strict:
-        raise CheckpointError(
+        raise HFCheckpointError(
             f"checkpoint {folder} lacks {len(result.missing)} tensor(s) {type(model).__name__} needs: "
             + ", ".join(result.missing[:10]) + (" ..." if len(result.missing) > 10 else "")
             + "; check that the checkpoint is complete and matches its config.json."
@@ -467,7 +463,7 @@ def save_hf_tensors(
 
     for name, tensor in named_hf_tensors:
         if name in seen:
-            raise CheckpointError(f"tensor {name!r} was given twice while saving to {folder}.")
+            raise HFCheckpointError(f"tensor {name!r} was given twice while saving to {folder}.")
         seen.add(name)
         if _is_dtensor(tensor):
             tensor = tensor.full_tensor()

@@ -8,9 +8,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from models.hf_checkpoint import CheckpointError, clean_fqn, load_hf_weights, read_hf_config, save_hf_tensors
+from models.hf_checkpoint import HFCheckpointError, load_hf_weights, read_hf_config, save_hf_tensors
 from models.model_args import BaseModelArgs, hf_config_to_dict
 from models.registry import ModelSpec, get_model_spec, spec_for_args, spec_for_model
+from parallel.fqn import clean_fqn
 
 
 def _spec_and_args(args_or_hf_config: Any, is_critic: bool) -> tuple[ModelSpec, BaseModelArgs]:
@@ -19,7 +20,7 @@ def _spec_and_args(args_or_hf_config: Any, is_critic: bool) -> tuple[ModelSpec, 
     cfg = hf_config_to_dict(args_or_hf_config)
     model_type = cfg.get("model_type")
     if not model_type:
-        raise CheckpointError("the Hugging Face config has no model_type; Archon picks the model by it.")
+        raise HFCheckpointError("the Hugging Face config has no model_type; Archon picks the model by it.")
     spec = get_model_spec(model_type)
     return spec, spec.model_args_class.from_hf_config(cfg, is_critic=is_critic)
 
@@ -64,7 +65,7 @@ def load_hf_model(
     cfg = read_hf_config(path)
     model_type = cfg.get("model_type")
     if not model_type:
-        raise CheckpointError(f"{os.fspath(path)}/config.json has no model_type; Archon picks the model by it.")
+        raise HFCheckpointError(f"{os.fspath(path)}/config.json has no model_type; Archon picks the model by it.")
     spec = get_model_spec(model_type)
     args = spec.model_args_class.from_hf_config(cfg, is_critic=is_critic)
     with torch.device("meta"):
@@ -94,7 +95,7 @@ def save_hf(
     """
     args = getattr(model, "args", None)
     if args is None:
-        raise CheckpointError(f"{type(model).__name__} has no .args; save_hf needs them to write config.json.")
+        raise HFCheckpointError(f"{type(model).__name__} has no .args; save_hf needs them to write config.json.")
     adapter = spec_for_model(model).state_dict_adapter_class(args)
     cfg = args.to_hf_config()
     state_dict = model.state_dict()

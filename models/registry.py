@@ -6,9 +6,11 @@ import importlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch.nn as nn
+
+from parallel.options import ParallelizeFn
+from pipeline import PipeliningFn
 
 
 class ModelRegistryError(ValueError):
@@ -27,11 +29,12 @@ class ModelSpec:
     """``BaseModelArgs`` subclass with ``from_hf_config(hf_config, is_critic=False)``."""
     state_dict_adapter_class: type
     """``BaseStateDictAdapter`` subclass built as ``state_dict_adapter_class(model_args)``."""
-    parallelize_fn: Callable
-    """``parallelize_fn(model, parallel_dims, config) -> model``."""
-    pipelining_fn: Callable | None
-    """``pipelining_fn(model, parallel_dims, config, parallelize_fn, device) -> PipelinedModel``: this rank's
-    parallelized pipeline stages of a meta-device model; None if the model cannot run with p > 1."""
+    parallelize_fn: ParallelizeFn
+    """``parallelize_fn(model, *, parallel_dims, options) -> model`` (``parallel.options.ParallelizeFn``)."""
+    pipelining_fn: PipeliningFn | None
+    """``pipelining_fn(model, *, parallel_dims, options, pipeline, parallelize_fn, device) -> PipelinedModel``
+    (``pipeline.PipeliningFn``): this rank's parallelized pipeline stages of a meta-device model; None if the
+    model cannot run with p > 1."""
     supported_model_types: frozenset[str]
     """Hugging Face ``model_type`` strings (config.json) this spec serves."""
 

@@ -24,6 +24,8 @@ import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
+from parallel.errors import ParallelConfigError
+
 logger = logging.getLogger("archon.parallel.ac")
 
 AC_MODES = ("none", "full", "selective", "memory_budget")
@@ -115,15 +117,16 @@ def apply_ac(
 ) -> None:
     """Wrap the blocks of ``blocks`` (a ModuleDict of transformer blocks) in place."""
     if ac_mode not in AC_MODES:
-        raise ValueError(f"ac_mode '{ac_mode}' must be one of {', '.join(AC_MODES)}")
+        raise ParallelConfigError(f"ac_mode '{ac_mode}' must be one of {', '.join(AC_MODES)}")
     if ac_mode == "none":
         return
     if ac_mode == "memory_budget":
         if not compile_enabled:
-            raise ValueError("ac_mode = 'memory_budget' needs torch.compile; set archon.enable_compile = true "
-                             "or choose ac_mode 'selective' or 'full'")
+            raise ParallelConfigError(
+                "ac_mode = 'memory_budget' needs torch.compile; set archon.enable_compile = true "
+                "or choose ac_mode 'selective' or 'full'")
         if not 0.0 <= ac_memory_budget <= 1.0:
-            raise ValueError(f"ac_memory_budget = {ac_memory_budget} must be between 0.0 and 1.0")
+            raise ParallelConfigError(f"ac_memory_budget = {ac_memory_budget} must be between 0.0 and 1.0")
         import torch._functorch.config as functorch_config
 
         functorch_config.activation_memory_budget = ac_memory_budget
@@ -138,7 +141,7 @@ def apply_ac(
         elif selective_ac_option.isdigit() and int(selective_ac_option) >= 1:
             every = int(selective_ac_option)
         else:
-            raise ValueError(f"selective_ac_option '{selective_ac_option}' must be 'op' or a positive integer")
+            raise ParallelConfigError(f"selective_ac_option '{selective_ac_option}' must be 'op' or a positive integer")
     for i, (name, block) in enumerate(list(blocks.items())):
         if i % every == 0:
             blocks[name] = _wrap(block, f"block {name}", save_ops, preserve_rng_state, debug)

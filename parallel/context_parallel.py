@@ -37,13 +37,16 @@ import torch.nn as nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 
+from parallel.errors import ParallelConfigError
+
 
 def check_heads_divisible(n_heads: int, tp: int, cp: int, model_name: str) -> None:
     """Raise a clear error when query heads cannot be split over ``tp * cp`` ranks."""
     if n_heads % (tp * cp):
-        raise ValueError(f"{model_name}: num_attention_heads={n_heads} is not divisible by tensor x context "
-                         f"parallel t{tp} x c{cp} = {tp * cp}; Ulysses context parallel gives every rank "
-                         f"whole heads, so choose t*c from the divisors of {n_heads}")
+        raise ParallelConfigError(
+            f"{model_name}: num_attention_heads={n_heads} is not divisible by tensor x context "
+            f"parallel t{tp} x c{cp} = {tp * cp}; Ulysses context parallel gives every rank "
+            f"whole heads, so choose t*c from the divisors of {n_heads}")
 
 
 def kv_repeats_for_cp(q_heads: int, kv_heads: int, cp: int) -> int:
@@ -52,8 +55,9 @@ def kv_repeats_for_cp(q_heads: int, kv_heads: int, cp: int) -> int:
     Raises when the local query heads do not divide by ``cp``.
     """
     if q_heads % cp:
-        raise ValueError(f"Ulysses context parallel over c{cp} ranks needs the local query heads ({q_heads}, after "
-                         f"tensor parallel) to divide by {cp}; choose t*c from the divisors of the head count")
+        raise ParallelConfigError(
+            f"Ulysses context parallel over c{cp} ranks needs the local query heads ({q_heads}, after "
+            f"tensor parallel) to divide by {cp}; choose t*c from the divisors of the head count")
     return cp // math.gcd(kv_heads, cp)
 
 

@@ -35,6 +35,8 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from parallel.errors import ParallelConfigError
+
 _MESH_DOCS = {
     "pp": "pipeline stages", "dp_replicate": "HSDP replicas", "dp_shard": "FSDP shards (without cp)",
     "cp": "context parallel", "tp": "tensor parallel", "dp": "data loading (dp_replicate x dp_shard)",
@@ -85,23 +87,27 @@ class ParallelDims:
     def __post_init__(self) -> None:
         for name in ("dp_replicate", "cp", "tp", "pp", "ep", "etp", "world_size"):
             if getattr(self, name) < 1:
-                raise ValueError(f"parallel size {name}={getattr(self, name)} must be at least 1")
+                raise ParallelConfigError(f"parallel size {name}={getattr(self, name)} must be at least 1")
         if self.dp_shard == -1:
             rest = self.dp_replicate * self.cp * self.tp * self.pp
             if self.world_size % rest:
-                raise ValueError(f"world_size={self.world_size} is not divisible by dp_replicate*cp*tp*pp={rest}, "
-                                 "so dp_shard=-1 cannot fill it")
+                raise ParallelConfigError(
+                    f"world_size={self.world_size} is not divisible by dp_replicate*cp*tp*pp={rest}, "
+                    "so dp_shard=-1 cannot fill it")
             self.dp_shard = self.world_size // rest
         if self.dp_shard < 1:
-            raise ValueError(f"parallel size dp_shard={self.dp_shard} must be at least 1 (or -1 to fill the rest)")
+            raise ParallelConfigError(
+                f"parallel size dp_shard={self.dp_shard} must be at least 1 (or -1 to fill the rest)")
         product = self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
         if product != self.world_size:
-            raise ValueError(f"dp_replicate*dp_shard*cp*tp*pp = {self.dp_replicate}*{self.dp_shard}*{self.cp}*"
-                             f"{self.tp}*{self.pp} = {product} does not equal world_size={self.world_size}")
+            raise ParallelConfigError(
+                f"dp_replicate*dp_shard*cp*tp*pp = {self.dp_replicate}*{self.dp_shard}*{self.cp}*"
+                f"{self.tp}*{self.pp} = {product} does not equal world_size={self.world_size}")
         block = self.dp_shard * self.cp * self.tp
         if self.ep * self.etp > 1 and block % (self.ep * self.etp):
-            raise ValueError(f"ep*etp = {self.ep}*{self.etp} must divide dp_shard*cp*tp = {block} (experts fold the "
-                             "ranks of one pipeline stage and add none); choose ep and the ffn t from its divisors")
+            raise ParallelConfigError(
+                f"ep*etp = {self.ep}*{self.etp} must divide dp_shard*cp*tp = {block} (experts fold the "
+                "ranks of one pipeline stage and add none); choose ep and the ffn t from its divisors")
 
     @classmethod
     def from_allocation(cls, alloc: Any, world_size: int | None = None, dp_replicate: int = 1) -> "ParallelDims":
@@ -109,12 +115,12 @@ class ParallelDims:
         strategy = getattr(alloc, "parallel", alloc)
         dp = strategy.dp_size
         if dp_replicate < 1 or dp % dp_replicate:
-            raise ValueError(f"dp_replicate={dp_replicate} must divide the data-parallel size d={dp}")
+            raise ParallelConfigError(f"dp_replicate={dp_replicate} must divide the data-parallel size d={dp}")
         sizes = dict(dp_shard=dp // dp_replicate, dp_replicate=dp_replicate, cp=strategy.cp_size,
                      tp=strategy.tp_size, pp=strategy.pp_size, ep=strategy.ep_size, etp=strategy.etp_size)
         world = dp * strategy.tp_size * strategy.pp_size * strategy.cp_size
         if world_size is not None and world_size != world:
-            raise ValueError(f"the allocation needs {world} ranks (d*t*p*c) but world_size={world_size}")
+            raise ParallelConfigError(f"the allocation needs {world} ranks (d*t*p*c) but world_size={world_size}")
         return cls(world_size=world, **sizes)
 
     # ---- flags -------------------------------------------------------------------------
@@ -188,7 +194,9 @@ class ParallelDims:
         return self.dp_shard * self.cp * self.tp // (self.ep * self.etp)
 
     def describe(self) -> str:
-        return (f"pp={self.pp}, dp_shard={self.dp_shard}, tp={self.tp}, cp={self.cp}, "
+        """The layout in one line, as the engine logs it; ``dp_replicate`` appears when HSDP replicates."""
+        replicate = f"dp_replicate={self.dp_replicate}, " if self.dp_replicate > 1 else ""
+        return (f"pp={self.pp}, {replicate}dp_shard={self.dp_shard}, tp={self.tp}, cp={self.cp}, "
                 f"ep={self.ep}, etp={self.etp}")
 
     # ---- meshes ------------------------------------------------------------------------

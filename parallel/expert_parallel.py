@@ -50,6 +50,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from parallel.dims import ParallelDims
+from parallel.errors import ParallelConfigError
 from parallel.fsdp import fsdp_policies, reshard_after_forward
 
 GROUPED_MM_ALIGNMENT = 8
@@ -75,17 +77,20 @@ def check_expert_parallel(num_experts: int, n_moe_layers: int, ep: int, model_na
     """Raise a one-sentence error when ``ep`` (experts) or ``etp`` (their hidden dim) cannot split this model."""
     if n_moe_layers == 0:
         what = f"expert parallel e{ep}" if ep > 1 else f"expert tensor parallel (ffn t{etp})"
-        raise ValueError(f"{model_name} has no MoE layers, so {what} has nothing to split; "
-                         "drop 'e' and the ffn section from the allocation")
+        raise ParallelConfigError(
+            f"{model_name} has no MoE layers, so {what} has nothing to split; "
+            "drop 'e' and the ffn section from the allocation")
     if num_experts % ep:
-        raise ValueError(f"{model_name}: num_experts={num_experts} is not divisible by the expert-parallel size "
-                         f"e{ep}; choose e from the divisors of {num_experts}")
+        raise ParallelConfigError(
+            f"{model_name}: num_experts={num_experts} is not divisible by the expert-parallel size "
+            f"e{ep}; choose e from the divisors of {num_experts}")
     if moe_hidden_dim % etp:
-        raise ValueError(f"{model_name}: moe_intermediate_size={moe_hidden_dim} is not divisible by the expert "
-                         f"tensor-parallel size (ffn t{etp}); choose the ffn t from the divisors of {moe_hidden_dim}")
+        raise ParallelConfigError(
+            f"{model_name}: moe_intermediate_size={moe_hidden_dim} is not divisible by the expert "
+            f"tensor-parallel size (ffn t{etp}); choose the ffn t from the divisors of {moe_hidden_dim}")
 
 
-def moe_token_replication(parallel_dims: Any) -> int:
+def moe_token_replication(parallel_dims: ParallelDims) -> int:
     """How many ranks route the same tokens (so router statistics summed over all ranks count each token that often).
 
     Tokens are replicated over the ranks that split experts on the hidden dim: the ETP
@@ -96,7 +101,7 @@ def moe_token_replication(parallel_dims: Any) -> int:
     return parallel_dims.tp
 
 
-def expert_parallel_mesh(parallel_dims: Any) -> DeviceMesh:
+def expert_parallel_mesh(parallel_dims: ParallelDims) -> DeviceMesh:
     """The mesh experts are split over: ``[ep]``, ``[ep, etp]``, or ``[etp]`` (hidden dim only)."""
     if parallel_dims.ep_enabled and parallel_dims.etp_enabled:
         return parallel_dims.sparse_mesh["ep", "etp"]
@@ -105,7 +110,7 @@ def expert_parallel_mesh(parallel_dims: Any) -> DeviceMesh:
     return parallel_dims.get_mesh("etp")
 
 
-def expert_fsdp_mesh(parallel_dims: Any) -> DeviceMesh:
+def expert_fsdp_mesh(parallel_dims: ParallelDims) -> DeviceMesh:
     """The FSDP mesh of expert weights: ``[efsdp]`` or, for HSDP, ``[dp_replicate, efsdp]``.
 
     Kept even when its size is 1: an FSDP unit over one rank still divides the expert
@@ -320,7 +325,8 @@ def apply_ep(experts: Iterable[nn.Module], mesh: DeviceMesh, token_group_alignme
         ExpertParallel(token_group_alignment)._apply(module, mesh)
 
 
-def apply_moe_folding(moes: Iterable[nn.Module], parallel_dims: Any, token_group_alignment: int | None = None) -> None:
+def apply_moe_folding(moes: Iterable[nn.Module], parallel_dims: ParallelDims,
+                      token_group_alignment: int | None = None) -> None:
     """Lay MoE modules (``router``, ``experts``) on the sparse mesh: ETP token pooling, then EP and/or ETP experts."""
     moes = list(moes)
     mesh = expert_parallel_mesh(parallel_dims)

@@ -9,17 +9,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DTYPE_NAMES = tuple(_DTYPES)
-"""The dtype names configs and command lines accept."""
-
-
-def to_dtype(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    if name not in _DTYPES:
-        raise ValueError(f"dtype '{name}' is not one of {', '.join(_DTYPES)}")
-    return _DTYPES[name]
+from parallel.dtypes import to_dtype
+from parallel.errors import ParallelConfigError
 
 
 def reshard_after_forward(policy: str, pp_enabled: bool) -> bool:
@@ -30,7 +21,7 @@ def reshard_after_forward(policy: str, pp_enabled: bool) -> bool:
         return False
     if policy == "default":
         return not pp_enabled
-    raise ValueError(f"reshard_after_forward_policy '{policy}' must be default, always or never")
+    raise ParallelConfigError(f"reshard_after_forward_policy '{policy}' must be default, always or never")
 
 
 def fsdp_policies(param_dtype: str | torch.dtype, reduce_dtype: str | torch.dtype,

@@ -39,6 +39,8 @@ from torch.distributed.tensor import (
 )
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
+from parallel.errors import ParallelConfigError
+
 
 def _to_layout(x: Any, mesh: DeviceMesh, layout: Placement | None, desired: Placement | None) -> Any:
     if layout is None or not hasattr(x, "shape"):
@@ -153,5 +155,6 @@ def check_divisible(sizes: dict[str, int], tp: int, model_name: str) -> None:
     """Raise a clear error when a head count or hidden size does not split over ``tp`` ranks."""
     for field_name, value in sizes.items():
         if value % tp:
-            raise ValueError(f"{model_name}: {field_name}={value} is not divisible by the tensor-parallel size "
-                             f"t{tp}; choose t from the divisors of {value}")
+            raise ParallelConfigError(
+                f"{model_name}: {field_name}={value} is not divisible by the tensor-parallel size "
+                f"t{tp}; choose t from the divisors of {value}")

@@ -1,7 +1,8 @@
 """Pipeline parallel: splitting a model into stages, placing them on ranks, schedules, the runner.
 
     from pipeline import pipeline_decoder       # a ModelSpec.pipelining_fn
-    pipelined = pipeline_decoder(meta_model, parallel_dims, config, parallelize_fn, device)
+    pipelined = pipeline_decoder(meta_model, parallel_dims=dims, options=options, pipeline=PipelineOptions(...),
+                                 parallelize_fn=parallelize_fn, device=device)
     pipelined.train_step(microbatches, loss_fn)  # forward + backward of every microbatch
     pipelined.forward_step(microbatches, fn)     # forward only
 
@@ -10,8 +11,9 @@ Modules: ``split`` (stages by module names), ``placement`` (stage -> rank, loop 
 ``model`` (this rank's stages and what the engine asks of them).
 """
 
-from pipeline.model import PipelinedModel, pipeline_decoder
+from pipeline.model import PipelinedModel, PipelineOptions, PipeliningFn, pipeline_decoder
 from pipeline.runner import Microbatch
 from pipeline.split import PipelineConfigError
 
-__all__ = ["Microbatch", "PipelineConfigError", "PipelinedModel", "pipeline_decoder"]
+__all__ = ["Microbatch", "PipelineConfigError", "PipelineOptions", "PipelinedModel", "PipeliningFn",
+           "pipeline_decoder"]

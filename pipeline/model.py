@@ -2,8 +2,9 @@
 
 ``pipeline_decoder`` is the ``ModelSpec.pipelining_fn`` of decoders in the torchtitan layout
 (``tok_embeddings``, ``layers``, ``norm``, ``output``).  It splits the meta-device model into
-stages, keeps the ones placed on this rank, parallelizes each with the model's own
-``parallelize_fn`` (TP, AC, compile, FSDP per stage) and returns a ``PipelinedModel``:
+stages (``PipelineOptions``: schedule and layers per stage), keeps the ones placed on this
+rank, parallelizes each with the model's own ``parallelize_fn`` (TP, AC, compile, FSDP per
+stage, with the engine's ``ParallelizeOptions``) and returns a ``PipelinedModel``:
 
 * ``parts``: this rank's stage modules in stage order (the engine materializes them);
 * ``model``: the same modules seen as one model with the full model's parameter names (layers
@@ -15,17 +16,18 @@ stages, keeps the ones placed on this rank, parallelizes each with the model's o
 
 from __future__ import annotations
 
-import copy
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator, Protocol
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from parallel.fsdp import to_dtype
+from parallel.dims import ParallelDims
+from parallel.dtypes import to_dtype
+from parallel.options import ParallelizeFn, ParallelizeOptions
 from pipeline.placement import rank_of_stage, stages_of_rank
 from pipeline.runner import LossFn, Microbatch, OutputFn, PipelineRunner, StageBoundary
 from pipeline.schedules import (
@@ -44,6 +46,17 @@ from pipeline.split import (
 )
 
 logger = logging.getLogger("archon.pipeline")
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """How a model is cut into pipeline stages and scheduled (the degree is ``ParallelDims.pp``)."""
+
+    schedule: str
+    """torch.distributed.pipelining schedule by name (see ``pipeline.schedules``); the engine's config has the
+    default (``archon.pp_schedule``)."""
+    layers_per_stage: int = 0
+    """Transformer blocks per stage; 0 derives it from the layer count and the schedule."""
 
 
 @dataclass(frozen=True)
@@ -121,6 +134,14 @@ class PipelinedModel:
             yield info.name, full
 
 
+class PipeliningFn(Protocol):
+    """``ModelSpec.pipelining_fn``: this rank's parallelized pipeline stages of a meta-device model."""
+
+    def __call__(self, model: nn.Module, *, parallel_dims: ParallelDims, options: ParallelizeOptions,
+                 pipeline: PipelineOptions, parallelize_fn: ParallelizeFn, device: torch.device) -> PipelinedModel:
+        ...
+
+
 def _persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     out = []
     for mod_name, mod in model.named_modules():
@@ -130,10 +151,10 @@ def _persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def _activation_dtype(model: nn.Module, parallel_dims: Any, config: Any) -> torch.dtype:
+def _activation_dtype(model: nn.Module, parallel_dims: ParallelDims, options: ParallelizeOptions) -> torch.dtype:
     # FSDP computes in its mixed-precision dtype; without FSDP the parameters' own dtype is used.
     if parallel_dims.fsdp_enabled:
-        return to_dtype(config.dtype)
+        return to_dtype(options.param_dtype)
     return next(model.parameters()).dtype
 
 
@@ -163,36 +184,31 @@ def _rank_view(model: nn.Module, parts: list[nn.Module]) -> nn.Module:
     return model
 
 
-def pipeline_decoder(model: nn.Module, parallel_dims: Any, config: Any, parallelize_fn: Callable,
-                     device: torch.device) -> PipelinedModel:
+def pipeline_decoder(model: nn.Module, *, parallel_dims: ParallelDims, options: ParallelizeOptions,
+                     pipeline: PipelineOptions, parallelize_fn: ParallelizeFn, device: torch.device) -> PipelinedModel:
     """Split a meta-device decoder into pipeline stages and parallelize this rank's (see the module docstring).
 
-    ``config`` is the engine config, duck-typed: ``archon.pp_schedule``,
-    ``archon.pp_layers_per_stage``, ``archon.enable_compile``, the AC fields, ``dtype``.
     Raises ``PipelineConfigError`` for a layout that cannot work.
     """
-    archon = config.archon
-    schedule = archon.pp_schedule
+    schedule = pipeline.schedule
     pp = parallel_dims.pp
     style = placement_style(schedule)
     if getattr(model, "embeddings_tied", False):
         raise PipelineConfigError(f"the model ties its input embeddings to its LM head (tie_word_embeddings = "
                                   f"true), which pipeline parallel (p{pp}) would put on different stages; use p1 "
                                   "(put those ranks in d or t) or a model without tied embeddings")
-    check_activation_checkpointing(schedule, config.gradient_checkpointing, archon.ac_mode,
-                                   archon.selective_ac_option)
+    check_activation_checkpointing(schedule, options.ac_enabled, options.ac_mode, options.selective_ac_option)
     n_layers = len(model.layers)
-    n_stages = count_stages(n_layers, pp, required_stages_per_rank(schedule), archon.pp_layers_per_stage)
+    n_stages = count_stages(n_layers, pp, required_stages_per_rank(schedule), pipeline.layers_per_stage)
     stage_modules = stage_module_names(n_layers, n_stages)
     pp_group = parallel_dims.get_mesh("pp").get_group()
     stage_ids = stages_of_rank(dist.get_rank(pp_group), pp, n_stages, style)
-    if schedule in ZERO_BUBBLE and archon.enable_compile:
+    if schedule in ZERO_BUBBLE and options.enable_compile:
         if dist.get_rank() == 0:
             logger.warning("archon.pp_schedule = %r cannot run compiled stages (its split backward keeps graphs "
                            "that compile's donated buffers would free); torch.compile is off for this engine",
                            schedule)
-        config = copy.deepcopy(config)
-        config.archon.enable_compile = False
+        options = options.without_compile()
 
     def owner(name: str) -> int:
         return rank_of_stage(owner_stage(name, stage_modules), pp, n_stages, style)
@@ -200,10 +216,10 @@ def pipeline_decoder(model: nn.Module, parallel_dims: Any, config: Any, parallel
     full_tensors = [FullTensorInfo(name, p.shape, p.dtype, owner(name)) for name, p in model.named_parameters()]
     full_tensors += [FullTensorInfo(name, b.shape, b.dtype, owner(name), is_buffer=True)
                      for name, b in _persistent_buffers(model)]
-    boundary = StageBoundary(hidden_dim=model.args.dim, dtype=_activation_dtype(model, parallel_dims, config),
+    boundary = StageBoundary(hidden_dim=model.args.dim, dtype=_activation_dtype(model, parallel_dims, options),
                              seq_shards=parallel_dims.tp)
-    parts = [parallelize_fn(build_stage_module(model, stage_modules[sid]), parallel_dims, config)
-             for sid in stage_ids]
+    parts = [parallelize_fn(build_stage_module(model, stage_modules[sid]), parallel_dims=parallel_dims,
+                            options=options) for sid in stage_ids]
     view = _rank_view(model, parts)
     runner = PipelineRunner(parts, stage_ids, n_stages, schedule, style, pp_group, device, boundary)
     if dist.get_rank() == 0:

@@ -79,7 +79,7 @@ def six_experts_path(tmp_path_factory) -> str:
 def _full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
-    from models.hf_checkpoint import clean_fqn
+    from parallel.fqn import clean_fqn
 
     return {clean_fqn(n): (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
             for n, p in model.named_parameters() if p.grad is not None}

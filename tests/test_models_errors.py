@@ -41,19 +41,19 @@ def _copy_with(src: Path, dst: Path, edit) -> Path:
 
 def test_folder_without_config(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")
-    with pytest.raises(models.CheckpointError, match=r"config\.json does not exist"):
+    with pytest.raises(models.HFCheckpointError, match=r"config\.json does not exist"):
         models.load_hf_model(tmp_path)
 
 
 def test_not_a_folder(tmp_path):
-    with pytest.raises(models.CheckpointError, match="is not a directory"):
+    with pytest.raises(models.HFCheckpointError, match="is not a directory"):
         models.load_hf_model(tmp_path / "nope")
 
 
 def test_folder_without_weights(tmp_path, dense_folder):
     (tmp_path / "config.json").write_text((dense_folder / "config.json").read_text())
     (tmp_path / "pytorch_model.bin").write_bytes(b"")
-    with pytest.raises(models.CheckpointError, match="no model.safetensors.*convert them to safetensors"):
+    with pytest.raises(models.HFCheckpointError, match="no model.safetensors.*convert them to safetensors"):
         models.load_hf_model(tmp_path)
 
 
@@ -68,7 +68,7 @@ def test_unsupported_model_type(tmp_path, dense_folder):
 
 def test_missing_tensor(tmp_path, dense_folder):
     folder = _copy_with(dense_folder, tmp_path, lambda sd: sd.pop("model.layers.1.self_attn.k_proj.weight"))
-    with pytest.raises(models.CheckpointError,
+    with pytest.raises(models.HFCheckpointError,
                        match=r"lacks 1 tensor.*'layers\.1\.attention\.wk\.weight' \(checkpoint key "
                              r"'model\.layers\.1\.self_attn\.k_proj\.weight'\)"):
         models.load_hf_model(folder)
@@ -79,7 +79,7 @@ def test_extra_tensor(tmp_path, dense_folder):
         sd["model.layers.0.mlp.extra_proj.weight"] = torch.zeros(2, 2)
 
     folder = _copy_with(dense_folder, tmp_path, add)
-    with pytest.raises(models.CheckpointError,
+    with pytest.raises(models.HFCheckpointError,
                        match=r"does not use: 'model\.layers\.0\.mlp\.extra_proj\.weight' \(in model\.safetensors\)"):
         models.load_hf_model(folder)
 
@@ -89,7 +89,7 @@ def test_tensor_of_a_layer_the_config_does_not_have(tmp_path, dense_folder):
         sd["model.layers.7.input_layernorm.weight"] = torch.ones(64)
 
     folder = _copy_with(dense_folder, tmp_path, add)
-    with pytest.raises(models.CheckpointError, match=r"'model\.layers\.7\.input_layernorm\.weight'.*"
+    with pytest.raises(models.HFCheckpointError, match=r"'model\.layers\.7\.input_layernorm\.weight'.*"
                                                      r"maps to 'layers\.7\.attention_norm\.weight'"):
         models.load_hf_model(folder)
 
@@ -99,7 +99,7 @@ def test_shape_mismatch(tmp_path, dense_folder):
         sd["model.layers.0.mlp.up_proj.weight"] = sd["model.layers.0.mlp.up_proj.weight"][:90]
 
     folder = _copy_with(dense_folder, tmp_path, shrink)
-    with pytest.raises(models.CheckpointError,
+    with pytest.raises(models.HFCheckpointError,
                        match=r"'model\.layers\.0\.mlp\.up_proj\.weight' \(in .*model\.safetensors\) has shape "
                              r"\(90, 64\), but model tensor 'layers\.0\.feed_forward\.w3\.weight' expects \(96, 64\)"):
         models.load_hf_model(folder)
@@ -107,7 +107,7 @@ def test_shape_mismatch(tmp_path, dense_folder):
 
 def test_missing_expert(tmp_path, moe_folder):
     folder = _copy_with(moe_folder, tmp_path, lambda sd: sd.pop("model.layers.1.mlp.experts.3.up_proj.weight"))
-    with pytest.raises(models.CheckpointError, match=r"'layers\.1\.moe\.experts\.w3' \(experts \[3\] absent\)"):
+    with pytest.raises(models.HFCheckpointError, match=r"'layers\.1\.moe\.experts\.w3' \(experts \[3\] absent\)"):
         models.load_hf_model(folder)
 
 
@@ -116,7 +116,7 @@ def test_expert_index_out_of_range(tmp_path, moe_folder):
         sd["model.layers.0.mlp.experts.8.gate_proj.weight"] = torch.zeros(32, 64)
 
     folder = _copy_with(moe_folder, tmp_path, add)
-    with pytest.raises(models.CheckpointError, match=r"experts\.8\.gate_proj.*layers\.0\.moe\.experts\.w1\[8\]"):
+    with pytest.raises(models.HFCheckpointError, match=r"experts\.8\.gate_proj.*layers\.0\.moe\.experts\.w1\[8\]"):
         models.load_hf_model(folder)
 
 
@@ -124,7 +124,7 @@ def test_index_naming_a_missing_shard(tmp_path):
     save_tiny_hf(tmp_path, "qwen2", max_shard_size="40KB")
     shard = sorted(tmp_path.glob("model-*.safetensors"))[1]
     shard.unlink()
-    with pytest.raises(models.CheckpointError, match=f"lists shard {shard.name}, which is missing"):
+    with pytest.raises(models.HFCheckpointError, match=f"lists shard {shard.name}, which is missing"):
         models.load_hf_model(tmp_path)
 
 
@@ -142,7 +142,7 @@ def test_not_strict_reports_instead_of_raising(tmp_path, dense_folder):
 
 def test_loading_into_a_meta_model_is_an_error(dense_folder):
     model = models.build_model(models.read_hf_config(dense_folder))
-    with pytest.raises(models.CheckpointError, match="meta device; materialise"):
+    with pytest.raises(models.HFCheckpointError, match="meta device; materialise"):
         models.load_hf_weights(model, dense_folder)
 
 

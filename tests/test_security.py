@@ -166,7 +166,7 @@ class _Payload:
 def _plant_and_load(model: str, folder: str, where: str) -> str:
     import torch.distributed.checkpoint as dcp
 
-    from archon.engine.checkpoint import CheckpointError, _states
+    from archon.engine.checkpoint import CheckpointError, dcp_state_dict
     from archon.engine.engine import ArchonEngine
     from engine_utils import engine_config
 
@@ -177,7 +177,7 @@ def _plant_and_load(model: str, folder: str, where: str) -> str:
     if where == "metadata":  # the DCP index DCP itself would pickle.load
         (path / "dcp" / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
     else:  # a model tensor replaced by an object DCP would torch.load(weights_only=False)
-        state, _ = _states(engine)
+        state = dcp_state_dict(engine.checkpoint_states())
         state["model"][next(iter(state["model"]))] = _Payload(marker)
         dcp.save(state, checkpoint_id=str(path / "dcp"))
     try:

@@ -285,18 +285,12 @@ def validate_config(cfg: Config, sources: dict[str, str] | None = None, job: str
     from archon.plan import plan_cluster
 
     sources = sources or {}
-    allocs: dict[str, ModelAllocation] = {}
-    for engine in ("rollout", "actor", "critic", "ref", "teacher"):
-        key = f"{engine}.backend"
-        value = getattr(cfg, engine).backend
-        try:
-            allocs[engine] = ModelAllocation.from_str(value)
-        except AllocationError as exc:
-            raise ConfigError(f"{key} (from {sources.get(key, 'the defaults')}): {exc}") from None
+    allocs = cfg.allocations(sources)
+    for engine, alloc in allocs.items():
         inference = engine == "rollout"
-        if allocs[engine].is_inference != inference:
+        if alloc.is_inference != inference:
             kind = "an inference backend (sglang, vllm, local)" if inference else "a training backend (archon, fsdp)"
-            raise ConfigError(f"{key} = '{value}' must use {kind}")
+            raise ConfigError(f"{engine}.backend = '{getattr(cfg, engine).backend}' must use {kind}")
     for engine in ("actor", "critic", "ref", "teacher"):
         if allocs[engine].backend == "megatron":
             raise ConfigError(megatron_refusal(f"{engine}.backend", allocs[engine]))

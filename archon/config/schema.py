@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from archon.alloc import ModelAllocation
+from archon.alloc import AllocationError, ModelAllocation
 from archon.errors import ArchonError
 
 
@@ -267,12 +267,20 @@ class CriticConfig(TrainEngineConfig):
     """Give zero loss weight to responses cut off without EOS."""
 
 
+SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
+"""What SGLang generates for a request without ``max_new_tokens``; Archon's built-in server and its vLLM adapter
+follow it.  Archon's own requests never rely on it: they carry ``gconfig.max_new_tokens``."""
+
+
 @dataclass
 class GenerationConfig:
+    """The run's sampling.  Every field but ``n_samples`` is sent with each request under SGLang's name
+    (``archon.rollout.client.sampling_params``), so a server's own defaults never apply to Archon's requests."""
+
     n_samples: int = 1
     """Completions sampled per prompt."""
     max_new_tokens: int = 512
-    """Maximum completion length."""
+    """Maximum completion length (sent with every request; a request without one gets SGLang's 128)."""
     min_new_tokens: int = 0
     """Minimum completion length (EOS is suppressed before it)."""
     temperature: float = 1.0
@@ -448,15 +456,26 @@ class Config:
         """Where this run writes metrics and checkpoints."""
         return Path(self.output_dir or f"outputs/{self.experiment_name}/{self.trial_name}")
 
-    def allocations(self) -> dict[str, ModelAllocation]:
-        """The parsed allocation of every engine (critic/ref already inherited)."""
-        return {
-            "rollout": ModelAllocation.from_str(self.rollout.backend),
-            "actor": ModelAllocation.from_str(self.actor.backend),
-            "critic": ModelAllocation.from_str(self.critic.backend),
-            "ref": ModelAllocation.from_str(self.ref.backend),
-            "teacher": ModelAllocation.from_str(self.teacher.backend),
-        }
+    def allocations(self, sources: dict[str, str] | None = None) -> dict[str, ModelAllocation]:
+        """The parsed allocation of every engine (critic/ref/teacher already inherited).
+
+        The one place a config's ``backend`` strings are parsed: validation, the cluster plan and
+        the launchers take these, and an engine gets its own from ``build_engine``.  A bad string
+        is a ``ConfigError`` naming the key and where it came from (``sources``: key -> file or
+        override).
+        """
+        allocs = {}
+        for section in ALLOCATED_SECTIONS:
+            key = f"{section}.backend"
+            try:
+                allocs[section] = ModelAllocation.from_str(getattr(self, section).backend)
+            except AllocationError as exc:
+                raise ConfigError(f"{key} (from {(sources or {}).get(key, 'the defaults')}): {exc}") from None
+        return allocs
+
+
+ALLOCATED_SECTIONS = ("rollout", "actor", "critic", "ref", "teacher")
+"""Config sections with a ``backend`` allocation string, rollout first."""
 
 
 # Engine fields critic/ref inherit from actor when the user did not set them.

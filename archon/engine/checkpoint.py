@@ -1,5 +1,7 @@
 """One engine's resumable state with torch.distributed.checkpoint (DCP), read without running code.
 
+The checkpoint code works on a dict of ``Stateful`` parts (``archon.engine.state``: the
+model, the optimizer, the LR scheduler and the train state), never on the engine itself.
 Model and optimizer tensors are saved as DTensors under their plain parameter names, so DCP
 can load them under a different allocation (saved with ``archon:d2t2``, resumed with
 ``archon:d4``).  Everything else is rank-independent and written by rank 0 next to it, as
@@ -20,9 +22,8 @@ from __future__ import annotations
 import io
 import json
 import pickle
-import random
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
@@ -31,18 +32,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.stateful import Stateful
 
+from archon.engine.state import LR_SCHEDULER, MODEL, OPTIMIZER, TRAIN_STATE
 from archon.errors import ArchonError, JobError
-
-if TYPE_CHECKING:
-    from archon.engine.engine import ArchonEngine
 
 ENGINE_STATE = "engine_state.json"
 RNG_STATE = "rng_state.safetensors"
@@ -50,7 +43,10 @@ DCP_DIR = "dcp"
 
 
 class CheckpointError(ArchonError, ValueError):
-    """A checkpoint folder is missing, damaged, or does not match the engine."""
+    """An Archon checkpoint folder is missing, damaged, or does not match the engine.
+
+    (A Hugging Face model folder that cannot be read is ``models.HFCheckpointError``.)
+    """
 
 
 class CheckpointWriteError(JobError):
@@ -113,58 +109,47 @@ class _TensorOnlyLoadPlanner(DefaultLoadPlanner):
 
 # ---------------------------------------------------------------------------- state
 
-def _states(engine: "ArchonEngine") -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The tensors DCP saves and loads, and this rank's optimizer param groups (parameter names and
-    hyper-parameters; the hyper-parameters go to JSON beside the tensors)."""
-    state: dict[str, Any] = {"model": get_model_state_dict(engine.model)}
-    groups: list[dict[str, Any]] = []
-    if engine.optimizer is not None:
-        optim = get_optimizer_state_dict(engine.model, engine.optimizer)
-        state["optim"] = {"state": optim["state"]}
-        groups = optim["param_groups"]
-    return state, groups
+def _split(states: Mapping[str, Stateful]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The tensors DCP saves and loads (the model's, the optimizer's per-parameter state), and the
+    optimizer's param groups without their parameter names.
 
-
-def _python_rng_to_json(state: tuple) -> list[Any]:
-    version, internal, gauss = state
-    return [version, list(internal), gauss]
-
-
-def _python_rng_from_json(state: list[Any]) -> tuple:
-    version, internal, gauss = state
-    return version, tuple(internal), gauss
-
-
-def _hyperparameters(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Param groups without their parameter names.
-
-    They are the same on every rank (one config, one schedule), while the names are this rank's
-    own (a pipeline stage's), so rank 0's are saved and every rank puts them on its own names.
+    The param groups are the same on every rank (one config, one schedule), while the names are
+    this rank's own (a pipeline stage's), so rank 0's are saved and every rank puts them on its
+    own names.
     """
-    return [{k: v for k, v in g.items() if k != "params"} for g in groups]
+    tensors: dict[str, Any] = {"model": states[MODEL].state_dict()}
+    groups: list[dict[str, Any]] = []
+    if OPTIMIZER in states:
+        optim = states[OPTIMIZER].state_dict()
+        tensors["optim"] = {"state": optim["state"]}
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in optim["param_groups"]]
+    return tensors, groups
 
 
-def _restore_groups(path: Path, mine: list[dict[str, Any]], saved: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    if len(mine) != len(saved):
-        raise CheckpointError(f"'{path}' has {len(saved)} optimizer param group(s) but the engine has {len(mine)}; "
-                              "resume with the optimizer settings it was written with")
-    # JSON turns tuples (AdamW's betas) into lists.
-    return [{**g, **{k: tuple(v) if isinstance(v, list) else v for k, v in s.items()}} for g, s in zip(mine, saved)]
+def dcp_state_dict(states: Mapping[str, Stateful]) -> dict[str, Any]:
+    """What ``states`` keep in DCP: ``{"model": ..., "optim": {"state": ...}}`` (tensors only)."""
+    return _split(states)[0]
 
 
-def _engine_state(engine: "ArchonEngine", groups: list[dict[str, Any]], extra_state: dict[str, Any]) -> str:
+def _engine_state(states: Mapping[str, Stateful], groups: list[dict[str, Any]], extra_state: dict[str, Any],
+                  name: str, allocation: str) -> tuple[str, dict[str, torch.Tensor]]:
+    """``engine_state.json``'s text and ``rng_state.safetensors``'s tensors."""
+    train = states[TRAIN_STATE].state_dict()
+    rng = {"torch": train["torch_rng"]}
+    if train.get("cuda_rng") is not None:
+        rng["cuda"] = train["cuda_rng"]
     state = {
-        "step": engine.step,
-        "allocation": str(engine.allocation),
-        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-        "optimizer_param_groups": _hyperparameters(groups),
-        "python_rng": _python_rng_to_json(random.getstate()),
+        "step": train["step"],
+        "allocation": allocation,
+        "lr_scheduler": states[LR_SCHEDULER].state_dict() if LR_SCHEDULER in states else None,
+        "optimizer_param_groups": groups,
+        "python_rng": train["python_rng"],
         "extra": extra_state,
     }
     try:
-        return json.dumps(state, allow_nan=False)
+        return json.dumps(state, allow_nan=False), rng
     except (TypeError, ValueError) as exc:
-        raise CheckpointError(f"the state saved with {engine.name}'s checkpoint must be JSON data (numbers, "
+        raise CheckpointError(f"the state saved with {name}'s checkpoint must be JSON data (numbers, "
                               f"strings, lists, dicts): {exc}") from None
 
 
@@ -175,25 +160,24 @@ def all_ranks_ok(ok: bool) -> bool:
     return bool(flag.item())
 
 
-def save_checkpoint(engine: "ArchonEngine", path: Path, extra_state: dict[str, Any]) -> None:
-    """Every rank writes its DCP shards under ``path/dcp``; rank 0 the rest.
+def save_checkpoint(states: Mapping[str, Stateful], path: Path, extra_state: dict[str, Any], *,
+                    name: str = "the engine", allocation: str = "") -> None:
+    """Every rank writes its DCP shards of ``states`` under ``path/dcp``; rank 0 the rest.
 
-    A failure on any rank (disk full, unwritable folder) raises ``CheckpointWriteError`` on
-    every rank.
+    ``name`` (the engine's, for messages) and ``allocation`` (recorded for whoever reads the
+    folder; resuming under another allocation reshards) describe the owner.  A failure on
+    any rank (disk full, unwritable folder) raises ``CheckpointWriteError`` on every rank.
     """
-    state, groups = _states(engine)
+    tensors, groups = _split(states)
     try:
-        dcp.save(state, checkpoint_id=str(path / DCP_DIR))
+        dcp.save(tensors, checkpoint_id=str(path / DCP_DIR))
     except CheckpointException as exc:  # DCP gathers every rank's failure and raises on all of them
-        raise CheckpointWriteError(f"writing {engine.name}'s shards to {path / DCP_DIR} failed: "
+        raise CheckpointWriteError(f"writing {name}'s shards to {path / DCP_DIR} failed: "
                                    f"{_first_failure(exc)}") from None
     error: Exception | None = None
     if dist.get_rank() == 0:
         try:
-            text = _engine_state(engine, groups, extra_state)
-            rng = {"torch": torch.get_rng_state()}
-            if engine.device_type == "cuda":
-                rng["cuda"] = torch.cuda.get_rng_state()
+            text, rng = _engine_state(states, groups, extra_state, name, allocation)
             save_file(rng, str(path / RNG_STATE))
             (path / ENGINE_STATE).write_text(text)
         except (OSError, CheckpointError) as exc:
@@ -201,7 +185,7 @@ def save_checkpoint(engine: "ArchonEngine", path: Path, extra_state: dict[str, A
     if not all_ranks_ok(error is None):
         if isinstance(error, CheckpointError):
             raise error
-        raise CheckpointWriteError(f"writing {engine.name}'s engine state to {path} failed"
+        raise CheckpointWriteError(f"writing {name}'s engine state to {path} failed"
                                    + (f": {error}" if error is not None else " on rank 0"))
 
 
@@ -215,11 +199,11 @@ def _first_failure(exc: CheckpointException) -> str:
     return str(exc)
 
 
-def load_checkpoint(engine: "ArchonEngine", path: Path) -> dict[str, Any]:
-    """Load ``path`` (written by ``save_checkpoint``) into ``engine``; returns the caller's extra state.
+def load_checkpoint(states: Mapping[str, Stateful], path: Path, *, name: str = "the engine") -> dict[str, Any]:
+    """Load ``path`` (written by ``save_checkpoint``) into ``states``; returns the caller's extra state.
 
     Raises ``CheckpointError`` for a folder that is not a checkpoint, is damaged, or does not
-    match the engine; the same error on every rank.
+    match the states; the same error on every rank.
     """
     meta_file = path / ENGINE_STATE
     if not meta_file.is_file() or not (path / DCP_DIR).is_dir():
@@ -230,25 +214,25 @@ def load_checkpoint(engine: "ArchonEngine", path: Path) -> dict[str, Any]:
         rng = load_file(str(path / RNG_STATE))
     except (OSError, ValueError, SafetensorError) as exc:
         raise CheckpointError(f"the engine state in '{path}' is damaged ({exc}); use an intact checkpoint") from None
-    state, groups = _states(engine)
-    if "optim" in state and not meta.get("optimizer_param_groups"):
-        raise CheckpointError(f"'{path}' has no optimizer state for {engine.name}; it was saved from an "
+    if OPTIMIZER in states and not meta.get("optimizer_param_groups"):
+        raise CheckpointError(f"'{path}' has no optimizer state for {name}; it was saved from an "
                               "engine without an optimizer")
+    tensors, _ = _split(states)
     try:
-        dcp.load(state, storage_reader=_SafeFileSystemReader(str(path / DCP_DIR)), planner=_TensorOnlyLoadPlanner())
+        dcp.load(tensors, storage_reader=_SafeFileSystemReader(str(path / DCP_DIR)),
+                 planner=_TensorOnlyLoadPlanner())
     except CheckpointException as exc:
         raise CheckpointError(f"reading the shards of '{path}' failed ({_first_failure(exc)}); the checkpoint "
                               "is damaged or was written for another model") from None
-    set_model_state_dict(engine.model, state["model"], options=StateDictOptions(strict=True))
-    if "optim" in state:
-        optim = {"state": state["optim"]["state"],
-                 "param_groups": _restore_groups(path, groups, meta["optimizer_param_groups"])}
-        set_optimizer_state_dict(engine.model, engine.optimizer, optim)
-    engine.step = meta["step"]
-    if engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
-        engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
-    torch.set_rng_state(rng["torch"])
-    random.setstate(_python_rng_from_json(meta["python_rng"]))
-    if engine.device_type == "cuda" and "cuda" in rng:
-        torch.cuda.set_rng_state(rng["cuda"])
+    states[MODEL].load_state_dict(tensors["model"])
+    if OPTIMIZER in states:
+        try:
+            states[OPTIMIZER].load_state_dict({"state": tensors["optim"]["state"],
+                                               "param_groups": meta["optimizer_param_groups"]})
+        except ValueError as exc:
+            raise CheckpointError(f"'{path}' does not fit {name}: {exc}") from None
+    if LR_SCHEDULER in states and meta["lr_scheduler"] is not None:
+        states[LR_SCHEDULER].load_state_dict(meta["lr_scheduler"])
+    states[TRAIN_STATE].load_state_dict({"step": meta["step"], "python_rng": meta["python_rng"],
+                                         "torch_rng": rng["torch"], "cuda_rng": rng.get("cuda")})
     return meta["extra"]

@@ -24,7 +24,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -33,14 +33,24 @@ from archon.config import ConfigError
 from archon.drill import drill_point
 from archon.engine.checkpoint import CheckpointError, CheckpointWriteError, all_ranks_ok
 
-if TYPE_CHECKING:
-    from archon.engine.engine import ArchonEngine
-
 logger = logging.getLogger("archon.checkpoint")
 
 COMPLETE = "complete.json"
 PARTIAL_SUFFIX = ".partial"
 _STEP_DIR = re.compile(r"step_(\d+)")
+
+
+class Checkpointable(Protocol):
+    """What the manager asks of an engine (``ArchonEngine`` is one): its own folder in, its own folder out."""
+
+    def save(self, path: Path, extra_state: dict[str, Any]) -> None:
+        """Write this engine's states under ``path`` (collective)."""
+
+    def load(self, path: Path) -> dict[str, Any]:
+        """Load ``path`` into this engine's states (collective); returns the extra state saved with it."""
+
+    def checkpoint_nbytes(self) -> float:
+        """This rank's share of the bytes one checkpoint of the engine takes (no collective)."""
 
 
 def _fsync_dir(path: Path) -> None:
@@ -91,19 +101,9 @@ def damage(folder: Path) -> str | None:
     return None
 
 
-def estimate_checkpoint_bytes(engines: dict[str, "ArchonEngine"]) -> int:
-    """Bytes one checkpoint of ``engines`` takes: parameters, and AdamW's two moments where there is an optimizer.
-
-    Collective.  A parameter's global size counts once however it is sharded: each rank of a
-    pipeline stage counts its stage's global sizes divided by the ranks that hold that stage.
-    """
-    local = 0.0
-    for engine in engines.values():
-        ranks_per_stage = dist.get_world_size() / engine.allocation.parallel.pp_size
-        per_param = 3 if engine.optimizer is not None else 1
-        stage = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-        local += per_param * stage / ranks_per_stage
-    total = torch.tensor([local], dtype=torch.float64)
+def estimate_checkpoint_bytes(engines: dict[str, Checkpointable]) -> int:
+    """Bytes one checkpoint of ``engines`` takes (collective: the sum of every rank's share)."""
+    total = torch.tensor([sum(engine.checkpoint_nbytes() for engine in engines.values())], dtype=torch.float64)
     dist.all_reduce(total)
     return int(total.item())
 
@@ -161,7 +161,7 @@ class CheckpointManager:
             raise ConfigError(f"output_dir {self.root.parent} cannot be written {where}; set output_dir to a folder "
                               "this job can create files in")
 
-    def check_space(self, engines: dict[str, "ArchonEngine"]) -> None:
+    def check_space(self, engines: dict[str, Checkpointable]) -> None:
         """Collective: the disk has room for one more checkpoint of ``engines``, or every rank raises ``ConfigError``."""
         needed = estimate_checkpoint_bytes(engines)
         where = self.root
@@ -176,7 +176,7 @@ class CheckpointManager:
                           f"{', '.join(engines)}); free disk space or set output_dir to a larger disk")
 
     # ------------------------------------------------------------------ save
-    def save(self, step: int, engines: dict[str, "ArchonEngine"], extra_state: dict[str, Any]) -> Path:
+    def save(self, step: int, engines: dict[str, Checkpointable], extra_state: dict[str, Any]) -> Path:
         """Write checkpoint ``step`` of ``engines`` (collective); returns its folder.
 
         On any failure (disk full mid-write, folder not writable) every rank raises
@@ -255,7 +255,7 @@ class CheckpointManager:
             shutil.rmtree(leftover, ignore_errors=True)
 
     # ------------------------------------------------------------------ load
-    def load(self, engines: dict[str, "ArchonEngine"]) -> dict[str, Any] | None:
+    def load(self, engines: dict[str, Checkpointable]) -> dict[str, Any] | None:
         """Load the newest intact checkpoint into ``engines`` (collective); its extra state, or None without one.
 
         Damaged checkpoints are skipped with a warning naming them; when every checkpoint there

@@ -17,22 +17,21 @@ before token ``i``.
 from __future__ import annotations
 
 import logging
-import shutil
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Iterator
+from typing import Any, ClassVar, Iterator
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
 from archon.alloc import ModelAllocation
-from archon.config import TrainEngineConfig
+from archon.config import ConfigError, TrainEngineConfig
 from archon.drill import drill_point
+from archon.engine.checkpoint import load_checkpoint, save_checkpoint
 from archon.engine.dist import current_device, init_distributed, resolve_device_type
-from archon.errors import ArchonError
 from archon.engine.microbatch import (
     ROUTED_EXPERTS,
     Batch,
@@ -40,46 +39,29 @@ from archon.engine.microbatch import (
     pack,
     pack_token_values,
     plan_microbatches,
-    rows_of,
     seqlens_of,
     unpack,
 )
 from archon.engine.optimizer import build_lr_scheduler, build_optimizer
-from models.hf_checkpoint import clean_fqn
+from archon.engine.options import parallelize_options, pipeline_options
+from archon.engine.state import TrainState, engine_states
+from archon.engine.step_loss import LossFn, LossWeightFn, StepTotals, microbatch_loss, token_count_weight
+from archon.engine.weights import hf_full_tensors, init_from_seed, init_unloaded, write_hf_folder
+from archon.errors import ArchonError
 from parallel.context_parallel import gather_sequence, shard_sequence
 from parallel.dims import ParallelDims
-from parallel.fsdp import to_dtype
+from parallel.dtypes import to_dtype
+from parallel.errors import ParallelConfigError
 from parallel.grad_clip import clip_grad_norm_
 from parallel.loss_parallel import vocab_parallel_logprobs_entropy
-from pipeline import Microbatch, PipelinedModel
+from pipeline import Microbatch, PipelineConfigError, PipelinedModel
 
 logger = logging.getLogger("archon.engine")
 # FSDP x TP gathers over two mesh dims in sequence; DTensor warns about it on every call.
 logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
-LossFn = Callable[[dict[str, torch.Tensor], Batch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
-LossWeightFn = Callable[[Batch], float]
-
-
-
-def _token_count_weight(mb: Batch) -> float:
-    return float(mb["loss_mask"].sum()) if "loss_mask" in mb else float(mb["attention_mask"].sum())
-
-
 class EngineError(ArchonError, ValueError):
     """A user-caused problem with an engine's config, allocation or data."""
-
-
-@dataclass
-class _StepTotals:
-    """What one rank's microbatches of a step add up to, before reduction over ranks."""
-
-    loss: float = 0.0
-    """Sum of the microbatches' weighted losses."""
-    stats: dict[str, float] = field(default_factory=dict)
-    """Weighted sums of the loss function's stats."""
-    tokens: int = 0
-    """Real (unpadded) tokens."""
 
 
 class ArchonEngine:
@@ -92,8 +74,10 @@ class ArchonEngine:
 
     def __init__(self, config: TrainEngineConfig, *, name: str = "actor", is_critic: bool = False,
                  seed: int = 1, device: str = "auto", temperature: float = 1.0, total_steps: int = 1,
-                 trainable: bool = True):
+                 trainable: bool = True, allocation: ModelAllocation | None = None):
         self.config = config
+        # ``build_engine`` parsed ``config.backend`` to pick this class and hands the result on.
+        self._allocation = allocation
         self.name = name
         self.is_critic = is_critic
         self.seed = seed
@@ -101,12 +85,22 @@ class ArchonEngine:
         self.temperature = temperature
         self.total_steps = max(1, total_steps)
         self.trainable = trainable
-        self.step = 0
+        # Optimizer steps taken and the random generators: what a checkpoint resumes besides the tensors.
+        self.train_state = TrainState()
         self.model: torch.nn.Module | None = None
         # Set under pipeline parallel: this rank's stages; ``model`` is then their weights-only view.
         self.pipeline: PipelinedModel | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.lr_scheduler = None
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken (restored by ``load``)."""
+        return self.train_state.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.train_state.step = value
 
     # ------------------------------------------------------------------ build
     def initialize(self) -> "ArchonEngine":
@@ -124,8 +118,9 @@ class ArchonEngine:
             model, parts = self.pipeline.model, self.pipeline.parts
         else:
             try:
-                model = self.spec.parallelize_fn(model, self.parallel_dims, cfg)
-            except ValueError as exc:  # parallel/ states what the layout cannot do to this model
+                model = self.spec.parallelize_fn(model, parallel_dims=self.parallel_dims,
+                                                 options=self.parallelize_options)
+            except ParallelConfigError as exc:  # parallel/ states what the layout cannot do to this model
                 raise EngineError(f"{self.name}.backend = '{cfg.backend}': {exc}") from None
             parts = [model]
         for part in parts:
@@ -160,7 +155,10 @@ class ArchonEngine:
         # The entry points already joined with the GPU the cluster plan gives this rank (init_run).
         init_distributed(self.device_type)
         self.device = current_device(self.device_type)
-        self.allocation = ModelAllocation.from_str(cfg.backend)
+        self.train_state.device_type = self.device_type
+        self.allocation = self._allocation or ModelAllocation.from_str(cfg.backend)
+        # What parallel/ and pipeline/ are told besides the sizes (dtypes, AC, compile, offload).
+        self.parallelize_options = parallelize_options(cfg)
         if self.allocation.backend != self.backend:
             raise EngineError(f"{self.name}.backend = '{cfg.backend}' is a '{self.allocation.backend}:' allocation, "
                               f"but {type(self).__name__} runs '{self.backend}:' ones; build engines with "
@@ -171,9 +169,8 @@ class ArchonEngine:
                               f"the job has {world}; launch with --nproc_per_node={self.allocation.world_size} "
                               f"or change the allocation")
         try:
-            self.parallel_dims = ParallelDims.from_allocation(self.allocation, world_size=world,
-                                                              dp_replicate=cfg.archon.dp_replicate)
-        except ValueError as exc:  # parallel/ cannot raise Archon's errors; its ValueErrors are the user's
+            self.parallel_dims = ParallelDims.from_allocation(self.allocation, dp_replicate=cfg.archon.dp_replicate)
+        except ParallelConfigError as exc:  # parallel/ cannot raise Archon's errors
             raise EngineError(f"{self.name}.backend = '{cfg.backend}': {exc}") from None
         self.parallel_dims.build_meshes(self.device_type)
         if dist.get_rank() == 0:
@@ -187,9 +184,10 @@ class ArchonEngine:
                               f"type '{self.hf_config.model_type}' has no pipelining function in its ModelSpec; "
                               "use p1 or add one (see models/qwen3/spec.py)")
         try:
-            return self.spec.pipelining_fn(model, self.parallel_dims, self.config, self.spec.parallelize_fn,
-                                           self.device)
-        except ValueError as exc:  # PipelineConfigError, or what parallel/ refuses for a stage
+            return self.spec.pipelining_fn(model, parallel_dims=self.parallel_dims, options=self.parallelize_options,
+                                           pipeline=pipeline_options(self.config),
+                                           parallelize_fn=self.spec.parallelize_fn, device=self.device)
+        except (PipelineConfigError, ParallelConfigError) as exc:  # what the layout cannot do to this model
             raise EngineError(f"{self.name}.backend = '{self.config.backend}': {exc}") from None
 
     def _load_hf_config(self):
@@ -221,33 +219,12 @@ class ArchonEngine:
         if self.config.path:
             result = load_hf_weights(self.model, self.config.path,
                                      self.spec.state_dict_adapter_class(self.model_args), strict=True)
-            self._init_unloaded(result.initialised)
+            init_unloaded(self.model, result.initialised, self.seed,
+                          std=getattr(self.model_args, "initializer_range", 0.02))
             return
         # From scratch: initialise the full model identically on every rank from the seed, then
         # shard it, so that the initial weights do not depend on the allocation.
-        torch.manual_seed(self.seed)
-        full = self.spec.model_class(self.model_args)
-        full.init_weights()
-        full_sd = dict(full.named_parameters())
-        for name, tensor in _named_state(self.model):
-            copy_full_into(tensor, full_sd[name])
-
-    @torch.no_grad()
-    def _init_unloaded(self, names: list[str]) -> None:
-        """Seeded init of tensors a checkpoint legitimately lacks (a critic's value head).
-
-        Drawn as full tensors from a generator seeded by the run seed and the name, then
-        sharded, so the values do not depend on the allocation.
-        """
-        params = dict(_named_state(self.model))
-        std = getattr(self.model_args, "initializer_range", 0.02)
-        for name in names:
-            if name not in params:  # a buffer (the MoE routing bias) keeps init_buffers' value
-                continue
-            target = params[name]
-            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + sum(map(ord, name)))
-            full = torch.empty(target.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
-            copy_full_into(target, full)
+        init_from_seed(self.model, lambda: self.spec.model_class(self.model_args), self.seed)
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -370,7 +347,7 @@ class ArchonEngine:
             if runnable != plan.n_microbatches:
                 # max_tokens_per_mb asked for a count the schedule cannot run: take the next one it can.
                 plan = plan_microbatches(lens, self.dp_size, runnable, mb_spec.max_tokens_per_mb)
-        except ValueError as exc:
+        except ConfigError as exc:  # a sample longer than mb_spec.max_tokens_per_mb
             raise EngineError(f"{self.name}: {exc}") from None
         return plan.per_rank[self.dp_rank]
 
@@ -396,7 +373,7 @@ class ArchonEngine:
         return packs, inputs
 
     # ------------------------------------------------------------------ train
-    def train_batch(self, batch: Batch, loss_fn: LossFn, loss_weight_fn: LossWeightFn = _token_count_weight
+    def train_batch(self, batch: Batch, loss_fn: LossFn, loss_weight_fn: LossWeightFn = token_count_weight
                     ) -> dict[str, float]:
         """Forward+backward over every microbatch, then one optimizer step; returns global stats."""
         assert self.model is not None and self.optimizer is not None, "initialize() a trainable engine first"
@@ -410,7 +387,7 @@ class ArchonEngine:
         my_mbs = self._plan(batch)
         grad_scale = float(self.parallel_dims.fsdp_gradient_divide_factor)
         self.optimizer.zero_grad(set_to_none=True)
-        totals = _StepTotals()
+        totals = StepTotals()
         if self.moe is not None:
             self.moe.begin_step()
             if self.moe.aux_loss_enabled:
@@ -423,8 +400,8 @@ class ArchonEngine:
 
             def last_stage_loss(out: torch.Tensor, i: int) -> torch.Tensor:
                 outputs = self._token_outputs(out, packs[i])
-                return self._microbatch_loss(outputs, batch, my_mbs[i], loss_fn, loss_weight_fn, total_weight,
-                                             totals) * grad_scale
+                return microbatch_loss(outputs, batch, my_mbs[i], loss_fn, loss_weight_fn, total_weight,
+                                       totals) * grad_scale
 
             with self._autocast():
                 self.pipeline.train_step(inputs, last_stage_loss)
@@ -433,8 +410,8 @@ class ArchonEngine:
             for i, indices in enumerate(my_mbs):
                 self._set_gradient_sync(i == len(my_mbs) - 1)
                 packed = self._pack(batch, indices)
-                scaled = self._microbatch_loss(self._run_model(packed), batch, indices, loss_fn, loss_weight_fn,
-                                               total_weight, totals)
+                scaled = microbatch_loss(self._run_model(packed), batch, indices, loss_fn, loss_weight_fn,
+                                         total_weight, totals)
                 (scaled * grad_scale).backward()
                 totals.tokens += packed.n_real_tokens
 
@@ -485,25 +462,6 @@ class ArchonEngine:
             tokens, kwargs = self._model_inputs(packed)
             with self._autocast():
                 self.model(tokens, cu_seqlens=packed.cu_seqlens, **kwargs)
-
-    def _microbatch_loss(self, outputs: dict[str, torch.Tensor], batch: Batch, indices: list[int], loss_fn: LossFn,
-                         loss_weight_fn: LossWeightFn, total_weight: float, totals: "_StepTotals") -> torch.Tensor:
-        """This microbatch's share of the global loss (its weight / the batch's); stats are added to ``totals``."""
-        anchor = outputs.pop("_anchor")
-        if indices:
-            mb = rows_of(batch, indices)
-            loss, stats = loss_fn(outputs, mb)
-            weight = float(loss_weight_fn(mb))
-        else:
-            # A rank without samples still runs backward so FSDP's collectives line up.
-            loss = anchor
-            stats, weight = {}, 0.0
-        scaled = loss * (weight / total_weight)
-        totals.loss += float(scaled.detach())
-        for key, value in stats.items():
-            value = float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
-            totals.stats[key] = totals.stats.get(key, 0.0) + value * weight / total_weight
-        return scaled
 
     # ------------------------------------------------------------------ forward
     @torch.no_grad()
@@ -560,24 +518,7 @@ class ArchonEngine:
         without it only the fields of the model's HF architecture come out.
         """
         adapter = self.spec.state_dict_adapter_class(self.model_args)
-        local = dict(_named_state(self.model, buffers=False))
-        local.update(_persistent_buffers(self.model))
-        if self.pipeline is not None:
-            buffers = {info.name for info in self.pipeline.full_tensors if info.is_buffer}
-            # Each tensor comes from the stage holding it, in the full model's order.
-            tensors = self.pipeline.named_full_tensors(local)
-        else:
-            buffers = set(_persistent_buffers(self.model))
-            tensors = ((name, t.full_tensor() if isinstance(t, DTensor) else t) for name, t in local.items())
-        for name, full in tensors:
-            full = full.detach()
-            if name in buffers:
-                items = adapter.to_hf_tensors(name, full)
-            else:
-                items = adapter.to_hf_tensors(name, full.to(dtype) if dtype is not None else full)
-            for hf_name, value in items:
-                if extras or adapter.is_hf_field(hf_name):
-                    yield hf_name, value
+        yield from hf_full_tensors(self.model, adapter, self.pipeline, dtype, extras)
 
     def export_hf(self, path: str | Path, dtype: torch.dtype | None = None, max_shard_size: str | int = "5GB",
                   extras: bool = False) -> None:
@@ -586,61 +527,36 @@ class ArchonEngine:
         ``extras`` also writes what the HF architecture has no field for (the MoE routing bias),
         for folders that only Archon's own server reads (disk weight sync).
         """
-        from models import save_hf_tensors
-
-        tensors = ((n, t.cpu()) for n, t in self.named_full_tensors(dtype, extras=extras))
-        if dist.get_rank() == 0:
-            save_hf_tensors(tensors, self._export_hf_config(), path, max_shard_size=max_shard_size)
-            source = Path(self.config.path) / "generation_config.json" if self.config.path else None
-            if source is not None and source.is_file():
-                # EOS ids and sampling defaults live here; generate() and servers read them.
-                shutil.copyfile(source, Path(path) / "generation_config.json")
-        else:
-            for _ in tensors:  # join the collectives
-                pass
-        dist.barrier()
+        write_hf_folder(self.named_full_tensors(dtype, extras=extras), self._export_hf_config(), path,
+                        source=self.config.path, max_shard_size=max_shard_size)
 
     def _export_hf_config(self) -> dict[str, Any]:
         """The config.json ``export_hf`` writes."""
         return self.hf_config.to_dict()
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, path: str | Path, extra_state: dict[str, Any] | None = None) -> None:
-        from archon.engine.checkpoint import save_checkpoint
+    def checkpoint_states(self) -> dict[str, Stateful]:
+        """What a checkpoint of this engine holds: the model, the optimizer and LR scheduler (when trainable),
+        and the train state (step, random generators)."""
+        assert self.model is not None, "initialize() first"
+        return engine_states(self.model, self.optimizer, self.lr_scheduler, self.train_state)
 
-        save_checkpoint(self, Path(path), extra_state or {})
+    def save(self, path: str | Path, extra_state: dict[str, Any] | None = None) -> None:
+        """Write a resumable checkpoint to ``path`` (collective); ``extra_state`` is the caller's JSON data."""
+        save_checkpoint(self.checkpoint_states(), Path(path), extra_state or {}, name=self.name,
+                        allocation=str(self.allocation))
 
     def load(self, path: str | Path) -> dict[str, Any]:
-        from archon.engine.checkpoint import load_checkpoint
+        """Resume from a checkpoint written by ``save`` (any allocation; collective); returns its extra state."""
+        return load_checkpoint(self.checkpoint_states(), Path(path), name=self.name)
 
-        return load_checkpoint(self, Path(path))
+    def checkpoint_nbytes(self) -> float:
+        """This rank's share of one checkpoint's bytes: parameters, and AdamW's two moments with an optimizer.
 
-
-def _persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Persistent buffers (the MoE routing bias) by wrapper-free name."""
-    out = {}
-    for mod_name, mod in model.named_modules():
-        for buf_name, buf in mod.named_buffers(prefix=mod_name, recurse=False):
-            if buf is not None and buf_name.rsplit(".", 1)[-1] not in mod._non_persistent_buffers_set:
-                out[clean_fqn(buf_name)] = buf
-    return out
-
-
-def _named_state(model: torch.nn.Module, buffers: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """Parameters (and persistent buffers) with wrapper prefixes (AC, compile) removed."""
-    items = list(model.named_parameters())
-    if buffers:
-        items += list(model.named_buffers())
-    for name, tensor in items:
-        yield clean_fqn(name), tensor
-
-
-@torch.no_grad()
-def copy_full_into(target: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy a full tensor into a parameter that may be a DTensor shard (no communication)."""
-    if isinstance(target, DTensor):
-        local = distribute_tensor(full.to(target.device, target.dtype), target.device_mesh, target.placements,
-                                  src_data_rank=None).to_local()
-        target.to_local().copy_(local)
-    else:
-        target.copy_(full.to(target.device, target.dtype))
+        A parameter's global size counts once however it is sharded: each rank of a pipeline stage
+        counts its stage's global sizes divided by the ranks that hold that stage.
+        """
+        ranks_per_stage = dist.get_world_size() / self.allocation.parallel.pp_size
+        per_param = 3 if self.optimizer is not None else 1
+        stage = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return per_param * stage / ranks_per_stage

@@ -10,12 +10,11 @@ from __future__ import annotations
 from typing import Any
 
 from archon.alloc import ModelAllocation, megatron_refusal
+from archon.config import TrainEngineConfig
 from archon.engine.engine import ArchonEngine, EngineError
 
 
-def engine_class(backend: str) -> type[ArchonEngine]:
-    """The engine class for an allocation string's backend."""
-    alloc = ModelAllocation.from_str(backend)
+def _engine_class(alloc: ModelAllocation, backend: str) -> type[ArchonEngine]:
     if alloc.backend == "archon":
         return ArchonEngine
     if alloc.backend == "fsdp":
@@ -28,6 +27,17 @@ def engine_class(backend: str) -> type[ArchonEngine]:
                       "'fsdp:'")
 
 
-def build_engine(config: Any, **kwargs: Any) -> ArchonEngine:
-    """``ArchonEngine`` or ``FSDPEngine`` for ``config.backend`` (not initialized); ``kwargs`` go to the engine."""
-    return engine_class(config.backend)(config, **kwargs)
+def engine_class(backend: str) -> type[ArchonEngine]:
+    """The engine class for an allocation string's backend."""
+    return _engine_class(ModelAllocation.from_str(backend), backend)
+
+
+def build_engine(config: TrainEngineConfig, allocation: ModelAllocation | None = None,
+                 **kwargs: Any) -> ArchonEngine:
+    """``ArchonEngine`` or ``FSDPEngine`` for ``config.backend`` (not initialized); ``kwargs`` go to the engine.
+
+    ``allocation`` is ``config.backend`` already parsed (``Config.allocations()``); without it
+    the string is parsed here, once, and the engine gets the result.
+    """
+    alloc = allocation if allocation is not None else ModelAllocation.from_str(config.backend)
+    return _engine_class(alloc, config.backend)(config, allocation=alloc, **kwargs)

@@ -39,8 +39,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from archon.engine.engine import ArchonEngine, EngineError, _named_state
+from archon.engine.engine import ArchonEngine, EngineError
 from archon.engine.microbatch import Batch, pack, rows_of
+from archon.engine.weights import named_state
 from archon.engine.optimizer import build_lr_scheduler, build_optimizer
 from archon.engine.transformers_model import (
     TransformersModelError,
@@ -56,7 +57,10 @@ from archon.engine.transformers_model import (
     wrap_blocks,
     zero_dropout,
 )
+from parallel.activation_checkpoint import apply_ac
 from parallel.context_parallel import check_heads_divisible
+from parallel.errors import ParallelConfigError
+from parallel.fsdp import apply_fsdp
 from parallel.loss_parallel import vocab_parallel_logprobs_entropy
 
 logger = logging.getLogger("archon.engine")
@@ -106,7 +110,7 @@ class FSDPEngine(ArchonEngine):
         try:
             model, buffers = build_meta_model(build_config, self.is_critic, attn)
             self._parallelize(model)
-        except (TransformersModelError, ValueError) as exc:
+        except (TransformersModelError, ParallelConfigError) as exc:
             raise EngineError(f"{self.name}.backend = '{cfg.backend}': {exc}") from None
         model.to_empty(device=self.device)
         restore_buffers(model, buffers)
@@ -129,11 +133,8 @@ class FSDPEngine(ArchonEngine):
         return self
 
     def _parallelize(self, model: torch.nn.Module) -> None:
-        """TP -> CP -> AC -> compile -> FSDP on the meta-device model."""
-        from parallel.fsdp import apply_fsdp
-
-        cfg, pd = self.config, self.parallel_dims
-        archon = cfg.archon
+        """TP -> CP -> AC -> compile -> FSDP on the meta-device model, as ``self.parallelize_options`` say."""
+        pd, options = self.parallel_dims, self.parallelize_options
         self._tied = embeddings_tied(model)
         if pd.tp_enabled:
             apply_tp_plan(model, pd.get_mesh("tp"), loss_parallel=not self.is_critic)
@@ -141,30 +142,26 @@ class FSDPEngine(ArchonEngine):
             heads = getattr(model.config, "num_attention_heads", None)
             if isinstance(heads, int):
                 check_heads_divisible(heads, pd.tp, pd.cp, type(model).__name__)
-        if cfg.gradient_checkpointing:
+        if options.ac_enabled:
             self._apply_ac(model)
-        if archon.enable_compile:
+        if options.enable_compile:
             for block in fsdp_units(model):
                 # transformers' blocks may break the graph (data-dependent control flow).
                 block.compile(fullgraph=False)
         if pd.fsdp_enabled:
             mesh = pd.get_mesh("hsdp") if pd.dp_replicate_enabled else pd.get_mesh("dp_shard_cp")
-            apply_fsdp(model, mesh, fsdp_units(model), param_dtype=cfg.dtype, reduce_dtype=cfg.grad_reduce_dtype,
-                       cpu_offload=archon.offload_params,
-                       reshard_after_forward_policy=archon.reshard_after_forward_policy)
+            apply_fsdp(model, mesh, fsdp_units(model), param_dtype=options.param_dtype,
+                       reduce_dtype=options.reduce_dtype, cpu_offload=options.cpu_offload,
+                       reshard_after_forward_policy=options.reshard_after_forward_policy)
 
     def _apply_ac(self, model: torch.nn.Module) -> None:
-        """Activation checkpointing of every block with ``archon.ac_mode`` (the blocks of a ModuleDict view)."""
-        from torch import nn
-
-        from parallel.activation_checkpoint import apply_ac
-
-        archon = self.config.archon
+        """Activation checkpointing of every block with ``options.ac_mode`` (the blocks of a ModuleDict view)."""
+        options = self.parallelize_options
         blocks = fsdp_units(model)
-        view = nn.ModuleDict({str(i): block for i, block in enumerate(blocks)})
-        apply_ac(view, archon.ac_mode, archon.selective_ac_option, archon.ac_memory_budget,
-                 compile_enabled=archon.enable_compile, preserve_rng_state=archon.use_deterministic_algorithms,
-                 debug=archon.ac_debug)
+        view = torch.nn.ModuleDict({str(i): block for i, block in enumerate(blocks)})
+        apply_ac(view, options.ac_mode, options.selective_ac_option, options.ac_memory_budget,
+                 compile_enabled=options.enable_compile, preserve_rng_state=options.deterministic,
+                 debug=options.ac_debug)
         wrapped = {id(block): view[str(i)] for i, block in enumerate(blocks)}
         wrap_blocks(model, lambda block: wrapped[id(block)])
 
@@ -296,7 +293,7 @@ class FSDPEngine(ArchonEngine):
 
         ``extras`` is accepted for the weight-sync interface; a transformers model has nothing beyond its HF fields.
         """
-        for name, tensor in _named_state(self.model, buffers=False):
+        for name, tensor in named_state(self.model, buffers=False):
             full = (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
             yield name, full.to(dtype) if dtype is not None else full
 

@@ -38,8 +38,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from archon.config import ArchonEngineConfig
 from models.common.moe import MoE
-from models.hf_checkpoint import clean_fqn
+from parallel.dims import ParallelDims
+from parallel.expert_parallel import moe_token_replication
+from parallel.fqn import clean_fqn
 
 
 @dataclass
@@ -63,7 +66,7 @@ def moe_layers(model: nn.Module) -> list[tuple[int, MoE]]:
 class MoEBalancer:
     """Per-step router bookkeeping of one engine: begin, (aux-loss pre-pass), end with stats and bias update."""
 
-    def __init__(self, model: nn.Module, model_args: Any, archon_cfg: Any, replication: int,
+    def __init__(self, model: nn.Module, model_args: Any, archon_cfg: ArchonEngineConfig, replication: int,
                  fsdp_grad_scale: float, device: torch.device) -> None:
         self.layers = [_Layer(i, m) for i, m in moe_layers(model)]
         self.n_layers = int(model_args.n_layers)
@@ -166,11 +169,9 @@ class MoEBalancer:
         return stats
 
 
-def build_moe_balancer(model: nn.Module, model_args: Any, archon_cfg: Any, parallel_dims: Any,
+def build_moe_balancer(model: nn.Module, model_args: Any, archon_cfg: ArchonEngineConfig, parallel_dims: ParallelDims,
                        device: torch.device) -> MoEBalancer | None:
     """The balancer of an engine's model, or None when the model has no MoE block."""
-    from parallel.expert_parallel import moe_token_replication
-
     is_moe = getattr(model_args, "is_moe_layer", None)
     if is_moe is None or not any(is_moe(i) for i in range(int(model_args.n_layers))):
         return None

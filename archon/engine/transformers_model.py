@@ -114,7 +114,7 @@ def build_meta_model(config: Any, is_critic: bool, attn_implementation: str | No
 @torch.no_grad()
 def restore_buffers(model: nn.Module, buffers: dict[str, torch.Tensor]) -> None:
     """Copy the buffers saved by ``build_meta_model`` back after ``to_empty`` left them uninitialised."""
-    from models.hf_checkpoint import clean_fqn
+    from parallel.fqn import clean_fqn
 
     for name, buf in model.named_buffers():
         saved = buffers.get(clean_fqn(name))

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from archon.alloc import AllocationError
 from archon.config import Config, ConfigError, load_config
 from archon.errors import ArchonError, ClusterError
 from archon.plan import ClusterPlan, Job, plan_for_config
@@ -41,7 +42,7 @@ def load_run(config: str | None, overrides: Sequence[str], job: Job) -> tuple[Co
     cfg = load_config(config, overrides, job=job)
     try:
         plan = plan_for_config(cfg, job)
-    except ValueError as exc:
+    except AllocationError as exc:
         raise ClusterError(str(exc)) from None
     if not plan.train_ranks:
         raise ClusterError(f"the plan of {config or 'this config'} has no training rank; set actor.backend")

@@ -196,7 +196,7 @@ def _checked_fixes(cfg: "Config", job: str, hf: dict[str, Any], gpu: int, device
 
 def estimate_server_gpu(cfg: "Config", hf: dict[str, Any], gpu: int) -> Estimate | None:
     """One GPU of an SGLang server: its share of the weights and the KV cache in mem_fraction_static."""
-    rollout = ModelAllocation.from_str(cfg.rollout.backend)
+    rollout = cfg.allocations()["rollout"]
     if rollout.backend != "sglang":
         return None
     from archon.plan.memory import param_groups

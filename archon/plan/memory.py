@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from archon.alloc import ModelAllocation
+from archon.errors import ArchonError
 
 if TYPE_CHECKING:
     from archon.config import Config, TrainEngineConfig
@@ -44,7 +45,7 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _TP_LINEARS = ("wq", "wk", "wv", "w1", "w2", "w3")
 
 
-class MemoryEstimateError(ValueError):
+class MemoryEstimateError(ArchonError, ValueError):
     """The estimate cannot be made (no config.json to read, a model type Archon does not know)."""
 
 

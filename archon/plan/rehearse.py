@@ -294,7 +294,8 @@ def rehearse(cfg: "Config", steps: int = 3) -> tuple[Rehearsal, RehearsalResult]
 def main(argv: Sequence[str]) -> int:
     from rich.console import Console
 
-    from archon.config import ConfigError, load_config
+    from archon.config import load_config
+    from archon.errors import user_error_types
 
     parser = argparse.ArgumentParser(prog="python -m archon.plan rehearse",
                                      description="Train a shrunken model of the actor's architecture under its "
@@ -308,11 +309,11 @@ def main(argv: Sequence[str]) -> int:
     console = Console() if os.isatty(1) else Console(width=200)
     try:
         cfg = load_config(args.config, args.overrides, job="sft")
-        world = ModelAllocation.from_str(cfg.actor.backend).world_size
+        world = cfg.allocations()["actor"].world_size
         console.print(f"rehearsing actor.backend = '{cfg.actor.backend}' with {world} CPU processes (gloo)",
                       highlight=False)
         plan, result = rehearse(cfg, args.steps)
-    except (ConfigError, ValueError) as exc:
+    except user_error_types() as exc:
         Console(stderr=True).print(f"[bold red]error:[/] {exc}", highlight=False)
         return 2
     except RehearsalError as exc:

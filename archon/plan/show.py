@@ -93,7 +93,8 @@ def _print_memory(console, cfg, job: str, device: str) -> bool:
 def main_plan(argv: Sequence[str]) -> int:
     from rich.console import Console
 
-    from archon.config import ConfigError, load_config
+    from archon.config import load_config
+    from archon.errors import user_error_types
     from archon.plan.layout import plan_for_config
 
     parser = argparse.ArgumentParser(prog="python -m archon.plan",
@@ -111,7 +112,7 @@ def main_plan(argv: Sequence[str]) -> int:
     try:
         cfg = load_config(args.config, args.overrides, job=args.job)
         plan = plan_for_config(cfg, args.job)
-    except (ConfigError, ValueError) as exc:
+    except user_error_types() as exc:
         Console(stderr=True).print(f"[bold red]error:[/] {exc}", highlight=False)
         return 2
     if args.json:
@@ -123,7 +124,7 @@ def main_plan(argv: Sequence[str]) -> int:
                       "ranks (the cluster has too few nodes for whole rollout nodes)", highlight=False)
     try:
         fits = _print_memory(console, cfg, args.job, args.device)
-    except ValueError as exc:
+    except user_error_types() as exc:
         Console(stderr=True).print(f"[bold red]error:[/] {exc}", highlight=False)
         return 2
     return 0 if fits else 1

@@ -165,7 +165,7 @@ class RLTrainer:
         from archon.rollout.launcher import ranks_per_server
         from archon.rollout.recovery import ServerSupervisor
         from archon.rollout.weight_sync import build_weight_sync
-        from parallel.fsdp import to_dtype
+        from parallel.dtypes import to_dtype
 
         cfg = self.cfg
         rollout_alloc = cfg.allocations()["rollout"]

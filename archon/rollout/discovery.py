@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from archon.alloc import AllocationError
 from archon.config import Config, ConfigError
 from archon.errors import ClusterError
 from archon.plan import Process, plan_for_config
@@ -322,7 +323,7 @@ def server_source(cfg: Config, env: Mapping[str, str] = os.environ) -> RolloutLa
         return RolloutLauncher.from_config(cfg, cfg.run_dir)
     try:
         plan = plan_for_config(cfg)
-    except ValueError as exc:
+    except AllocationError as exc:
         raise ConfigError(str(exc)) from None
     return PublishedServers(registry, plan.servers, cfg.run_dir, run_api_key(cfg.run_dir, env),
                             cfg.rollout.setup_timeout)

@@ -47,7 +47,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Sequence
 
-from archon.alloc import ModelAllocation
+from archon.alloc import AllocationError, ModelAllocation
 from archon.config import Config, ConfigError, SGLangConfig
 from archon.errors import ArchonError
 from archon.plan import ClusterPlan, Process, plan_for_config
@@ -247,7 +247,7 @@ def build_launch_specs(cfg: Config, run_dir: str | Path | None = None, *, host: 
     rollout = cfg.allocations()["rollout"]
     try:
         plan = plan_for_config(cfg)
-    except ValueError as exc:
+    except AllocationError as exc:
         raise ConfigError(str(exc)) from None
     tp, pp = rollout.parallel.tp_size, rollout.parallel.pp_size
     if rollout.backend == "sglang":

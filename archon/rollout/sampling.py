@@ -22,13 +22,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from archon.config import SGLANG_DEFAULT_MAX_NEW_TOKENS
+
 
 @dataclass
 class SamplingParams:
     """SGLang's ``sampling_params`` fields that the built-in server implements."""
 
-    max_new_tokens: int = 128
-    """Most tokens to generate; the request finishes with reason ``length`` when reached."""
+    max_new_tokens: int = SGLANG_DEFAULT_MAX_NEW_TOKENS
+    """Most tokens to generate; the request finishes with reason ``length`` when reached.  The default is
+    SGLang's, for a request that leaves it out; the trainer's requests carry ``gconfig.max_new_tokens``."""
     min_new_tokens: int = 0
     """EOS and stop tokens cannot be sampled before this many tokens were generated."""
     temperature: float = 1.0

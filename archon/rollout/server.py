@@ -43,7 +43,7 @@ from archon.rollout.http_limits import BodyLimitMiddleware, add_error_handlers
 from archon.rollout.protocol import ProtocolError
 from archon.rollout.sampling import SamplingParams
 from archon.rollout.weight_group import destroy_weight_update_group, init_weight_update_group
-from parallel.fsdp import DTYPE_NAMES, to_dtype
+from parallel.dtypes import DTYPE_NAMES, to_dtype
 
 logger = logging.getLogger(__name__)
 

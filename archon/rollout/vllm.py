@@ -34,7 +34,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from archon.config import Config, ConfigError, GenerationConfig
+from archon.config import SGLANG_DEFAULT_MAX_NEW_TOKENS, Config, ConfigError, GenerationConfig
 from archon.rollout.server_api import Call, GenerateResult, RolloutError, ServerAPI, check_logprob_count
 
 RAW_LOGPROBS = "raw_logprobs"
@@ -59,7 +59,7 @@ _FIELDS = {
     "spaces_between_special_tokens": "spaces_between_special_tokens",
 }
 # SGLang's defaults where vLLM's differ (vLLM: max_tokens 16, model generation config for the rest).
-_DEFAULTS = {"max_tokens": 128, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+_DEFAULTS = {"max_tokens": SGLANG_DEFAULT_MAX_NEW_TOKENS, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
              "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0}
 _TOKEN_ID_PREFIX = "token_id:"
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch.nn as nn
 
-from models.common.parallelize import parallelize_decoder
+from models.common.infra.parallelize import parallelize_decoder
+from parallel.dims import ParallelDims
+from parallel.options import ParallelizeOptions
 
 
-def parallelize_qwen3_moe(model: nn.Module, parallel_dims: Any, config: Any) -> nn.Module:
+def parallelize_qwen3_moe(model: nn.Module, *, parallel_dims: ParallelDims, options: ParallelizeOptions) -> nn.Module:
     """Lay a meta-device Qwen3-MoE model over the meshes of ``parallel_dims`` (see ``parallelize_decoder``)."""
-    return parallelize_decoder(model, parallel_dims, config)
+    return parallelize_decoder(model, parallel_dims=parallel_dims, options=options)

@@ -1,9 +1,10 @@
-"""Parallelizing the shared Qwen decoder: TP -> EP -> CP -> AC -> compile -> FSDP.
+"""The shared decoder's parallel plan: TP -> EP -> CP -> AC -> compile -> FSDP.
 
-The plan (which module is split how) lives here because it names this model's modules; the
-techniques themselves live in ``parallel/``.  ``config`` is the engine section of Archon's
-config, used duck-typed (``dtype``, ``grad_reduce_dtype``, ``gradient_checkpointing``,
-``archon.*``) so that models never import ``archon``.
+The plan (which module is split how) lives here because it names the decoder's modules
+(``models/common/``); the techniques themselves live in ``parallel/``.  Every model package
+built on the shared decoder points its ``infra/parallelize.py`` here.  What to apply comes
+from ``ParallelDims`` (the sizes) and ``ParallelizeOptions`` (dtypes, AC, compile, offload),
+both from ``parallel/``, so this module depends on nothing above it.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -29,7 +31,10 @@ from parallel.expert_parallel import (
     check_expert_parallel,
     expert_fsdp_mesh,
 )
-from parallel.fsdp import apply_fsdp, to_dtype
+from parallel.dims import ParallelDims
+from parallel.dtypes import to_dtype
+from parallel.fsdp import apply_fsdp
+from parallel.options import ParallelizeOptions
 from parallel.tensor_parallel import (
     ExpertTensorParallel,
     LocalTokensParallel,
@@ -95,7 +100,7 @@ def _tp_plan_for_block(block: nn.Module, moe_tp: str = "etp") -> dict[str, Any]:
     return plan
 
 
-def apply_tp(model: nn.Module, tp_mesh, loss_parallel: bool = True, moe_tp: str = "etp") -> None:
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool = True, moe_tp: str = "etp") -> None:
     """Tensor + sequence parallel for the decoder; the LM head returns vocab-sharded logits.
 
     ``moe_tp`` says how MoE layers use the TP ranks: ``"etp"`` (experts follow attention:
@@ -150,16 +155,15 @@ def _fsdp_units(model: nn.Module) -> list[Any]:
     return units
 
 
-def parallelize_decoder(model: nn.Module, parallel_dims: Any, config: Any) -> nn.Module:
+def parallelize_decoder(model: nn.Module, *, parallel_dims: ParallelDims, options: ParallelizeOptions) -> nn.Module:
     """Apply TP (with SP and loss parallel) -> EP/ETP -> CP -> AC -> compile -> FSDP to a meta-device decoder.
 
     Under MoE folding (expert parallel or expert tensor parallel) the experts are split over
     ``[ep]``, ``[ep, etp]`` or ``[etp]``, ETP groups pool their tokens, and the experts get
     their own FSDP units over the expert mesh (see ``parallel/expert_parallel.py``).
-    ``archon.moe_router_dtype = "float32"`` runs every router gate in float32 (under FSDP in
+    ``options.moe_router_dtype = "float32"`` runs every router gate in float32 (under FSDP in
     its own unit whose parameters stay float32).
     """
-    archon = config.archon
     # Collected before AC wraps the blocks; the wrappers keep these module objects.
     moes = [block.moe for block in model.layers.values() if block.moe_enabled]
     experts = [m.experts for m in moes]
@@ -168,7 +172,7 @@ def parallelize_decoder(model: nn.Module, parallel_dims: Any, config: Any) -> nn
         check_expert_parallel(experts[0].num_experts if experts else 0, len(experts), parallel_dims.ep,
                               type(model).__name__, etp=parallel_dims.etp,
                               moe_hidden_dim=getattr(model.args, "moe_hidden_dim", 0))
-    router_dtype = _router_dtype(archon)
+    router_dtype = options.router_dtype
     for m in moes:
         m.router.gate_dtype = router_dtype
     if parallel_dims.tp_enabled:
@@ -179,35 +183,25 @@ def parallelize_decoder(model: nn.Module, parallel_dims: Any, config: Any) -> nn
     if parallel_dims.cp_enabled:
         check_heads_divisible(model.args.n_heads, parallel_dims.tp, parallel_dims.cp, type(model).__name__)
         apply_cp(model.layers, parallel_dims.get_mesh("cp"), core="attention.core")
-    if config.gradient_checkpointing:
-        apply_ac(model.layers, archon.ac_mode, archon.selective_ac_option, archon.ac_memory_budget,
-                 compile_enabled=archon.enable_compile,
-                 preserve_rng_state=archon.use_deterministic_algorithms, debug=archon.ac_debug)
-    if archon.enable_compile:
+    if options.ac_enabled:
+        apply_ac(model.layers, options.ac_mode, options.selective_ac_option, options.ac_memory_budget,
+                 compile_enabled=options.enable_compile, preserve_rng_state=options.deterministic,
+                 debug=options.ac_debug)
+    if options.enable_compile:
         # Under MoE folding the dispatch/pooling hooks break the block graph (data-dependent
         # all-to-alls), and MoE router bookkeeping runs eagerly too.
         apply_compile(model.layers, fullgraph=not moes)
+    fsdp = dict(reduce_dtype=options.reduce_dtype, pp_enabled=parallel_dims.pp_enabled,
+                cpu_offload=options.cpu_offload, reshard_after_forward_policy=options.reshard_after_forward_policy)
     if folding:
         # Experts first, on their own mesh, so that the block units below leave them out.
         apply_expert_fsdp(experts, expert_fsdp_mesh(parallel_dims), parallel_dims.fsdp_gradient_divide_factor,
-                          param_dtype=config.dtype, reduce_dtype=config.grad_reduce_dtype,
-                          pp_enabled=parallel_dims.pp_enabled, cpu_offload=archon.offload_params,
-                          reshard_after_forward_policy=archon.reshard_after_forward_policy)
+                          param_dtype=options.param_dtype, **fsdp)
     if parallel_dims.fsdp_enabled:
         mesh = parallel_dims.get_mesh("hsdp") if parallel_dims.dp_replicate_enabled else \
             parallel_dims.get_mesh("dp_shard_cp")
-        if router_dtype is not None and to_dtype(config.dtype) != router_dtype:
-            # Gates get their own units so that FSDP gathers them in float32, not in `dtype`.
-            apply_fsdp(model, mesh, [m.router.gate for m in moes], param_dtype=router_dtype,
-                       reduce_dtype=config.grad_reduce_dtype, pp_enabled=parallel_dims.pp_enabled,
-                       cpu_offload=archon.offload_params, reshard_after_forward_policy=archon.reshard_after_forward_policy,
-                       shard_root=False)
-        apply_fsdp(model, mesh, _fsdp_units(model), param_dtype=config.dtype, reduce_dtype=config.grad_reduce_dtype,
-                   pp_enabled=parallel_dims.pp_enabled, cpu_offload=archon.offload_params,
-                   reshard_after_forward_policy=archon.reshard_after_forward_policy)
+        if router_dtype is not None and to_dtype(options.param_dtype) != router_dtype:
+            # Gates get their own units so that FSDP gathers them in float32, not in `param_dtype`.
+            apply_fsdp(model, mesh, [m.router.gate for m in moes], param_dtype=router_dtype, shard_root=False, **fsdp)
+        apply_fsdp(model, mesh, _fsdp_units(model), param_dtype=options.param_dtype, **fsdp)
     return model
-
-
-def _router_dtype(archon: Any) -> Any:
-    name = getattr(archon, "moe_router_dtype", "auto")
-    return None if name in ("auto", "", None) else to_dtype(name)
