@@ -8,7 +8,11 @@ cross entropy does.  It also works on an unsharded tensor (no group), so single-
 sharded runs share one code path and agree to rounding.
 
 The backward is written by hand so that only the softmax (float32) is kept for it:
-``d logp_t / d z = onehot(t) - p`` and ``d H / d z = -p * (z - E_p[z])``.
+``d logp_t / d z = onehot(t) - p`` and ``d H / d z = -p * (z - E_p[z])``.  Gradients are
+not materialised for an output the loss does not use: a loss without an entropy term skips
+the entropy backward (a full ``tokens x vocab`` pass).  On one device (no group) the forward
+is one fused ``log_softmax`` (the function the rollout servers report), not the reduction
+sequence the sharded case needs.
 """
 
 from __future__ import annotations
@@ -16,6 +20,46 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
+
+
+class _LogprobEntropy(torch.autograd.Function):
+    """The unsharded case: ``log_softmax`` once, entropy as a row-wise dot product."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float):
+        z = logits.float()
+        if temperature != 1.0:
+            z = z / temperature
+        logp = torch.log_softmax(z, dim=-1)
+        logprobs = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        probs = logp.exp()
+        # A batched dot product reads both operands once (no [tokens, vocab] temporary).
+        entropy = -torch.bmm(probs.unsqueeze(1), logp.unsqueeze(2)).view(-1)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(probs, logp, entropy, targets)
+        ctx.temperature = temperature
+        ctx.input_dtype = logits.dtype
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None):
+        if grad_logprobs is None and grad_entropy is None:
+            return None, None, None
+        probs, logp, entropy, targets = ctx.saved_tensors
+        # d H / d z = -p * (log p + H); d logp_t / d z = onehot(t) - p.
+        weight = torch.zeros_like(entropy)
+        if grad_logprobs is not None:
+            weight -= grad_logprobs
+        if grad_entropy is not None:
+            weight -= grad_entropy * entropy
+        grad = probs * weight.unsqueeze(-1)
+        if grad_entropy is not None:
+            grad.addcmul_(probs * logp, grad_entropy.unsqueeze(-1), value=-1.0)
+        if grad_logprobs is not None:
+            grad.scatter_add_(-1, targets.unsqueeze(-1), grad_logprobs.unsqueeze(-1))
+        if ctx.temperature != 1.0:
+            grad /= ctx.temperature
+        return grad.to(ctx.input_dtype), None, None
 
 
 class _VocabParallelLogprobEntropy(torch.autograd.Function):
@@ -45,13 +89,16 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
         mean_z = weighted / sum_exp
         entropy = log_sum - mean_z
         probs = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(probs, z, mean_z, local_idx, in_range)
         ctx.temperature = temperature
         ctx.input_dtype = logits.dtype
         return logprobs, entropy
 
     @staticmethod
-    def backward(ctx, grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor):
+    def backward(ctx, grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None):
+        if grad_logprobs is None and grad_entropy is None:
+            return None, None, None, None, None
         probs, z, mean_z, local_idx, in_range = ctx.saved_tensors
         grad = torch.zeros_like(probs)
         if grad_logprobs is not None:
@@ -91,6 +138,9 @@ def vocab_parallel_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor,
         targets = targets.full_tensor()
     shape = targets.shape
     flat_logits = logits.reshape(-1, logits.shape[-1])
-    logprobs, entropy = _VocabParallelLogprobEntropy.apply(flat_logits, targets.reshape(-1), vocab_start,
-                                                            group, float(temperature))
+    if group is None and vocab_start == 0:
+        logprobs, entropy = _LogprobEntropy.apply(flat_logits, targets.reshape(-1), float(temperature))
+    else:
+        logprobs, entropy = _VocabParallelLogprobEntropy.apply(flat_logits, targets.reshape(-1), vocab_start,
+                                                                group, float(temperature))
     return logprobs.view(shape), entropy.view(shape)

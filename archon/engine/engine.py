@@ -288,19 +288,25 @@ class ArchonEngine:
         cp_mesh = self.parallel_dims.get_optional_mesh("cp")
         if self.is_critic:
             values = out.full_tensor() if isinstance(out, DTensor) else out
-            per_token = values.reshape(1, -1).float()
+            rows = [values.reshape(-1).float()]
         else:
             targets = torch.roll(mb.tokens[0], -1)
             if cp_mesh is not None:
                 targets = shard_sequence(targets, cp_mesh, dim=0)
-            per_token = torch.stack(vocab_parallel_logprobs_entropy(out[0], targets, self.temperature))
+            # Kept apart (not stacked): an output the loss ignores then gets no gradient at all,
+            # and its backward is skipped (the entropy's is a tokens x vocab pass).
+            # The whole [1, T, V] logits (a view inside), not out[0]: a select's backward would
+            # write its gradient into a zero-filled copy of the logits.
+            rows = [r[0] for r in vocab_parallel_logprobs_entropy(out, targets.unsqueeze(0), self.temperature)]
         # ``_anchor`` keeps a graph through the model even when the microbatch has no sample.
-        anchor = per_token.sum() * 0.0
-        if cp_mesh is not None:
-            per_token = gather_sequence(per_token, cp_mesh, dim=1)
-        # Output i is about token i: shift the next-token values right; sequence starts get 0.
-        aligned = torch.roll(per_token, 1, dims=1).index_fill(1, mb.seq_starts, 0.0)
-        result = {key: unpack(row, mb) for key, row in zip(self._output_keys, aligned)}
+        anchor = rows[0].sum() * 0.0
+        result = {}
+        for key, row in zip(self._output_keys, rows):
+            if cp_mesh is not None:
+                row = gather_sequence(row, cp_mesh, dim=0)
+            # Output i is about token i: shift the next-token values right; sequence starts get 0.
+            aligned = torch.roll(row, 1, dims=0).index_fill(0, mb.seq_starts, 0.0)
+            result[key] = unpack(aligned, mb)
         result["_anchor"] = anchor
         return result
 

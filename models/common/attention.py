@@ -1,11 +1,18 @@
 """Grouped-query attention with packed sequences and an optional KV cache.
 
 One module for every device: ``CoreAttention`` picks the kernel, and every kernel computes
-the same function.  On CPU (and whenever a mask is given) it is SDPA with an explicit
-boolean mask (block-diagonal causal for packed rows); on CUDA in half precision, packed
-rows go through ``torch.nn.attention.varlen`` (FlashAttention); rows without packing use
-SDPA's causal path everywhere.  (FlexAttention has no CPU backward, and varlen attention
-is CUDA-only, hence the SDPA mask on CPU.)
+the same function.  A packed row costs what its sequences cost (the sum of their squared
+lengths, not the squared row length):
+
+* CUDA in half precision: ``torch.nn.attention.varlen`` (FlashAttention) over the whole row.
+* Elsewhere (CPU, float32): SDPA's fused causal kernel once per run of consecutive
+  equal-length sequences, each run viewed as a ``[count, length, heads, head_dim]`` batch
+  (no copy); a row of equal-length sequences is one call, like a padded batch.
+* Under ``torch.compile`` (no varlen kernel): SDPA with the block-diagonal causal mask, whose
+  shapes do not depend on the boundaries, so one graph serves every packing.
+* Rows without packing use SDPA's causal path; the KV-cache path passes an explicit mask.
+
+(FlexAttention has no CPU backward and varlen attention is CUDA-only, hence SDPA on CPU.)
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from models.common.norm import RMSNorm
-from models.common.packing import packed_causal_mask
+from models.common.packing import equal_length_runs, packed_causal_mask, segment_lengths
 from models.common.rope import apply_rotary_emb
 
 
@@ -39,6 +46,16 @@ def _varlen_attn():
 def _can_use_varlen(q: torch.Tensor) -> bool:
     # FlashAttention: CUDA, half precision only.
     return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _varlen_attn() is not None
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, gqa: bool,
+          mask: torch.Tensor | None = None) -> torch.Tensor:
+    """SDPA on ``[batch, seq, heads, head_dim]`` tensors: causal without ``mask``, else masked."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa,
+    )
+    return out.transpose(1, 2)
 
 
 class CoreAttention(nn.Module):
@@ -65,18 +82,33 @@ class CoreAttention(nn.Module):
         max_seqlen: int | None = None,
     ) -> torch.Tensor:
         gqa = q.shape[2] != k.shape[2]
-        if mask is None and cu_seqlens is not None and _can_use_varlen(q):
+        if mask is not None:
+            return _sdpa(q, k, v, self.scale, gqa, mask=mask)
+        if cu_seqlens is None:
+            return _sdpa(q, k, v, self.scale, gqa)
+        if _can_use_varlen(q):
             return self._varlen(q, k, v, cu_seqlens, max_seqlen, gqa)
-        is_causal = False
-        if mask is None and cu_seqlens is not None:
-            mask = packed_causal_mask(cu_seqlens, q.shape[1], q.device)
-        elif mask is None:
-            is_causal = True
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            attn_mask=mask, is_causal=is_causal, scale=self.scale, enable_gqa=gqa,
-        )
-        return out.transpose(1, 2)
+        if torch.compiler.is_compiling():
+            # Boundaries read on the host would specialise the graph to one packing.
+            return _sdpa(q, k, v, self.scale, gqa, mask=packed_causal_mask(cu_seqlens, q.shape[1], q.device))
+        return self._per_sequence(q, k, v, cu_seqlens, gqa)
+
+    def _per_sequence(self, q, k, v, cu_seqlens, gqa) -> torch.Tensor:
+        """Causal SDPA per run of equal-length sequences of the packed row (trailing padding included)."""
+        bs, seqlen = q.shape[:2]
+        assert bs == 1, "packed sequences (cu_seqlens) need batch size 1"
+        runs = equal_length_runs(segment_lengths(cu_seqlens, seqlen))
+        if len(runs) == 1:
+            pieces = [(q, k, v)]
+        else:
+            # split (not slicing) so that the backward is one cat, not a zero-filled row per run.
+            sizes = [count * length for count, length in runs]
+            pieces = list(zip(q.split(sizes, dim=1), k.split(sizes, dim=1), v.split(sizes, dim=1)))
+        outs = []
+        for (count, length), (qi, ki, vi) in zip(runs, pieces):
+            batch = [t.reshape(count, length, *t.shape[2:]) for t in (qi, ki, vi)]
+            outs.append(_sdpa(*batch, self.scale, gqa).reshape(1, count * length, *qi.shape[2:]))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
     def _varlen(self, q, k, v, cu_seqlens, max_seqlen, gqa) -> torch.Tensor:
         bs, seqlen = q.shape[:2]
