@@ -42,6 +42,7 @@ import models
 from archon.rollout.kv_cache import BatchedKVCache
 from archon.rollout.sampling import SamplingParams, sample_tokens, suppress_tokens, token_logprobs
 from archon.rollout.weight_update import load_weights_from_disk, read_eos_token_ids, receive_weights
+from models.common.inference import InferenceForward
 
 logger = logging.getLogger(__name__)
 
@@ -162,6 +163,8 @@ class Generator:
         if max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}.")
         self.model = model.eval().requires_grad_(False)
+        # The lean forward of a stock Decoder (fused projections, few kernels); None: call the model.
+        self._lean = InferenceForward.for_model(self.model)
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.vocab_size = int(args.vocab_size)
         self.context_length = int(context_length if context_length is not None else getattr(args, "max_seq_len"))
@@ -413,6 +416,8 @@ class Generator:
             if op.weight_version is not None:
                 self._weight_version = op.weight_version
             _resolve(op.future, value)
+        if self._lean is not None:
+            self._lean.refresh()  # an update that assigned new Parameters needs new fused weights
         with self._cond:
             self._exclusive.popleft()
 
@@ -506,10 +511,7 @@ class Generator:
             tokens[i, : lengths[i]] = torch.tensor(s.request.input_ids)
         start = self.cache.add_rows(len(batch))
         self.cache.begin_forward(start, start + len(batch), longest, valid=lengths)
-        logits = self.model(tokens.to(self.device), positions=self.cache.positions(), cache=self.cache)
-        self.cache.end_forward()
-        last = torch.tensor(lengths, device=logits.device) - 1
-        logits = logits[torch.arange(len(batch), device=logits.device), last]
+        logits = self._forward(tokens, last=torch.tensor(lengths, device=self.device) - 1)
         for s in batch:
             s.weight_version = self._weight_version
         self._running.extend(batch)
@@ -519,9 +521,18 @@ class Generator:
         n = len(self._running)
         tokens = torch.tensor([s.output_ids[-1] for s in self._running], dtype=torch.long)[:, None]
         self.cache.begin_forward(0, n, 1)
-        logits = self.model(tokens.to(self.device), positions=self.cache.positions(), cache=self.cache)
+        self._sample_and_retire(self._forward(tokens), first_row=0)
+
+    def _forward(self, tokens: torch.Tensor, last: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``[b, V]`` at position ``last[i]`` of each row (default the final one) of the forward begun."""
+        tokens = tokens.to(self.device)
+        if self._lean is not None:
+            logits = self._lean(tokens, self.cache.positions(), self.cache, last)
+        else:
+            logits = self.model(tokens, positions=self.cache.positions(), cache=self.cache)
+            logits = logits[:, -1] if last is None else logits[torch.arange(len(logits), device=logits.device), last]
         self.cache.end_forward()
-        self._sample_and_retire(logits[:, -1], first_row=0)
+        return logits
 
     def _sample_and_retire(self, logits: torch.Tensor, first_row: int) -> None:
         """Sample one token for running rows ``first_row..`` from ``logits [b, V]``; retire finished rows."""
