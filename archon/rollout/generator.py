@@ -504,14 +504,31 @@ class Generator:
             self.cache.clear()
 
     def _prefill(self, batch: list[_Sequence]) -> None:
-        lengths = [len(s.request.input_ids) for s in batch]
+        # Identical prompts (a GRPO group's samples) are computed once: the first of each is
+        # prefilled, the others get copies of its cache row and logits.  Cache rows follow the
+        # order firsts, then copies; each request still samples with its own generator.
+        first_row: dict[tuple[int, ...], int] = {}
+        firsts, copies, source = [], [], []
+        for s in batch:
+            key = tuple(s.request.input_ids)
+            if key in first_row:
+                copies.append(s)
+                source.append(first_row[key])
+            else:
+                first_row[key] = len(firsts)
+                firsts.append(s)
+        lengths = [len(s.request.input_ids) for s in firsts]
         longest = max(lengths)
-        tokens = torch.zeros(len(batch), longest, dtype=torch.long)
-        for i, s in enumerate(batch):
+        tokens = torch.zeros(len(firsts), longest, dtype=torch.long)
+        for i, s in enumerate(firsts):
             tokens[i, : lengths[i]] = torch.tensor(s.request.input_ids)
         start = self.cache.add_rows(len(batch))
-        self.cache.begin_forward(start, start + len(batch), longest, valid=lengths)
+        self.cache.begin_forward(start, start + len(firsts), longest, valid=lengths)
         logits = self._forward(tokens, last=torch.tensor(lengths, device=self.device) - 1)
+        if copies:
+            self.cache.copy_rows([start + i for i in source], start + len(firsts))
+            logits = torch.cat([logits, logits[torch.tensor(source, device=logits.device)]])
+        batch = firsts + copies
         for s in batch:
             s.weight_version = self._weight_version
         self._running.extend(batch)

@@ -139,6 +139,23 @@ class BatchedKVCache:
                     t[: len(keep), :used_len] = t[:, :used_len].index_select(0, index)
         self.lengths = [self.lengths[i] for i in keep]
 
+    def copy_rows(self, sources: list[int], start: int) -> None:
+        """Fill rows ``start, start + 1, ...`` (in use, outside any forward) with copies of rows ``sources``."""
+        if not sources:
+            return
+        stop = start + len(sources)
+        if self._fwd is not None or not 0 <= start < stop <= self.num_rows:
+            raise ValueError(f"cannot copy into rows [{start}, {stop}) of a cache with {self.num_rows} rows "
+                             "(or during a forward).")
+        used_len = max(self.lengths[i] for i in sources)
+        if used_len:
+            index = torch.tensor(sources, device=self.device)
+            for store in (self.k, self.v):
+                for t in store:
+                    t[start:stop, :used_len] = t[:, :used_len].index_select(0, index)
+        for i, src in enumerate(sources):
+            self.lengths[start + i] = self.lengths[src]
+
     def clear(self) -> None:
         """Drop every row (the memory stays allocated for reuse)."""
         self.lengths = []

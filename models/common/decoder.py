@@ -100,6 +100,7 @@ class Decoder(nn.Module):
         positions: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         cache: Any = None,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits ``[batch, seq, vocab]`` (critic: values ``[batch, seq]``).
 
@@ -112,6 +113,8 @@ class Decoder(nn.Module):
             cu_seqlens: int32 ``[n_seqs + 1]`` cumulative lengths of the sequences packed in
                 the single row (batch must be 1); attention never crosses a boundary.
             cache: a KV cache with ``update(layer_id, k, v) -> (k_all, v_all, mask)``.
+            keep: int64 indices along ``seq`` of the positions to compute outputs for (the
+                others skip the final norm and head); the output's ``seq`` is then ``len(keep)``.
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         bs, seqlen = h.shape[:2]
@@ -135,6 +138,8 @@ class Decoder(nn.Module):
 
         for layer in self.layers.values():
             h = layer(h, rope_cos_sin, cu_seqlens, cache, max_seqlen)
+        if keep is not None:
+            h = h.index_select(1, keep)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is None:
