@@ -22,44 +22,69 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 
+def _row_chunks(logits: torch.Tensor) -> list[tuple[int, int]]:
+    """Row ranges to process together: all rows on accelerators; on CPU about 512 KiB of float32
+    per range, so the several passes over a range hit the cache instead of memory."""
+    n, vocab = logits.shape
+    step = n if logits.device.type != "cpu" else max(8, (1 << 17) // max(1, vocab))
+    return [(s, min(n, s + step)) for s in range(0, n, step)]
+
+
 class _LogprobEntropy(torch.autograd.Function):
-    """The unsharded case: ``log_softmax`` once, entropy as a row-wise dot product."""
+    """The unsharded case: ``log_softmax`` once per row, entropy from its exponential.
+
+    Only the softmax is kept as a ``[rows, vocab]`` buffer (one allocation of that size per
+    call: on CPU each one costs page faults); ``log p``, which only the entropy's backward
+    needs, is recomputed there from the saved logits and log-sum-exp.
+    """
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float):
-        z = logits.float()
-        if temperature != 1.0:
-            z = z / temperature
-        logp = torch.log_softmax(z, dim=-1)
-        logprobs = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        probs = logp.exp()
-        # A batched dot product reads both operands once (no [tokens, vocab] temporary).
-        entropy = -torch.bmm(probs.unsqueeze(1), logp.unsqueeze(2)).view(-1)
+        n = logits.shape[0]
+        probs = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+        logprobs, entropy, lse = (torch.empty(n, dtype=torch.float32, device=logits.device) for _ in range(3))
+        for s, e in _row_chunks(logits):
+            z = logits[s:e].float()
+            if temperature != 1.0:
+                z = z / temperature
+            lp = torch.log_softmax(z, dim=-1)
+            p = torch.exp(lp, out=probs[s:e])
+            logprobs[s:e] = lp.gather(-1, targets[s:e].unsqueeze(-1)).squeeze(-1)
+            # (A batched-matmul dot product would skip the temporary but sums less accurately.)
+            entropy[s:e] = (p * lp).sum(-1)
+            lse[s:e] = z[:, 0] - lp[:, 0]
+        entropy.neg_()
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(probs, logp, entropy, targets)
+        ctx.save_for_backward(probs, logits, lse, entropy, targets)
         ctx.temperature = temperature
-        ctx.input_dtype = logits.dtype
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None):
         if grad_logprobs is None and grad_entropy is None:
             return None, None, None
-        probs, logp, entropy, targets = ctx.saved_tensors
-        # d H / d z = -p * (log p + H); d logp_t / d z = onehot(t) - p.
+        probs, logits, lse, entropy, targets = ctx.saved_tensors
+        t = ctx.temperature
+        # d H / d z = -p * (log p + H); d logp_t / d z = onehot(t) - p; both over T.
         weight = torch.zeros_like(entropy)
         if grad_logprobs is not None:
             weight -= grad_logprobs
         if grad_entropy is not None:
             weight -= grad_entropy * entropy
-        grad = probs * weight.unsqueeze(-1)
-        if grad_entropy is not None:
-            grad.addcmul_(probs * logp, grad_entropy.unsqueeze(-1), value=-1.0)
-        if grad_logprobs is not None:
-            grad.scatter_add_(-1, targets.unsqueeze(-1), grad_logprobs.unsqueeze(-1))
-        if ctx.temperature != 1.0:
-            grad /= ctx.temperature
-        return grad.to(ctx.input_dtype), None, None
+        if t != 1.0:
+            weight /= t
+        grad_out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        for s, e in _row_chunks(probs):
+            p = probs[s:e]
+            grad = p * weight[s:e].unsqueeze(-1)
+            if grad_entropy is not None:
+                z = logits[s:e].float()
+                logp = (z / t if t != 1.0 else z) - lse[s:e].unsqueeze(-1)
+                grad.addcmul_(p * logp, (grad_entropy[s:e] / t).unsqueeze(-1), value=-1.0)
+            if grad_logprobs is not None:
+                grad.scatter_add_(-1, targets[s:e].unsqueeze(-1), (grad_logprobs[s:e] / t).unsqueeze(-1))
+            grad_out[s:e] = grad
+        return grad_out, None, None
 
 
 class _VocabParallelLogprobEntropy(torch.autograd.Function):

@@ -10,14 +10,13 @@ from torch.optim.lr_scheduler import LambdaLR
 from archon.config import OptimizerConfig
 
 
-def build_optimizer(params, cfg: OptimizerConfig, device_type: str = "cpu") -> torch.optim.Optimizer:
+def build_optimizer(params, cfg: OptimizerConfig) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters (DTensors included)."""
     params = [p for p in params if p.requires_grad]
-    # foreach kernels group tensors by device/dtype and also work for DTensors on one mesh;
-    # fused AdamW is CUDA-only in practice.
-    fused = device_type == "cuda"
+    # The fused kernel (CUDA and CPU) updates each tensor in one pass; on CPU it is ~5x faster
+    # than the foreach kernels.  Both also take DTensors.
     return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-                             weight_decay=cfg.weight_decay, fused=fused, foreach=None if fused else True)
+                             weight_decay=cfg.weight_decay, fused=True)
 
 
 def lr_multiplier(step: int, cfg: OptimizerConfig, total_steps: int) -> float:
