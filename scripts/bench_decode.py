@@ -8,7 +8,8 @@ prompts with (a) ``archon.rollout.generator.Generator`` (the engine behind the b
 server, without HTTP; it also returns every token's logprob, as RL needs) and (b)
 ``AutoModelForCausalLM.generate`` with its KV cache (``DynamicCache``).  The two alternate
 repetition by repetition; the table gives median new tokens/s and the median of the
-per-repetition ratios, and checks that the greedy outputs are identical.
+per-repetition ratios, and checks that the greedy outputs are identical (in float32; in
+bfloat16 it reports how many tokens agree, as the two compute attention in different precisions).
 """
 
 from __future__ import annotations
@@ -20,6 +21,17 @@ import tempfile
 import torch
 
 from bench_common import interleaved, machine_note, make_qwen3, markdown_table, median_ratio
+
+
+def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Fraction of tokens generated before each row's first difference."""
+    same = 0
+    for x, y in zip(a, b):
+        for s, t in zip(x, y):
+            if s != t:
+                break
+            same += 1
+    return same / max(1, sum(len(x) for x in a))
 
 
 def main() -> None:
@@ -73,17 +85,21 @@ def main() -> None:
                 times = interleaved({"archon": archon, "hf": transformers}, reps, clock=args.clock)
                 same = outputs["archon"] == outputs["hf"]
                 all_same &= same
+                agree = _agreement(outputs["archon"], outputs["hf"])
                 tokens = batch * args.new_tokens
                 rows.append([str(batch), f"{tokens / statistics.median(times['hf']):,.0f}",
                              f"{tokens / statistics.median(times['archon']):,.0f}",
-                             f"{median_ratio(times['hf'], times['archon']):.2f}x", "yes" if same else "NO"])
+                             f"{median_ratio(times['hf'], times['archon']):.2f}x",
+                             "yes" if same else f"no ({agree:.0%} of tokens before the first difference)"])
 
     print(f"greedy decode, Archon built-in engine vs transformers generate; qwen3 hidden {args.hidden}, "
           f"{args.layers} layers, {args.dtype}, prompt {args.prompt_len} + {args.new_tokens} new tokens; "
           f"{machine_note(args.clock)}")
     print(markdown_table(["batch", "HF new tok/s", "Archon new tok/s", "Archon/HF", "greedy identical"], rows))
     if not all_same:
-        raise SystemExit("greedy outputs differ between Archon and transformers")
+        if dtype == torch.float32:
+            raise SystemExit("greedy outputs differ between Archon and transformers in float32")
+        print("(low precision: attention runs in float32 on KV-cache steps, so near-ties may resolve differently)")
 
 
 if __name__ == "__main__":

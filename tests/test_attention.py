@@ -56,3 +56,27 @@ def test_packed_attention_matches_per_sequence_reference(cu, total):
     ref_grads = torch.autograd.grad((ref * w.double()).sum(), (q, k, v))
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("s", [1, 3, 6])  # 6 goes through SDPA, 1 and 3 through the matmul path
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cached_attention_matches_masked_reference(s, dtype):
+    from models.common.attention import attend_cached
+
+    g = torch.Generator().manual_seed(1)
+    b, t, h, kv, d = 3, 9, 4, 2, 8
+    q = torch.randn(b, s, h, d, generator=g).to(dtype)
+    # Keys as a KV cache holds them: [b, kv, capacity, d] storage, read as a [b, t, kv, d] view.
+    k = torch.randn(b, kv, 16, d, generator=g).to(dtype)[:, :, :t].transpose(1, 2)
+    v = torch.randn(b, kv, 16, d, generator=g).to(dtype)[:, :, :t].transpose(1, 2)
+    past = torch.tensor([3, 0, 9 - s])
+    pos = past[:, None] + torch.arange(s)
+    mask = (torch.arange(t)[None, None, :] <= pos[:, :, None]).unsqueeze(1)  # causal over each row's cache
+    out = attend_cached(q, k, v, mask, d**-0.5)
+    rep = h // kv
+    scores = torch.einsum("bshd,bthd->bhst", q.double(), k.double().repeat_interleave(rep, 2)) * d**-0.5
+    scores = scores.masked_fill(~mask, -math.inf)
+    ref = torch.einsum("bhst,bthd->bshd", scores.softmax(-1), v.double().repeat_interleave(rep, 2))
+    assert out.dtype == dtype and out.shape == q.shape
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)

@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from models.common.linear import Linear
 from models.common.norm import RMSNorm
 from models.common.packing import equal_length_runs, packed_causal_mask, segment_lengths
 from models.common.rope import apply_rotary_emb
@@ -51,11 +52,40 @@ def _can_use_varlen(q: torch.Tensor) -> bool:
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, gqa: bool,
           mask: torch.Tensor | None = None) -> torch.Tensor:
     """SDPA on ``[batch, seq, heads, head_dim]`` tensors: causal without ``mask``, else masked."""
+    if mask is not None and not q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        # CPU's fused kernel is several times slower in low precision on masked (KV-cache)
+        # steps than in float32, and the inputs are small there: compute in float32.
+        return _sdpa(q.float(), k.float(), v.float(), scale, gqa, mask).to(q.dtype)
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
         attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa,
     )
     return out.transpose(1, 2)
+
+
+def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                  ) -> torch.Tensor:
+    """Attention of a KV-cache step: ``q [b, s, h, d]`` over ``k, v [b, t, kv, d]`` with ``mask [b, 1, s, t]``.
+
+    A decode step (a few queries per row) is two small batched matmuls per KV head: on CPU
+    they are about twice as fast as SDPA's kernel, which is built for long queries.  Longer
+    steps (prefill) and CUDA use SDPA.  Low precision computes in float32 on CPU.
+    """
+    b, s, h, d = q.shape
+    kv_heads = k.shape[2]
+    if q.is_cuda or s > 4:
+        return _sdpa(q, k, v, scale, h != kv_heads, mask)
+    dtype = q.dtype
+    if dtype != torch.float32:
+        q, k, v = q.float(), k.float(), v.float()
+    group = h // kv_heads
+    # Query heads j*group .. (j+1)*group-1 read KV head j: one [group*s, t] score block per KV head.
+    qg = q.permute(0, 2, 1, 3).reshape(b, kv_heads, group * s, d)
+    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).mul_(scale)
+    allowed = mask.expand(b, 1, s, -1).repeat(1, 1, group, 1) if group > 1 and s > 1 else mask
+    scores.masked_fill_(~allowed, float("-inf"))
+    out = torch.matmul(scores.softmax(dim=-1), v.transpose(1, 2))  # [b, kv, group*s, d]
+    return out.view(b, kv_heads, group, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, h, d).to(dtype)
 
 
 class CoreAttention(nn.Module):
@@ -83,7 +113,7 @@ class CoreAttention(nn.Module):
     ) -> torch.Tensor:
         gqa = q.shape[2] != k.shape[2]
         if mask is not None:
-            return _sdpa(q, k, v, self.scale, gqa, mask=mask)
+            return attend_cached(q, k, v, mask, self.scale)
         if cu_seqlens is None:
             return _sdpa(q, k, v, self.scale, gqa)
         if _can_use_varlen(q):
@@ -149,10 +179,10 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.head_dim = head_dim
-        self.wq = nn.Linear(dim, n_heads * head_dim, bias=qkv_bias)
-        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
-        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
-        self.wo = nn.Linear(n_heads * head_dim, dim, bias=o_bias)
+        self.wq = Linear(dim, n_heads * head_dim, bias=qkv_bias)
+        self.wk = Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
+        self.wv = Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
+        self.wo = Linear(n_heads * head_dim, dim, bias=o_bias)
         self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
         self.core = CoreAttention(scale=head_dim**-0.5)

@@ -16,6 +16,7 @@ import torch.nn as nn
 from models.common.args import DecoderArgs
 from models.common.attention import Attention
 from models.common.feed_forward import FeedForward
+from models.common.linear import Linear
 from models.common.moe import MoE
 from models.common.norm import RMSNorm
 from models.common.packing import positions_from_cu_seqlens
@@ -70,7 +71,7 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         # A critic's value head keeps the name ``output`` so parallel plans stay uniform.
-        self.output = nn.Linear(args.dim, 1 if args.is_critic else args.vocab_size, bias=False)
+        self.output = Linear(args.dim, 1 if args.is_critic else args.vocab_size, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:

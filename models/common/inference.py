@@ -8,7 +8,7 @@ positions, cache=cache)`` computes, with:
 * one matmul for q, k, v and one for the gate and up projections: their weights are moved
   into one buffer per block, and the module Parameters become views of it, so weight updates
   (which copy into the Parameters in place) keep the fused weights current;
-* residual adds folded into the output projections (``addmm``, float32);
+* residual adds folded into the output projections (float32);
 * RoPE as ``x * cos + roll(x) * signed_sin`` (four kernels, not six);
 * normalisation and LM head only for the positions whose logits are asked for (the last
   token of each row), as ``logits_to_keep`` does in transformers;
@@ -28,9 +28,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.common.attention import Attention, CoreAttention
+from models.common.attention import Attention, CoreAttention, attend_cached
 from models.common.decoder import Decoder, TransformerBlock
 from models.common.feed_forward import FeedForward
+from models.common.linear import PackedLinear
 from models.common.norm import RMSNorm
 
 
@@ -52,22 +53,15 @@ def _fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor 
 
 def _rms_norm(x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
     weight, eps = norm
-    if x.dtype == torch.float32:
+    if x.dtype == torch.float32 and weight.dim() == 1:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    if x.dtype == torch.float32:  # one weight row per head
+        return F.rms_norm(x, (x.shape[-1],), None, eps) * weight
     return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
 def _norm(module: RMSNorm | None) -> tuple[torch.Tensor, float] | None:
     return None if module is None else (module.weight, module.eps)
-
-
-def _add_linear(h: torch.Tensor, x: torch.Tensor, linear: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
-    """``h + linear(x)`` on 2-D tensors; one ``addmm`` in float32.  In low precision the sum is
-    rounded after the matmul's own rounding, as in the model, so results stay identical."""
-    weight, bias = linear
-    if h.dtype == torch.float32 and bias is None:
-        return torch.addmm(h, x, weight.t())
-    return h + F.linear(x, weight, bias)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -84,39 +78,46 @@ class _Block:
         self.head_dim = attn.head_dim
         self.scale = attn.core.scale
         self.n_q, self.n_kv = attn.wq.out_features, attn.wk.out_features
-        self.qkv_weight, self.qkv_bias = _fuse_linears([attn.wq, attn.wk, attn.wv])
+        self.qkv = PackedLinear(*_fuse_linears([attn.wq, attn.wk, attn.wv]))
         self.moe = block.moe if block.moe_enabled else None
         if self.moe is None:
-            self.gate_up = _fuse_linears([block.feed_forward.w1, block.feed_forward.w3])[0]
-            self.w2 = (block.feed_forward.w2.weight, None)
+            self.gate_up = PackedLinear(_fuse_linears([block.feed_forward.w1, block.feed_forward.w3])[0])
+            self.w2 = PackedLinear(block.feed_forward.w2.weight)
         # Parameters held directly: module attribute lookups cost microseconds each.
         self.attention_norm, self.ffn_norm = _norm(block.attention_norm), _norm(block.ffn_norm)
         self.q_norm, self.k_norm = _norm(attn.q_norm), _norm(attn.k_norm)
-        self.wo = (attn.wo.weight, attn.wo.bias)
+        self._qk_norm: tuple[tuple[int, int], torch.Tensor] | None = None
+        self.wo = PackedLinear(attn.wo.weight, attn.wo.bias)
         self.params = _block_params(block)
+
+    def _qk_norm_weight(self) -> torch.Tensor:
+        """q_norm's weight for every query head, then k_norm's for every KV head: one ``[heads, head_dim]``."""
+        (qw, _), (kw, _) = self.q_norm, self.k_norm
+        key = (qw._version, kw._version)
+        if self._qk_norm is None or self._qk_norm[0] != key:
+            d = self.head_dim
+            self._qk_norm = key, torch.cat([qw.detach().expand(self.n_q // d, d), kw.detach().expand(self.n_kv // d, d)])
+        return self._qk_norm[1]
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, cache: Any) -> torch.Tensor:
         bs, seqlen, dim = h.shape
-        qkv = F.linear(_rms_norm(h, self.attention_norm), self.qkv_weight, self.qkv_bias)
-        q, k, v = qkv.split([self.n_q, self.n_kv, self.n_kv], dim=-1)
-        q = q.view(bs, seqlen, -1, self.head_dim)
-        k = k.view(bs, seqlen, -1, self.head_dim)
+        qkv = self.qkv(_rms_norm(h, self.attention_norm))
+        # Queries and keys are normalised and rotated together: heads are rows of one tensor.
+        qk, v = qkv.split([self.n_q + self.n_kv, self.n_kv], dim=-1)
+        qk = qk.view(bs, seqlen, -1, self.head_dim)
         v = v.view(bs, seqlen, -1, self.head_dim)
         if self.q_norm is not None:
-            q, k = _rms_norm(q, self.q_norm), _rms_norm(k, self.k_norm)
-        q, k = _rope(q, cos, signed_sin), _rope(k, cos, signed_sin)
+            qk = _rms_norm(qk, (self._qk_norm_weight(), self.q_norm[1]))
+        q, k = _rope(qk, cos, signed_sin).split([self.n_q // self.head_dim, self.n_kv // self.head_dim], dim=2)
         k, v, mask = cache.update(self.layer_id, k, v)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-            scale=self.scale, enable_gqa=q.shape[2] != k.shape[2],
-        ).transpose(1, 2).reshape(bs * seqlen, -1)
-        h = _add_linear(h.reshape(bs * seqlen, dim), out, self.wo)
+        out = attend_cached(q, k, v, mask, self.scale).reshape(bs * seqlen, -1)
+        h = self.wo.add(h.reshape(bs * seqlen, dim), out)
         x = _rms_norm(h, self.ffn_norm)
         if self.moe is not None:
             h = h + self.moe(x.view(bs, seqlen, dim)).view(bs * seqlen, dim)
         else:
-            gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
-            h = _add_linear(h, F.silu(gate).mul_(up), self.w2)
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+            h = self.w2.add(h, F.silu(gate).mul_(up))
         return h.view(bs, seqlen, dim)
 
 
@@ -137,6 +138,7 @@ class InferenceForward:
         self.model = model
         with torch.no_grad():
             self.blocks = [_Block(block) for block in model.layers.values()]
+        self.output = PackedLinear(model.output.weight)
 
     @classmethod
     def for_model(cls, model: nn.Module) -> "InferenceForward | None":
@@ -164,6 +166,8 @@ class InferenceForward:
         with torch.no_grad():
             self.blocks = [b if all(x is y for x, y in zip(b.params, _block_params(block))) else _Block(block)
                            for b, block in zip(self.blocks, self.model.layers.values())]
+        if self.output.weight is not self.model.output.weight:
+            self.output = PackedLinear(self.model.output.weight)
 
     @torch.no_grad()
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Any,
@@ -182,7 +186,7 @@ class InferenceForward:
         for block in self.blocks:
             h = block.forward(h, cos, signed_sin, cache)
         h = h[:, -1] if last is None else h[torch.arange(h.shape[0], device=h.device), last]
-        return F.linear(_rms_norm(h, _norm(model.norm)), model.output.weight)
+        return self.output(_rms_norm(h, _norm(model.norm)))
 
 
 def _is_plain_decoder(model: nn.Module) -> bool:
