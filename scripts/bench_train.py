@@ -16,7 +16,8 @@ Two batches: "full" (every sequence ``--seq-len`` tokens) and "mixed" (lengths u
 ``[seq-len/8, seq-len]``, fixed seed).  The two sides alternate step by step; the table gives
 median tokens/s of each and the median of the per-step ratios.  MFU is model FLOPs (matmuls:
 6 x weights x tokens; attention: causal, 6 x heads x head_dim x sum(len^2) per layer) over
-the matmul peak of the step's dtype, measured between the steps (CPU) or the GPU's bf16
+the matmul peak of the step's dtype measured between the steps (CPU: the faster of BLAS and
+oneDNN) or the GPU's bf16
 spec-sheet peak (CUDA).
 """
 
@@ -280,8 +281,8 @@ def main() -> None:
     if not cuda:
         for dtype in dtypes:
             peaks = [r["peak"] for r in rows if r["dtype"] == dtype]
-            print(f"measured {dtype} matmul peak ({args.peak_n}^3): {statistics.median(peaks) / 1e9:,.0f} GFLOP/s "
-                  "(median over the runs; MFU uses the one measured beside each step)")
+            print(f"measured {dtype} matmul peak ({args.peak_n}^3, best of BLAS and oneDNN): "
+                  f"{statistics.median(peaks) / 1e9:,.0f} GFLOP/s (median; MFU uses the one measured beside each step)")
     for shape in shapes:
         for kind in kinds:
             pick = {r["dtype"]: r["archon"] for r in rows if r["shape"] == shape.name and r["batch"].startswith(kind)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from models.common import linear as lin
 
 
-@pytest.mark.parametrize("shape", [(7, 16), (2, 5, 16)])
+@pytest.mark.parametrize("shape", [(7, 16), (2, 5, 16), (1, 0, 16)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_matches_f_linear_values_and_gradients(shape, bias):
     g = torch.Generator().manual_seed(0)
@@ -31,9 +31,10 @@ def test_linear_matches_f_linear_values_and_gradients(shape, bias):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     with torch.no_grad():  # the inference path (no autograd function)
         torch.testing.assert_close(layer(x), ref, rtol=1e-5, atol=1e-5)
-        h = torch.randn(7, 24, generator=g)
-        torch.testing.assert_close(lin.add_linear(h, x.reshape(-1, 16)[:7], layer.weight),
-                                   h + F.linear(x.reshape(-1, 16)[:7], layer.weight), rtol=1e-5, atol=1e-5)
+        rows = x.reshape(-1, 16)[:7]
+        h = torch.randn(len(rows), 24, generator=g)
+        torch.testing.assert_close(lin.add_linear(h, rows, layer.weight),
+                                   h + F.linear(rows, layer.weight), rtol=1e-5, atol=1e-5)
 
 
 def test_onednn_is_used_for_float32_cpu_and_not_under_autocast(monkeypatch):

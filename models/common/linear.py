@@ -51,6 +51,7 @@ def _onednn_works() -> bool:
 def _use_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (_enabled and x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
             and type(x) is torch.Tensor and type(weight) in (torch.Tensor, nn.Parameter)
+            and x.numel() > 0 and weight.numel() > 0  # oneDNN has no empty products (an idle rank's microbatch)
             and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling() and _onednn_works())
 
 
