@@ -80,3 +80,28 @@ def test_cached_attention_matches_masked_reference(s, dtype):
     assert out.dtype == dtype and out.shape == q.shape
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
+def test_varlen_call_covers_trailing_padding_without_host_reads(monkeypatch):
+    # The CUDA FlashAttention path, checked on CPU with a stand-in for varlen_attn.
+    import models.common.attention as attention
+
+    seen = {}
+
+    def fake_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size, enable_gqa):
+        lengths = (cu_q[1:] - cu_q[:-1]).tolist()
+        seen.update(cu=cu_q.tolist(), max_q=max_q)
+        assert torch.equal(cu_q, cu_k) and window_size == (-1, 0) and max(lengths) <= max_q
+        return _reference(q[None], k[None], v[None], [n for n in lengths if n], scale)[0].to(q.dtype)
+
+    monkeypatch.setattr(attention, "_VARLEN_ATTN", fake_varlen)
+    monkeypatch.setattr(attention, "_can_use_varlen", lambda q: True)
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 14, h, 8, generator=g) for h in (4, 2, 2))
+    cu = torch.tensor([0, 5, 11], dtype=torch.int32)
+    core = CoreAttention(scale=8**-0.5)
+    out = core(q, k, v, cu_seqlens=cu, max_seqlen=6)  # the decoder's max covers the 3-token tail too
+    assert seen == {"cu": [0, 5, 11, 14], "max_q": 6}
+    torch.testing.assert_close(out.double(), _reference(q, k, v, [5, 6, 3], 8**-0.5), atol=1e-5, rtol=1e-5)
+    core(q, k, v, cu_seqlens=torch.tensor([0, 5, 14], dtype=torch.int32))  # no tail: an empty last sequence
+    assert seen == {"cu": [0, 5, 14, 14], "max_q": 9}

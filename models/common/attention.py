@@ -17,7 +17,6 @@ lengths, not the squared row length):
 
 from __future__ import annotations
 
-import functools
 import inspect
 from typing import Any
 
@@ -31,8 +30,7 @@ from models.common.packing import equal_length_runs, packed_causal_mask, segment
 from models.common.rope import apply_rotary_emb
 
 
-@functools.lru_cache(maxsize=1)
-def _varlen_attn():
+def _find_varlen_attn():
     """``torch.nn.attention.varlen.varlen_attn`` if this torch has the API used here, else None."""
     try:
         from torch.nn.attention.varlen import varlen_attn
@@ -44,9 +42,13 @@ def _varlen_attn():
     return varlen_attn
 
 
+# Looked up once at import: a plain global is free to read inside torch.compile'd blocks.
+_VARLEN_ATTN = _find_varlen_attn()
+
+
 def _can_use_varlen(q: torch.Tensor) -> bool:
     # FlashAttention: CUDA, half precision only.
-    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _varlen_attn() is not None
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _VARLEN_ATTN is not None
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, gqa: bool,
@@ -116,6 +118,11 @@ class CoreAttention(nn.Module):
             return attend_cached(q, k, v, mask, self.scale)
         if cu_seqlens is None:
             return _sdpa(q, k, v, self.scale, gqa)
+        if q.is_cuda and torch.is_autocast_enabled("cuda"):
+            # Autocast would hand SDPA low-precision inputs; do the same before choosing the
+            # kernel, or a float32 q (after RMSNorm and RoPE) would miss FlashAttention.
+            dtype = torch.get_autocast_dtype("cuda")
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         if _can_use_varlen(q):
             return self._varlen(q, k, v, cu_seqlens, max_seqlen, gqa)
         if torch.compiler.is_compiling():
@@ -144,13 +151,12 @@ class CoreAttention(nn.Module):
         bs, seqlen = q.shape[:2]
         assert bs == 1, "packed sequences (cu_seqlens) need batch size 1"
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-        tail = seqlen - int(cu[-1])
-        if tail > 0:  # trailing padding is one more sequence, as on the SDPA path
-            cu = torch.cat([cu, cu.new_tensor([seqlen])])
-        if max_seqlen is None:
+        # Trailing padding is one more sequence, as on the SDPA path; when there is none the
+        # appended entry is an empty sequence (as pad_cu_seqlens makes), so no host sync decides.
+        cu = torch.cat([cu, cu.new_tensor([seqlen])])
+        if max_seqlen is None:  # Decoder.forward passes it (one sync per forward, not per layer)
             max_seqlen = int((cu[1:] - cu[:-1]).max())
-        max_seqlen = max(max_seqlen, tail)
-        out = _varlen_attn()(
+        out = _VARLEN_ATTN(
             q[0], k[0], v[0], cu, cu, max_seqlen, max_seqlen,
             scale=self.scale, window_size=(-1, 0), enable_gqa=gqa,
         )

@@ -134,8 +134,11 @@ class Decoder(nn.Module):
 
         max_seqlen = None
         if cu_seqlens is not None and h.is_cuda and cache is None:
-            # One host sync per forward for the varlen kernel, not one per layer.
-            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+            # One host sync per forward for the varlen kernel, not one per layer; the longest
+            # sequence may be trailing padding past cu_seqlens[-1].  (Under context parallel
+            # seqlen is this rank's chunk and cu_seqlens covers the whole row: no tail counts.)
+            longest = torch.maximum((cu_seqlens[1:] - cu_seqlens[:-1]).max(), seqlen - cu_seqlens[-1])
+            max_seqlen = int(longest)
 
         for layer in self.layers.values():
             h = layer(h, rope_cos_sin, cu_seqlens, cache, max_seqlen)
