@@ -86,9 +86,13 @@ def matmul_flops_per_s(dtype: torch.dtype, device: str = "cpu", n: int = 2048, i
 
 def machine_note(clock: str = "wall") -> str:
     """Threads, cores, the load average and the clock, to print with every table."""
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    return (f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores, "
-            f"load average {load}, {'wall' if clock == 'wall' else 'CPU'} time")
+    load = os.getloadavg()
+    note = (f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores, "
+            f"load average {', '.join(f'{x:.1f}' for x in load)}, {'wall' if clock == 'wall' else 'CPU'} time")
+    if clock == "wall" and load[0] > (os.cpu_count() or 1):
+        note += ("\nWARNING: the machine is busier than its cores; wall times (and multi-threaded kernels) "
+                 "are unreliable here: rerun with --threads 1 --clock cpu")
+    return note
 
 
 def markdown_table(headers: list[str], rows: list[list[str]]) -> str:

@@ -204,7 +204,8 @@ class BatchedKVCache:
         if f is None:
             raise RuntimeError("the KV cache was used by a forward without begin_forward().")
         for store, new in ((self.k[layer_id], k), (self.v[layer_id], v)):
-            store.view(-1, self.head_dim).index_copy_(0, f.write_index, new.to(self.dtype).transpose(1, 2).reshape(-1, self.head_dim))
+            rows = new.to(self.dtype).transpose(1, 2).reshape(-1, self.head_dim)
+            store.view(-1, self.head_dim).index_copy_(0, f.write_index, rows)
         return (
             self.k[layer_id][f.start:f.stop, :, :f.total].transpose(1, 2),
             self.v[layer_id][f.start:f.stop, :, :f.total].transpose(1, 2),

@@ -8,16 +8,19 @@ positions, cache=cache)`` computes, with:
 * one matmul for q, k, v and one for the gate and up projections: their weights are moved
   into one buffer per block, and the module Parameters become views of it, so weight updates
   (which copy into the Parameters in place) keep the fused weights current;
-* residual adds folded into the output projections (float32);
-* RoPE as ``x * cos + roll(x) * signed_sin`` (four kernels, not six);
+* on CPU in float32, oneDNN weights packed for small batches (``PackedLinear``: re-packed
+  when a weight's version counter shows an in-place update) and residual adds fused into
+  the output projections;
+* queries and keys normalised and rotated together, RoPE as ``x * cos + roll(x) * signed_sin``;
 * normalisation and LM head only for the positions whose logits are asked for (the last
   token of each row), as ``logits_to_keep`` does in transformers;
 * no ``nn.Module`` calls except for MoE blocks.
 
-Only float32 RMSNorm goes through ``F.rms_norm``; other dtypes keep the Qwen order (normalise
-in float32, cast, then weight) so results match transformers bit for bit as ``RMSNorm`` does.
-``InferenceForward.for_model(model)`` returns None for a model it cannot run this way (not a
-plain ``Decoder``, hooks, DTensors, a wrapped attention core); callers then use the model.
+Low precision keeps the model's order of roundings (RMSNorm in float32, cast, then weight;
+the residual added after the matmul's rounding), so its results equal ``Decoder.forward``'s
+bit for bit; float32 agrees to ~1e-6.  ``InferenceForward.for_model(model)`` returns None for
+a model it cannot run this way (not a plain ``Decoder``, hooks, DTensors, a wrapped attention
+core); callers then use the model.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import torch.nn.functional as F
 from models.common.attention import Attention, CoreAttention, attend_cached
 from models.common.decoder import Decoder, TransformerBlock
 from models.common.feed_forward import FeedForward
-from models.common.linear import PackedLinear
+from models.common.linear import Linear, PackedLinear
 from models.common.norm import RMSNorm
 
 
@@ -200,7 +203,12 @@ def _is_plain_decoder(model: nn.Module) -> bool:
             return False
         if type(block.attention.core) is not CoreAttention:
             return False
-        if not block.moe_enabled and type(block.feed_forward) is not FeedForward:
+        linears = [block.attention.wq, block.attention.wk, block.attention.wv, block.attention.wo]
+        if not block.moe_enabled:
+            if type(block.feed_forward) is not FeedForward:
+                return False
+            linears += [block.feed_forward.w1, block.feed_forward.w2, block.feed_forward.w3]
+        if any(type(lin) not in (nn.Linear, Linear) for lin in linears):  # e.g. adapters wrapping them
             return False
     for module in model.modules():
         if module._forward_hooks or module._forward_pre_hooks:
