@@ -37,8 +37,8 @@ def test_matches_log_softmax_values_and_grads(temperature):
     torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-6)
 
 
-def test_many_rows_are_processed_in_cache_sized_chunks_with_the_same_result():
-    # 16384 columns: 8 rows per chunk on CPU, so 21 rows take three chunks (the last one short).
+def test_many_rows_are_processed_in_cache_sized_chunks_with_the_same_result(one_torch_thread):
+    # 16384 columns: 8 rows per chunk on one CPU thread, so 21 rows take three chunks (the last one short).
     logits, targets, w_lp, w_ent = _data(tokens=21, vocab=16384)
     a = logits.clone().requires_grad_()
     lp, ent = vocab_parallel_logprobs_entropy(a, targets, 0.7)
