@@ -6,7 +6,7 @@ TORCH_SPEC ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch>=2.9,torch==
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install run test clean
+.PHONY: install run test bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,14 @@ run: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# Quick side-by-side benchmarks (each under a minute): training vs HF transformers, decoding vs
+# transformers generate, a GRPO step vs TRL (installed here as the `bench` extra; `make test` never needs it).
+bench: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[bench]"
+	$(PY) scripts/bench_train.py --quick
+	$(PY) scripts/bench_decode.py --quick
+	$(PY) scripts/bench_grpo.py --quick
 
 clean:
 	rm -rf $(VENV) build *.egg-info outputs

@@ -37,6 +37,35 @@ def test_matches_log_softmax_values_and_grads(temperature):
     torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-6)
 
 
+def test_many_rows_are_processed_in_cache_sized_chunks_with_the_same_result(one_torch_thread):
+    # 16384 columns: 8 rows per chunk on one CPU thread, so 21 rows take three chunks (the last one short).
+    logits, targets, w_lp, w_ent = _data(tokens=21, vocab=16384)
+    a = logits.clone().requires_grad_()
+    lp, ent = vocab_parallel_logprobs_entropy(a, targets, 0.7)
+    ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
+    b = logits.clone().requires_grad_()
+    rlp, rent = reference(b, targets, 0.7)
+    ((rlp * w_lp).sum() + (rent * w_ent).sum()).backward()
+    torch.testing.assert_close(lp, rlp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent, rent, atol=1e-4, rtol=1e-4)  # a float32 sum over 16384 terms
+    torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unused_entropy_gets_no_gradient_work(dtype):
+    # A loss of the logprobs alone: the entropy backward is skipped, the gradient is unchanged.
+    logits, targets, w_lp, _ = _data()
+    a = logits.to(dtype).requires_grad_()
+    lp, _ = vocab_parallel_logprobs_entropy(a, targets, 0.7)
+    (lp * w_lp).sum().backward()
+    b = logits.to(dtype).requires_grad_()
+    rlp, _ = reference(b, targets, 0.7)
+    (rlp * w_lp).sum().backward()
+    assert a.grad.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 1e-2  # bf16: one rounding of the gradient apart
+    torch.testing.assert_close(a.grad, b.grad, atol=tol, rtol=tol)
+
+
 def _sharded_worker(use_dtensor: bool):
     rank, world = dist.get_rank(), dist.get_world_size()
     logits, targets, w_lp, w_ent = _data(vocab=10)

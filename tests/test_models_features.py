@@ -208,6 +208,18 @@ def test_incremental_decoding_equals_full_forward(model_type, tmp_path):
     assert (full - hf(tokens).logits).abs().max().item() < ATOL
 
 
+def test_keep_computes_only_the_kept_positions(moe_folder):
+    model = models.load_hf_model(moe_folder[0])
+    tokens = _tokens(1, 12, seed=3)
+    cu_seqlens = torch.tensor([0, 5, 12], dtype=torch.int32)
+    keep = torch.tensor([1, 4, 5, 11])
+    with torch.no_grad():
+        full = model(tokens, cu_seqlens=cu_seqlens)
+        kept = model(tokens, cu_seqlens=cu_seqlens, keep=keep)
+    assert kept.shape == (1, 4, full.shape[-1])
+    torch.testing.assert_close(kept, full[:, keep])
+
+
 def test_cache_requires_positions(moe_folder):
     model = models.load_hf_model(moe_folder[0])
     with pytest.raises(ValueError, match="positions are required"):

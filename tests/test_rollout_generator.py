@@ -197,6 +197,27 @@ def test_continuous_batching_equals_one_at_a_time(qwen3):
                                                   for r, (_, m) in zip(requests[:2], specs[:2])]
 
 
+def test_identical_prompts_prefilled_once_give_per_request_results(qwen3):
+    # A GRPO group: one prompt sampled several times, next to another prompt.
+    p, q = random_tokens(9, 60), random_tokens(5, 61)
+    requests = [GenerationRequest(prompt, SamplingParams(max_new_tokens=8, temperature=1.0, sampling_seed=seed),
+                                  return_logprob=True)
+                for prompt, seed in [(p, 1), (q, 2), (p, 3), (p, 4), (q, 5)]]
+    model = _Triggered(qwen3)
+    with Generator(model) as gen:
+        gen.pause().result(timeout=60)  # queue all five, then admit them in one prefill
+        futures = [gen.submit(r) for r in requests]
+        gen.resume()
+        together = [f.result(timeout=60) for f in futures]
+        prefills = [b for b, s in model.calls if s > 1]
+        alone = [gen.generate([r])[0] for r in requests]
+    assert prefills[0] == 2  # one row per distinct prompt
+    for t, a in zip(together, alone):
+        assert t.output_ids == a.output_ids
+        assert max(abs(x - y) for x, y in zip(t.output_logprobs, a.output_logprobs)) < ATOL
+    assert len({tuple(r.output_ids) for r in together}) == 5  # the copies sampled independently
+
+
 # ---- seeds ---------------------------------------------------------------------------------------
 
 def _sampled(prompt: list[int], seed: int | None, n: int = 16, **kw) -> GenerationRequest:

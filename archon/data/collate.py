@@ -10,10 +10,14 @@ from typing import Any
 import torch
 
 
+_BUILTIN_NUMBERS = frozenset({bool, int, float})
+
+
 def _dtype_of(values: Sequence[Any]) -> torch.dtype:
-    if all(isinstance(v, bool) for v in values):
+    kinds = set(map(type, values))  # one pass; exact types are much cheaper than isinstance on ABCs
+    if kinds <= {bool} or all(isinstance(v, bool) for v in values):
         return torch.bool
-    if all(isinstance(v, int) for v in values):  # bools count as ints here
+    if kinds <= {int, bool} or all(isinstance(v, int) for v in values):  # bools count as ints here
         return torch.long
     return torch.float32
 
@@ -22,7 +26,8 @@ def _as_list(value: Any) -> list[Any] | None:
     """A per-token field as a flat list, or None if ``value`` is not a sequence of numbers."""
     if isinstance(value, torch.Tensor):
         return value.tolist() if value.dim() == 1 else None
-    if isinstance(value, (list, tuple)) and all(isinstance(v, Number) for v in value):
+    if isinstance(value, (list, tuple)) and (set(map(type, value)) <= _BUILTIN_NUMBERS
+                                             or all(isinstance(v, Number) for v in value)):
         return list(value)
     return None
 

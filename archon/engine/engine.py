@@ -139,7 +139,7 @@ class ArchonEngine:
         if not self.trainable:
             self.model.requires_grad_(False)
         else:
-            self.optimizer = build_optimizer(self.model.parameters(), cfg.optimizer, self.device_type)
+            self.optimizer = build_optimizer(self.model.parameters(), cfg.optimizer)
             self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.optimizer, self.total_steps)
         return self
 
@@ -279,16 +279,37 @@ class ArchonEngine:
             return nullcontext()
         return torch.autocast(self.device_type, dtype=dtype)
 
-    def _run_model(self, mb: PackedMicrobatch) -> dict[str, torch.Tensor]:
+    def _run_model(self, mb: PackedMicrobatch, keep: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Packed forward; token-aligned per-token outputs, unpacked to ``[b, s]`` rows.
 
         Under context parallel the model sees this rank's chunk of the row (``cu_seqlens``
-        stays global); ``_token_outputs`` gathers the outputs back to full rows.
+        stays global); ``_token_outputs`` gathers the outputs back to full rows.  With
+        ``keep`` (packed positions) only those positions get logits; the others' outputs are 0.
         """
         tokens, kwargs = self._model_inputs(mb)
+        if keep is not None:
+            kwargs["keep"] = keep
         with self._autocast():
             out = self.model(tokens, cu_seqlens=mb.cu_seqlens, **kwargs)
-        return self._token_outputs(out, mb)
+        return self._token_outputs(out, mb, keep)
+
+    def _loss_positions(self, batch: Batch, mb: PackedMicrobatch) -> torch.Tensor | None:
+        """Packed positions whose logits the loss can read: those predicting a ``loss_mask`` token.
+
+        The LM head and the logprobs then skip the rest (an RL batch's prompts).  None (every
+        position) for a critic, without ``loss_mask``, when the layout shards the sequence or
+        the vocabulary (TP, CP, PP), or when nearly every position is needed anyway.
+        """
+        pd = self.parallel_dims
+        if self.is_critic or "loss_mask" not in batch or pd.tp_enabled or pd.cp_enabled or pd.pp_enabled:
+            return None
+        loss_mask = batch["loss_mask"]
+        masked = torch.zeros(mb.total_len, dtype=torch.bool, device=loss_mask.device)
+        if mb.indices:
+            masked[:mb.n_real_tokens] = torch.cat([loss_mask[i, :n] for i, n in zip(mb.indices, mb.seqlens)]) > 0
+        masked[mb.seq_starts] = False  # a sequence's first token has no predicting position (its logprob is 0)
+        keep = masked.nonzero().squeeze(1) - 1
+        return keep if keep.numel() < 0.9 * mb.total_len else None
 
     def _model_inputs(self, mb: PackedMicrobatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Tokens and the per-token keyword inputs the model (or every pipeline stage) sees: this CP rank's chunk.
@@ -311,28 +332,40 @@ class ArchonEngine:
         """Per-token outputs of ``forward``: a critic's values, or an LM's logprobs and entropy."""
         return ["values"] if self.is_critic else ["logprobs", "entropy"]
 
-    def _token_outputs(self, out: torch.Tensor, mb: PackedMicrobatch) -> dict[str, torch.Tensor]:
+    def _token_outputs(self, out: torch.Tensor, mb: PackedMicrobatch,
+                       keep: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """The model's output for packed ``mb`` (logits or values) as token-aligned per-token rows.
 
         Next-token targets come from the full row; under context parallel the per-token outputs
         are gathered back to full rows, the same on every CP rank (see ``gather_sequence``).
+        ``keep``: the packed positions ``out`` holds (all when None); the others get 0.
         """
         cp_mesh = self.parallel_dims.get_optional_mesh("cp")
         if self.is_critic:
             values = out.full_tensor() if isinstance(out, DTensor) else out
-            per_token = values.reshape(1, -1).float()
+            rows = [values.reshape(-1).float()]
         else:
             targets = torch.roll(mb.tokens[0], -1)
             if cp_mesh is not None:
                 targets = shard_sequence(targets, cp_mesh, dim=0)
-            per_token = torch.stack(vocab_parallel_logprobs_entropy(out[0], targets, self.temperature))
+            if keep is not None:
+                targets = targets[keep]
+            # Kept apart (not stacked): an output the loss ignores then gets no gradient at all,
+            # and its backward is skipped (the entropy's is a tokens x vocab pass).
+            # The whole [1, T, V] logits (a view inside), not out[0]: a select's backward would
+            # write its gradient into a zero-filled copy of the logits.
+            rows = [r[0] for r in vocab_parallel_logprobs_entropy(out, targets.unsqueeze(0), self.temperature)]
         # ``_anchor`` keeps a graph through the model even when the microbatch has no sample.
-        anchor = per_token.sum() * 0.0
-        if cp_mesh is not None:
-            per_token = gather_sequence(per_token, cp_mesh, dim=1)
-        # Output i is about token i: shift the next-token values right; sequence starts get 0.
-        aligned = torch.roll(per_token, 1, dims=1).index_fill(1, mb.seq_starts, 0.0)
-        result = {key: unpack(row, mb) for key, row in zip(self._output_keys, aligned)}
+        anchor = rows[0].sum() * 0.0
+        if keep is not None:
+            rows = [row.new_zeros(mb.total_len).index_copy(0, keep, row) for row in rows]
+        result = {}
+        for key, row in zip(self._output_keys, rows):
+            if cp_mesh is not None:
+                row = gather_sequence(row, cp_mesh, dim=0)
+            # Output i is about token i: shift the next-token values right; sequence starts get 0.
+            aligned = torch.roll(row, 1, dims=0).index_fill(0, mb.seq_starts, 0.0)
+            result[key] = unpack(aligned, mb)
         result["_anchor"] = anchor
         return result
 
@@ -410,8 +443,8 @@ class ArchonEngine:
             for i, indices in enumerate(my_mbs):
                 self._set_gradient_sync(i == len(my_mbs) - 1)
                 packed = self._pack(batch, indices)
-                scaled = microbatch_loss(self._run_model(packed), batch, indices, loss_fn, loss_weight_fn,
-                                         total_weight, totals)
+                outputs = self._run_model(packed, keep=self._loss_positions(batch, packed))
+                scaled = microbatch_loss(outputs, batch, indices, loss_fn, loss_weight_fn, total_weight, totals)
                 (scaled * grad_scale).backward()
                 totals.tokens += packed.n_real_tokens
 

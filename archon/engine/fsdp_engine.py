@@ -128,7 +128,7 @@ class FSDPEngine(ArchonEngine):
         if not self.trainable:
             self.model.requires_grad_(False)
         else:
-            self.optimizer = build_optimizer(self.model.parameters(), cfg.optimizer, self.device_type)
+            self.optimizer = build_optimizer(self.model.parameters(), cfg.optimizer)
             self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.optimizer, self.total_steps)
         return self
 

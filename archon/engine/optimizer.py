@@ -11,18 +11,17 @@ from torch.optim.lr_scheduler import LambdaLR
 from archon.config import OptimizerConfig
 
 
-def build_optimizer(params, cfg: OptimizerConfig, device_type: str = "cpu") -> torch.optim.Optimizer:
+def build_optimizer(params, cfg: OptimizerConfig) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters (DTensors included)."""
     params = [p for p in params if p.requires_grad]
-    # foreach kernels group tensors by device/dtype and also work for DTensors on one mesh, but
-    # not for DTensors mixed with plain tensors (a transformers model under TP without FSDP keeps
-    # its unplanned parameters plain): then the per-parameter loop.  One param group either way,
-    # so optimizer checkpoints load under any allocation.  fused AdamW is CUDA-only in practice.
+    # The fused kernel (CUDA and CPU) updates each tensor in one pass; on CPU it is ~5x faster than
+    # the foreach kernels.  Fused and foreach kernels group tensors by device/dtype and take DTensors
+    # on one mesh, but not DTensors mixed with plain tensors (a transformers model under TP without
+    # FSDP keeps its unplanned parameters plain): then the per-parameter loop.  One param group
+    # either way, so optimizer checkpoints load under any allocation.
     mixed = any(isinstance(p, DTensor) for p in params) and not all(isinstance(p, DTensor) for p in params)
-    fused = device_type == "cuda" and not mixed
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-                             foreach=False if mixed else None if fused else True, fused=fused,
-                             weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay,
+                             **({"foreach": False} if mixed else {"fused": True}))
 
 
 def lr_multiplier(step: int, cfg: OptimizerConfig, total_steps: int) -> float:

@@ -319,20 +319,21 @@ class RLTrainer:
         return record
 
     # ------------------------------------------------------------------ run
-    def run(self) -> list[dict[str, Any]]:
+    def setup(self) -> int:
+        """Build data, engines, rollout servers, rewards and the weight sync; resume from the
+        latest complete checkpoint.  Returns the first RL step to run; ``close()`` releases everything."""
         from archon.cli import init_run
         from archon.engine.checkpoint_manager import CheckpointManager
-        from archon.metrics import MetricsLogger
 
         cfg = self.cfg
         init_run(cfg, "rl")
         self.rank0 = dist.get_rank() == 0
-        ckpt = CheckpointManager(cfg.run_dir, cfg.saver.keep_last)
-        ckpt.check_writable()
+        self.ckpt = CheckpointManager(cfg.run_dir, cfg.saver.keep_last)
+        self.ckpt.check_writable()
         self._build_data()
         self._build_engines()
-        ckpt.check_space(self.engines)
-        extra = ckpt.load(self.engines)
+        self.ckpt.check_space(self.engines)
+        extra = self.ckpt.load(self.engines)
         start = 0
         if extra is not None:
             self.loader.load_state_dict(extra["loader"])
@@ -340,28 +341,39 @@ class RLTrainer:
                 self.kl_ctl.load_state_dict(extra["kl_ctl"])
             start = int(extra["step"])
             if self.rank0:
-                logger.info("resumed from %s at RL step %d", ckpt.loaded, start)
+                logger.info("resumed from %s at RL step %d", self.ckpt.loaded, start)
+        self._build_rollout()
+        self._build_rewards()
+        self.weight_sync.setup()
+        if start > 0:
+            # The servers started from actor.path; give them the resumed policy.
+            self.weight_sync.sync(str(start))
+            self.served_version = str(start)
+        return start + 1
+
+    def step(self, step: int) -> dict[str, Any]:
+        """One RL step (rollout, rewards, advantages, updates, weight sync); its metrics record."""
+        return self._step(step)
+
+    def run(self) -> list[dict[str, Any]]:
+        from archon.metrics import MetricsLogger
+
+        cfg = self.cfg
         history: list[dict[str, Any]] = []
         try:
-            self._build_rollout()
-            self._build_rewards()
-            self.weight_sync.setup()
-            if start > 0:
-                # The servers started from actor.path; give them the resumed policy.
-                self.weight_sync.sync(str(start))
-                self.served_version = str(start)
+            first = self.setup()
             metrics_log = MetricsLogger(cfg.run_dir, cfg.total_train_steps, enabled=self.rank0,
                                         headline=("reward_mean", "response_len_mean", "actor/loss"),
-                                        start_step=start)
+                                        start_step=first - 1)
             try:
-                for step in range(start + 1, cfg.total_train_steps + 1):
-                    record = self._step(step)
+                for step in range(first, cfg.total_train_steps + 1):
+                    record = self.step(step)
                     history.append(record)
                     metrics_log.log(record)
                     freq = cfg.saver.freq_steps
                     if (freq and step % freq == 0) or step == cfg.total_train_steps:
-                        ckpt.save(step, self.engines, {"loader": self.loader.state_dict(), "step": step,
-                                                       "kl_ctl": self.kl_ctl.state_dict()})
+                        self.ckpt.save(step, self.engines, {"loader": self.loader.state_dict(), "step": step,
+                                                            "kl_ctl": self.kl_ctl.state_dict()})
             finally:
                 metrics_log.close()
             if cfg.saver.export_hf:

@@ -45,6 +45,7 @@ import models
 from archon.rollout.kv_cache import BatchedKVCache
 from archon.rollout.sampling import SamplingParams, sample_tokens, suppress_tokens, token_logprobs
 from archon.rollout.weight_update import load_weights_from_disk, read_eos_token_ids, receive_weights
+from models.common.inference import InferenceForward
 
 logger = logging.getLogger(__name__)
 
@@ -175,6 +176,8 @@ class Generator:
         if max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}.")
         self.model = model.eval().requires_grad_(False)
+        # The lean forward of a stock Decoder (fused projections, few kernels); None: call the model.
+        self._lean = InferenceForward.for_model(self.model)
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.vocab_size = int(args.vocab_size)
         self.context_length = int(context_length if context_length is not None else getattr(args, "max_seq_len"))
@@ -447,6 +450,8 @@ class Generator:
             if op.weight_version is not None:
                 self._weight_version = op.weight_version
             _resolve(op.future, value)
+        if self._lean is not None:
+            self._lean.refresh()  # an update that assigned new Parameters needs new fused weights
         with self._cond:
             self._exclusive.popleft()
 
@@ -534,18 +539,33 @@ class Generator:
             self.cache.clear()
 
     def _prefill(self, batch: list[_Sequence]) -> None:
-        lengths = [len(s.request.input_ids) for s in batch]
+        # Identical prompts (a GRPO group's samples) are computed once: the first of each is
+        # prefilled, the others get copies of its cache row and logits.  Cache rows follow the
+        # order firsts, then copies; each request still samples with its own generator.
+        first_row: dict[tuple[int, ...], int] = {}
+        firsts, copies, source = [], [], []
+        for s in batch:
+            key = tuple(s.request.input_ids)
+            if key in first_row:
+                copies.append(s)
+                source.append(first_row[key])
+            else:
+                first_row[key] = len(firsts)
+                firsts.append(s)
+        lengths = [len(s.request.input_ids) for s in firsts]
         longest = max(lengths)
-        tokens = torch.zeros(len(batch), longest, dtype=torch.long)
-        for i, s in enumerate(batch):
+        tokens = torch.zeros(len(firsts), longest, dtype=torch.long)
+        for i, s in enumerate(firsts):
             tokens[i, : lengths[i]] = torch.tensor(s.request.input_ids)
         start = self.cache.add_rows(len(batch))
-        self.cache.begin_forward(start, start + len(batch), longest, valid=lengths)
-        logits = self.model(tokens.to(self.device), positions=self.cache.positions(), cache=self.cache)
-        self.cache.end_forward()
-        self._keep_routing(batch, lengths)
-        last = torch.tensor(lengths, device=logits.device) - 1
-        logits = logits[torch.arange(len(batch), device=logits.device), last]
+        self.cache.begin_forward(start, start + len(firsts), longest, valid=lengths)
+        logits = self._forward(tokens, last=torch.tensor(lengths, device=self.device) - 1)
+        if copies:
+            self.cache.copy_rows([start + i for i in source], start + len(firsts))
+            logits = torch.cat([logits, logits[torch.tensor(source, device=logits.device)]])
+        batch = firsts + copies
+        rows = list(range(len(firsts))) + source
+        self._keep_routing(batch, rows, [len(s.request.input_ids) for s in batch])
         for s in batch:
             s.weight_version = self._weight_version
         self._running.extend(batch)
@@ -555,23 +575,34 @@ class Generator:
         n = len(self._running)
         tokens = torch.tensor([s.output_ids[-1] for s in self._running], dtype=torch.long)[:, None]
         self.cache.begin_forward(0, n, 1)
-        logits = self.model(tokens.to(self.device), positions=self.cache.positions(), cache=self.cache)
-        self.cache.end_forward()
-        self._keep_routing(self._running, [1] * n)
-        self._sample_and_retire(logits[:, -1], first_row=0)
+        logits = self._forward(tokens)
+        self._keep_routing(self._running, list(range(n)), [1] * n)
+        self._sample_and_retire(logits, first_row=0)
 
-    def _keep_routing(self, seqs: list[_Sequence], lengths: list[int]) -> None:
-        """Append each row's routing of this forward to the sequences that asked for it."""
+    def _forward(self, tokens: torch.Tensor, last: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``[b, V]`` at position ``last[i]`` of each row (default the final one) of the forward begun."""
+        tokens = tokens.to(self.device)
+        if self._lean is not None:
+            logits = self._lean(tokens, self.cache.positions(), self.cache, last)
+        else:
+            logits = self.model(tokens, positions=self.cache.positions(), cache=self.cache)
+            logits = logits[:, -1] if last is None else logits[torch.arange(len(logits), device=logits.device), last]
+        self.cache.end_forward()
+        return logits
+
+    def _keep_routing(self, seqs: list[_Sequence], rows: list[int], lengths: list[int]) -> None:
+        """Append the routing of this forward's row ``rows[i]`` (its first ``lengths[i]`` positions) to
+        each sequence that asked for it (a prompt prefilled once serves all its copies)."""
         wanted = [i for i, s in enumerate(seqs) if s.request.return_routed_experts]
         if not wanted or not self._moe:
             return
         n_layers, top_k = int(self.model.args.n_layers), next(iter(self._moe.values())).top_k
-        b, t = len(seqs), max(lengths)
+        b, t = max(rows) + 1, max(lengths)
         routed = torch.zeros(b, t, n_layers, top_k, dtype=torch.int32)
         for layer_id, moe in self._moe.items():
             routed[:, :, layer_id] = moe.selected_experts.view(b, -1, top_k)[:, :t].to("cpu", torch.int32)
         for i in wanted:
-            seqs[i].routed.append(routed[i, : lengths[i]])
+            seqs[i].routed.append(routed[rows[i], : lengths[i]])
 
     def _routed_result(self, seq: _Sequence) -> torch.Tensor:
         n_layers = int(getattr(self.model.args, "n_layers", 0))

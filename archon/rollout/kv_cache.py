@@ -14,8 +14,9 @@ Usage, around one model forward::
     cache.end_forward()                              # lengths[row] += valid[row]
 
 ``update(layer_id, k, v)`` is the model-facing contract (see ``models/common/attention.py``):
-it stores the new keys/values and returns all cached ones of the forward's rows together with
-the boolean attention mask ``[rows, 1, n_new, total]`` (True = may attend).
+it stores the new keys/values and returns all cached ones of the forward's rows (``[rows,
+total, kv_heads, head_dim]`` views) together with the boolean attention mask ``[rows, 1, n_new,
+total]`` (True = may attend).
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ class _Forward:
     """First cache row of the forward's batch."""
     stop: int
     """One past the last cache row."""
-    write_rows: torch.Tensor
-    """``[b, n_new]`` row index of every new token."""
+    write_index: torch.Tensor
+    """``[b * kv_heads * n_new]`` slot of every new key in a store viewed as ``[-1, head_dim]``,
+    in the order of ``k.transpose(1, 2)`` (row, head, token)."""
     write_pos: torch.Tensor
     """``[b, n_new]`` position (slot) of every new token."""
     total: int
@@ -103,7 +105,7 @@ class BatchedKVCache:
 
     def _zeros(self, rows: int, length: int) -> torch.Tensor:
         # Zeros, not empty: masked slots still enter q @ k^T, and NaN garbage would poison softmax.
-        return torch.zeros(rows, length, self.n_kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
+        return torch.zeros(rows, self.n_kv_heads, length, self.head_dim, dtype=self.dtype, device=self.device)
 
     def _grow(self, rows: int, length: int) -> None:
         """Make room for ``rows`` rows of ``length`` positions, at least doubling what grows."""
@@ -119,7 +121,7 @@ class BatchedKVCache:
         for store in (self.k, self.v):
             for i, old in enumerate(store):
                 new = self._zeros(new_rows, new_cap)
-                new[:used, :used_len] = old[:used, :used_len]
+                new[:used, :, :used_len] = old[:used, :, :used_len]
                 store[i] = new
         self._rows, self._capacity = new_rows, new_cap
 
@@ -142,8 +144,25 @@ class BatchedKVCache:
             for store in (self.k, self.v):
                 for t in store:
                     # index_select makes a copy first, so overlapping source and target is safe.
-                    t[: len(keep), :used_len] = t[:, :used_len].index_select(0, index)
+                    t[: len(keep), :, :used_len] = t[:, :, :used_len].index_select(0, index)
         self.lengths = [self.lengths[i] for i in keep]
+
+    def copy_rows(self, sources: list[int], start: int) -> None:
+        """Fill rows ``start, start + 1, ...`` (in use, outside any forward) with copies of rows ``sources``."""
+        if not sources:
+            return
+        stop = start + len(sources)
+        if self._fwd is not None or not 0 <= start < stop <= self.num_rows:
+            raise ValueError(f"cannot copy into rows [{start}, {stop}) of a cache with {self.num_rows} rows "
+                             "(or during a forward).")
+        used_len = max(self.lengths[i] for i in sources)
+        if used_len:
+            index = torch.tensor(sources, device=self.device)
+            for store in (self.k, self.v):
+                for t in store:
+                    t[start:stop, :, :used_len] = t[:, :, :used_len].index_select(0, index)
+        for i, src in enumerate(sources):
+            self.lengths[start + i] = self.lengths[src]
 
     def clear(self) -> None:
         """Drop every row (the memory stays allocated for reuse)."""
@@ -184,8 +203,10 @@ class BatchedKVCache:
         total = int(max(ln + n for ln, n in zip(lengths, valid)))
         keys = torch.arange(total, device=dev)
         mask = (keys[None, None, :] <= new_pos[:, :, None]) & (keys[None, None, :] < limit[:, None, None])
-        rows = torch.arange(start, stop, device=dev)[:, None].expand(b, n_new)
-        self._fwd = _Forward(start, stop, rows, new_pos, total, mask[:, None], valid)
+        rows = torch.arange(start, stop, device=dev)[:, None, None]
+        heads = torch.arange(self.n_kv_heads, device=dev)[None, :, None]
+        index = ((rows * self.n_kv_heads + heads) * self._capacity + new_pos[:, None, :]).reshape(-1)
+        self._fwd = _Forward(start, stop, index, new_pos, total, mask[:, None], valid)
 
     def positions(self) -> torch.Tensor:
         """``[b, n_new]`` int64 RoPE positions of the forward's new tokens."""
@@ -200,11 +221,12 @@ class BatchedKVCache:
         f = self._fwd
         if f is None:
             raise RuntimeError("the KV cache was used by a forward without begin_forward().")
-        self.k[layer_id][f.write_rows, f.write_pos] = k.to(self.dtype)
-        self.v[layer_id][f.write_rows, f.write_pos] = v.to(self.dtype)
+        for store, new in ((self.k[layer_id], k), (self.v[layer_id], v)):
+            rows = new.to(self.dtype).transpose(1, 2).reshape(-1, self.head_dim)
+            store.view(-1, self.head_dim).index_copy_(0, f.write_index, rows)
         return (
-            self.k[layer_id][f.start:f.stop, :f.total],
-            self.v[layer_id][f.start:f.stop, :f.total],
+            self.k[layer_id][f.start:f.stop, :, :f.total].transpose(1, 2),
+            self.v[layer_id][f.start:f.stop, :, :f.total].transpose(1, 2),
             f.mask,
         )
 

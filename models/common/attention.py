@@ -1,16 +1,22 @@
 """Grouped-query attention with packed sequences and an optional KV cache.
 
 One module for every device: ``CoreAttention`` picks the kernel, and every kernel computes
-the same function.  On CPU (and whenever a mask is given) it is SDPA with an explicit
-boolean mask (block-diagonal causal for packed rows); on CUDA in half precision, packed
-rows go through ``torch.nn.attention.varlen`` (FlashAttention); rows without packing use
-SDPA's causal path everywhere.  (FlexAttention has no CPU backward, and varlen attention
-is CUDA-only, hence the SDPA mask on CPU.)
+the same function.  A packed row costs what its sequences cost (the sum of their squared
+lengths, not the squared row length):
+
+* CUDA in half precision: ``torch.nn.attention.varlen`` (FlashAttention) over the whole row.
+* Elsewhere (CPU, float32): SDPA's fused causal kernel once per run of consecutive
+  equal-length sequences, each run viewed as a ``[count, length, heads, head_dim]`` batch
+  (no copy); a row of equal-length sequences is one call, like a padded batch.
+* Under ``torch.compile`` (no varlen kernel): SDPA with the block-diagonal causal mask, whose
+  shapes do not depend on the boundaries, so one graph serves every packing.
+* Rows without packing use SDPA's causal path; the KV-cache path passes an explicit mask.
+
+(FlexAttention has no CPU backward and varlen attention is CUDA-only, hence SDPA on CPU.)
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
 from typing import Any
 
@@ -18,13 +24,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from models.common.linear import Linear
 from models.common.norm import RMSNorm
-from models.common.packing import packed_causal_mask
+from models.common.packing import equal_length_runs, packed_causal_mask, segment_lengths
 from models.common.rope import apply_rotary_emb
 
 
-@functools.lru_cache(maxsize=1)
-def _varlen_attn():
+def _find_varlen_attn():
     """``torch.nn.attention.varlen.varlen_attn`` if this torch has the API used here, else None."""
     try:
         from torch.nn.attention.varlen import varlen_attn
@@ -36,9 +42,52 @@ def _varlen_attn():
     return varlen_attn
 
 
+# Looked up once at import: a plain global is free to read inside torch.compile'd blocks.
+_VARLEN_ATTN = _find_varlen_attn()
+
+
 def _can_use_varlen(q: torch.Tensor) -> bool:
     # FlashAttention: CUDA, half precision only.
-    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _varlen_attn() is not None
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _VARLEN_ATTN is not None
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, gqa: bool,
+          mask: torch.Tensor | None = None) -> torch.Tensor:
+    """SDPA on ``[batch, seq, heads, head_dim]`` tensors: causal without ``mask``, else masked."""
+    if mask is not None and not q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        # CPU's fused kernel is several times slower in low precision on masked (KV-cache)
+        # steps than in float32, and the inputs are small there: compute in float32.
+        return _sdpa(q.float(), k.float(), v.float(), scale, gqa, mask).to(q.dtype)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa,
+    )
+    return out.transpose(1, 2)
+
+
+def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                  ) -> torch.Tensor:
+    """Attention of a KV-cache step: ``q [b, s, h, d]`` over ``k, v [b, t, kv, d]`` with ``mask [b, 1, s, t]``.
+
+    A decode step (a few queries per row) is two small batched matmuls per KV head: on CPU
+    they are about twice as fast as SDPA's kernel, which is built for long queries.  Longer
+    steps (prefill) and CUDA use SDPA.  Low precision computes in float32 on CPU.
+    """
+    b, s, h, d = q.shape
+    kv_heads = k.shape[2]
+    if q.is_cuda or s > 4:
+        return _sdpa(q, k, v, scale, h != kv_heads, mask)
+    dtype = q.dtype
+    if dtype != torch.float32:
+        q, k, v = q.float(), k.float(), v.float()
+    group = h // kv_heads
+    # Query heads j*group .. (j+1)*group-1 read KV head j: one [group*s, t] score block per KV head.
+    qg = q.permute(0, 2, 1, 3).reshape(b, kv_heads, group * s, d)
+    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).mul_(scale)
+    allowed = mask.expand(b, 1, s, -1).repeat(1, 1, group, 1) if group > 1 and s > 1 else mask
+    scores.masked_fill_(~allowed, float("-inf"))
+    out = torch.matmul(scores.softmax(dim=-1), v.transpose(1, 2))  # [b, kv, group*s, d]
+    return out.view(b, kv_heads, group, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, h, d).to(dtype)
 
 
 class CoreAttention(nn.Module):
@@ -65,30 +114,49 @@ class CoreAttention(nn.Module):
         max_seqlen: int | None = None,
     ) -> torch.Tensor:
         gqa = q.shape[2] != k.shape[2]
-        if mask is None and cu_seqlens is not None and _can_use_varlen(q):
+        if mask is not None:
+            return attend_cached(q, k, v, mask, self.scale)
+        if cu_seqlens is None:
+            return _sdpa(q, k, v, self.scale, gqa)
+        if q.is_cuda and torch.is_autocast_enabled("cuda"):
+            # Autocast would hand SDPA low-precision inputs; do the same before choosing the
+            # kernel, or a float32 q (after RMSNorm and RoPE) would miss FlashAttention.
+            dtype = torch.get_autocast_dtype("cuda")
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        if _can_use_varlen(q):
             return self._varlen(q, k, v, cu_seqlens, max_seqlen, gqa)
-        is_causal = False
-        if mask is None and cu_seqlens is not None:
-            mask = packed_causal_mask(cu_seqlens, q.shape[1], q.device)
-        elif mask is None:
-            is_causal = True
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            attn_mask=mask, is_causal=is_causal, scale=self.scale, enable_gqa=gqa,
-        )
-        return out.transpose(1, 2)
+        if torch.compiler.is_compiling():
+            # Boundaries read on the host would specialise the graph to one packing.
+            return _sdpa(q, k, v, self.scale, gqa, mask=packed_causal_mask(cu_seqlens, q.shape[1], q.device))
+        return self._per_sequence(q, k, v, cu_seqlens, gqa)
+
+    def _per_sequence(self, q, k, v, cu_seqlens, gqa) -> torch.Tensor:
+        """Causal SDPA per run of equal-length sequences of the packed row (trailing padding included)."""
+        bs, seqlen = q.shape[:2]
+        assert bs == 1, "packed sequences (cu_seqlens) need batch size 1"
+        runs = equal_length_runs(segment_lengths(cu_seqlens, seqlen))
+        if len(runs) == 1:
+            pieces = [(q, k, v)]
+        else:
+            # split (not slicing) so that the backward is one cat, not a zero-filled row per run.
+            sizes = [count * length for count, length in runs]
+            pieces = list(zip(q.split(sizes, dim=1), k.split(sizes, dim=1), v.split(sizes, dim=1)))
+        outs = []
+        for (count, length), (qi, ki, vi) in zip(runs, pieces):
+            batch = [t.reshape(count, length, *t.shape[2:]) for t in (qi, ki, vi)]
+            outs.append(_sdpa(*batch, self.scale, gqa).reshape(1, count * length, *qi.shape[2:]))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
     def _varlen(self, q, k, v, cu_seqlens, max_seqlen, gqa) -> torch.Tensor:
         bs, seqlen = q.shape[:2]
         assert bs == 1, "packed sequences (cu_seqlens) need batch size 1"
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-        tail = seqlen - int(cu[-1])
-        if tail > 0:  # trailing padding is one more sequence, as on the SDPA path
-            cu = torch.cat([cu, cu.new_tensor([seqlen])])
-        if max_seqlen is None:
+        # Trailing padding is one more sequence, as on the SDPA path; when there is none the
+        # appended entry is an empty sequence (as pad_cu_seqlens makes), so no host sync decides.
+        cu = torch.cat([cu, cu.new_tensor([seqlen])])
+        if max_seqlen is None:  # Decoder.forward passes it (one sync per forward, not per layer)
             max_seqlen = int((cu[1:] - cu[:-1]).max())
-        max_seqlen = max(max_seqlen, tail)
-        out = _varlen_attn()(
+        out = _VARLEN_ATTN(
             q[0], k[0], v[0], cu, cu, max_seqlen, max_seqlen,
             scale=self.scale, window_size=(-1, 0), enable_gqa=gqa,
         )
@@ -117,10 +185,10 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.head_dim = head_dim
-        self.wq = nn.Linear(dim, n_heads * head_dim, bias=qkv_bias)
-        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
-        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
-        self.wo = nn.Linear(n_heads * head_dim, dim, bias=o_bias)
+        self.wq = Linear(dim, n_heads * head_dim, bias=qkv_bias)
+        self.wk = Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
+        self.wv = Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
+        self.wo = Linear(n_heads * head_dim, dim, bias=o_bias)
         self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
         self.core = CoreAttention(scale=head_dim**-0.5)

@@ -16,6 +16,7 @@ import torch.nn as nn
 from models.common.args import DecoderArgs
 from models.common.attention import Attention
 from models.common.feed_forward import FeedForward
+from models.common.linear import Linear
 from models.common.moe import MoE
 from models.common.norm import RMSNorm
 from models.common.packing import positions_from_cu_seqlens
@@ -74,7 +75,7 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         # A critic's value head keeps the name ``output`` so parallel plans stay uniform.
-        self.output = nn.Linear(args.dim, 1 if args.is_critic else args.vocab_size, bias=False)
+        self.output = Linear(args.dim, 1 if args.is_critic else args.vocab_size, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -106,6 +107,7 @@ class Decoder(nn.Module):
         cache: Any = None,
         token_mask: torch.Tensor | None = None,
         routed_experts: torch.Tensor | None = None,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits ``[batch, seq, vocab]`` (critic: values ``[batch, seq]``).
 
@@ -123,6 +125,8 @@ class Decoder(nn.Module):
             routed_experts: ``[batch, seq, n_layers, top_k]`` expert choices to replay in the MoE
                 blocks (indexed by layer id, as SGLang returns them; dense layers' entries are
                 unused); a row of -1 lets that token route freely.
+            keep: int64 indices along ``seq`` of the positions to compute outputs for (the
+                others skip the final norm and head); the output's ``seq`` is then ``len(keep)``.
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         bs, seqlen = h.shape[:2]
@@ -141,11 +145,16 @@ class Decoder(nn.Module):
 
         max_seqlen = None
         if cu_seqlens is not None and h.is_cuda and cache is None:
-            # One host sync per forward for the varlen kernel, not one per layer.
-            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+            # One host sync per forward for the varlen kernel, not one per layer; the longest
+            # sequence may be trailing padding past cu_seqlens[-1].  (Under context parallel
+            # seqlen is this rank's chunk and cu_seqlens covers the whole row: no tail counts.)
+            longest = torch.maximum((cu_seqlens[1:] - cu_seqlens[:-1]).max(), seqlen - cu_seqlens[-1])
+            max_seqlen = int(longest)
 
         for layer in self.layers.values():
             h = layer(h, rope_cos_sin, cu_seqlens, cache, max_seqlen, token_mask, routed_experts)
+        if keep is not None:
+            h = h.index_select(1, keep)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is None:

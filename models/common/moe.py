@@ -37,6 +37,7 @@ class TokenChoiceTopKRouter(nn.Module):
         self.num_experts = num_experts
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
+        # nn.Linear (BLAS), as transformers: the scores, hence the chosen experts, match bit for bit.
         self.gate = nn.Linear(dim, num_experts, bias=False)
         self.gate_dtype: torch.dtype | None = None
 

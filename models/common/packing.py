@@ -35,6 +35,30 @@ def packed_causal_mask(cu_seqlens: torch.Tensor, seqlen: int, device: torch.devi
     return (seg[:, None] == seg[None, :]) & (idx[None, :] <= idx[:, None])
 
 
+def segment_lengths(cu_seqlens: torch.Tensor, seqlen: int) -> list[int]:
+    """Length of every non-empty segment of a row of ``seqlen`` tokens, the trailing padding included.
+
+    A host list (one device sync where ``cu_seqlens`` lives on an accelerator); empty
+    sequences (repeated entries) are dropped.
+    """
+    bounds = cu_seqlens.tolist()
+    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    if seqlen > bounds[-1]:
+        lengths.append(seqlen - bounds[-1])
+    return lengths
+
+
+def equal_length_runs(lengths: list[int]) -> list[tuple[int, int]]:
+    """``lengths`` as ``(count, length)`` runs of consecutive equal lengths: ``[4, 4, 2] -> [(2, 4), (1, 2)]``."""
+    runs: list[tuple[int, int]] = []
+    for n in lengths:
+        if runs and runs[-1][1] == n:
+            runs[-1] = (runs[-1][0] + 1, n)
+        else:
+            runs.append((1, n))
+    return runs
+
+
 def pad_cu_seqlens(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
     """``cu_seqlens`` extended to ``length`` entries by repeating its last one (empty sequences)."""
     if length < cu_seqlens.numel():

@@ -1,0 +1,96 @@
+"""The lean generation forward (``models.common.inference``) against ``Decoder.forward`` with the same cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import models
+from archon.rollout.kv_cache import BatchedKVCache
+from hf_fixtures import MODEL_TYPES, save_tiny_hf
+from models.common.inference import InferenceForward
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lean")
+    for model_type in MODEL_TYPES:
+        save_tiny_hf(root / model_type, model_type, seed=5)
+    save_tiny_hf(root / "donor", "qwen3", seed=6)
+    return root
+
+
+def _run(forward, model: nn.Module, dtype: torch.dtype, steps: int = 4) -> torch.Tensor:
+    """A right-padded prefill of 3 rows, then ``steps`` decode steps on fixed tokens; logits of each step."""
+    a = model.args
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, a.vocab_size, (3, 7), generator=g)
+    lengths = [7, 4, 2]
+    cache = BatchedKVCache(a.n_layers, a.n_kv_heads, a.head_dim, dtype=dtype, initial_length=8)
+    cache.add_rows(3)
+    cache.begin_forward(0, 3, 7, valid=lengths)
+    last = torch.tensor(lengths) - 1
+    out = [forward(prompts, cache, last)]
+    cache.end_forward()
+    for step in range(steps):  # grows the cache past its initial length
+        cache.begin_forward(0, 3, 1)
+        out.append(forward(torch.randint(0, a.vocab_size, (3, 1), generator=g), cache, None))
+        cache.end_forward()
+    return torch.stack(out)
+
+
+def _reference(model):
+    @torch.no_grad()
+    def forward(tokens, cache, last):
+        logits = model(tokens, positions=cache.positions(), cache=cache)
+        return logits[:, -1] if last is None else logits[torch.arange(len(tokens)), last]
+    return forward
+
+
+def _lean(model):
+    lean = InferenceForward.for_model(model)
+    assert lean is not None
+    return lambda tokens, cache, last: lean(tokens, cache.positions(), cache, last)
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lean_forward_equals_decoder_forward(folders, model_type, dtype):
+    ref_model = models.load_hf_model(folders / model_type, dtype=dtype)
+    model = models.load_hf_model(folders / model_type, dtype=dtype)
+    ref = _run(_reference(ref_model), ref_model, dtype)
+    got = _run(_lean(model), model, dtype)
+    if dtype == torch.float32:  # one fused matmul per projection group rounds differently
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    else:  # low precision keeps the model's order of roundings exactly
+        assert torch.equal(got, ref)
+    # The model itself still computes the same function on its fused (view) Parameters.
+    torch.testing.assert_close(_run(_reference(model), model, dtype), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_weights_follow_updates(folders):
+    model = models.load_hf_model(folders / "qwen3")
+    lean = InferenceForward.for_model(model)
+    assert InferenceForward.for_model(model) is lean
+    donor = models.load_hf_model(folders / "donor")  # same shapes, other values
+    block, other = model.layers["0"], donor.layers["0"]
+    with torch.no_grad():
+        # In place, as weight updates do: the fused buffer follows.
+        block.attention.wk.weight.copy_(other.attention.wk.weight)
+        block.feed_forward.w3.weight.copy_(other.feed_forward.w3.weight)
+    torch.testing.assert_close(_run(_lean(model), model, torch.float32),
+                               _run(_reference(model), model, torch.float32), atol=1e-5, rtol=1e-5)
+    # A replaced Parameter is picked up by refresh().
+    block.attention.wv.weight = nn.Parameter(other.attention.wv.weight.detach().clone(), requires_grad=False)
+    lean.refresh()
+    torch.testing.assert_close(_run(_lean(model), model, torch.float32),
+                               _run(_reference(model), model, torch.float32), atol=1e-5, rtol=1e-5)
+
+
+def test_models_it_cannot_run_are_left_to_their_forward(folders):
+    model = models.load_hf_model(folders / "qwen3")
+    model.layers["1"].attention.register_forward_hook(lambda *args: None)
+    assert InferenceForward.for_model(model) is None
+    critic = models.load_hf_model(folders / "qwen3", is_critic=True)
+    assert InferenceForward.for_model(critic) is None
