@@ -29,6 +29,8 @@ class Completion:
     """Behaviour logprob of each generated token: log_softmax(logits / T) before top-k/top-p."""
     finish_reason: str
     """'stop' (EOS or a stop token), 'length' (token budget or context) or 'abort'."""
+    output_versions: list[int] | None = None
+    """Policy version that generated each token (asynchronous RL; None when not tracked)."""
 
     @property
     def truncated(self) -> bool:

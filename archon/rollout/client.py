@@ -84,6 +84,8 @@ class GenerateResult:
     """Address of the server that answered."""
     matched_stop: int | None = None
     """Token id that ended the completion when finish_reason is 'stop' (None if unknown)."""
+    output_versions: list[str] = dataclasses.field(default_factory=list)
+    """Weight version of each generated token (``token_versions``)."""
 
 
 @dataclass
@@ -150,6 +152,26 @@ def _error_message(body: Any, text: str) -> str:
     return text.strip()[:2000] or "(empty body)"
 
 
+def token_versions(meta: dict[str, Any], n_tokens: int) -> list[str]:
+    """The weight version that produced each of ``n_tokens`` generated tokens, from a ``meta_info``.
+
+    SGLang (0.5.x and later) and the built-in server report ``weight_versions``, spans
+    ``{"version", "start", "end"}`` over the generated tokens; a request paused in retract mode
+    across a weight update has several.  Tokens no span covers (older servers report no spans)
+    get ``weight_version``, the version when the answer was made.
+    """
+    fallback = str(meta.get("weight_version", ""))
+    versions: list[str | None] = [None] * n_tokens
+    for span in meta.get("weight_versions") or []:
+        if isinstance(span, dict):
+            version, start, end = span.get("version"), span.get("start", 0), span.get("end", 0)
+        else:  # SGLang's msgspec form is array-like: [version, start, end]
+            version, start, end = span
+        versions[max(0, int(start)):min(n_tokens, int(end))] = \
+            [str(version)] * max(0, min(n_tokens, int(end)) - max(0, int(start)))
+    return [fallback if v is None else v for v in versions]
+
+
 def _parse_generate(body: Any, server: str, return_logprob: bool) -> GenerateResult:
     if not isinstance(body, dict) or "output_ids" not in body or "meta_info" not in body:
         raise RolloutError(f"rollout server {server} answered /generate without output_ids/meta_info "
@@ -175,7 +197,7 @@ def _parse_generate(body: Any, server: str, return_logprob: bool) -> GenerateRes
     return GenerateResult(output_ids=output_ids, output_logprobs=logprobs, finish_reason=reason,
                           prompt_tokens=int(meta.get("prompt_tokens", 0)),
                           weight_version=str(meta.get("weight_version", "")), server=server,
-                          matched_stop=matched)
+                          matched_stop=matched, output_versions=token_versions(meta, len(output_ids)))
 
 
 class RolloutClient:
@@ -486,8 +508,9 @@ class RolloutClient:
             raise RolloutError(f"{len(errors)} rollout servers failed {path}: " + "; ".join(map(str, errors)))
         return {s.url: t.result() for s, t in zip(targets, tasks)}
 
-    async def apause_generation(self) -> dict[str, Any]:
-        return await self._fan_out("POST", "/pause_generation", {}, retry=True)
+    async def apause_generation(self, mode: str | None = None) -> dict[str, Any]:
+        """Pause every server; ``mode`` is SGLang's ('abort', 'retract', 'in_place'; None: the server's default, abort)."""
+        return await self._fan_out("POST", "/pause_generation", {"mode": mode} if mode else {}, retry=True)
 
     async def acontinue_generation(self) -> dict[str, Any]:
         return await self._fan_out("POST", "/continue_generation", {}, retry=True)
@@ -535,8 +558,8 @@ class RolloutClient:
                    "group_name": group_name, "weight_version": str(version), "flush_cache": flush_cache}
         return await self._fan_out("POST", "/update_weights_from_distributed", payload, servers=members)
 
-    def pause_generation(self) -> dict[str, Any]:
-        return self._wait(self.apause_generation())
+    def pause_generation(self, mode: str | None = None) -> dict[str, Any]:
+        return self._wait(self.apause_generation(mode))
 
     def continue_generation(self) -> dict[str, Any]:
         return self._wait(self.acontinue_generation())

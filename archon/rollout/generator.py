@@ -14,12 +14,17 @@ Control semantics (the server's endpoints map onto these one to one):
 
 * ``pause()``: running requests finish at once with reason ``abort``; queued and new requests
   wait (are not admitted) until ``resume()``.  Weight updates still run while paused.
+* ``pause(mode="retract")`` (SGLang's retract mode): running requests go back to the head of
+  the queue with the tokens they have; after ``resume()`` each is prefilled again (prompt and
+  its tokens so far, under the weights loaded by then) and continues with its own random
+  generator.  A weight update between the two makes a partial rollout: the request's tokens
+  come from two versions, which ``GenerationResult.weight_versions`` reports per token span.
 * ``abort(rid)`` / ``abort_all()``: the matching queued or running requests finish with
   reason ``abort`` and the tokens generated so far.
 * Weight updates (``run_exclusive`` and the ``update_weights_*`` helpers): admission stops,
   running requests finish normally (or are aborted when ``abort_running``), then the update
-  runs on the engine thread, ``weight_version`` changes, and admission resumes.  So no
-  request ever mixes two weight versions, and every result reports the version it used.
+  runs on the engine thread, ``weight_version`` changes, and admission resumes.  So without a
+  retract no request mixes two weight versions.
 """
 
 from __future__ import annotations
@@ -46,6 +51,9 @@ from archon.rollout.weight_update import load_weights_from_disk, read_eos_token_
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+PAUSE_MODES = ("abort", "retract")
+"""``pause`` modes (SGLang's names; SGLang's 'in_place' keeps a KV cache of the old weights, which this server never does)."""
 
 
 # ---- requests and results -----------------------------------------------------------------
@@ -80,9 +88,12 @@ class GenerationResult:
     prompt_tokens: int
     """Prompt length."""
     weight_version: str
-    """Version of the weights every generated token was produced with."""
+    """Version of the weights the last generated token was produced with (at admission if none was)."""
     e2e_latency: float
     """Seconds from submission to finish."""
+    weight_versions: list[tuple[str, int, int]] = field(default_factory=list)
+    """SGLang's spans ``(version, start, end)``: generated tokens ``start:end`` came from weight
+    ``version``; in order, covering every token (one span per version change)."""
 
     @property
     def completion_tokens(self) -> int:
@@ -112,6 +123,16 @@ class _Sequence:
     """Their logprobs (only filled when requested)."""
     weight_version: str | None = None
     """Version of the weights at admission."""
+    version_spans: list[list] = field(default_factory=list)
+    """``[version, start, end]`` of the generated tokens, a new span whenever the version changed."""
+
+    def note_token_version(self, version: str) -> None:
+        """Record that the last appended token came from weights ``version``."""
+        n = len(self.output_ids)
+        if self.version_spans and self.version_spans[-1][0] == version:
+            self.version_spans[-1][2] = n
+        else:
+            self.version_spans.append([version, n - 1, n])
 
 
 @dataclass
@@ -183,7 +204,7 @@ class Generator:
         self._inbox: list[_Sequence] = []
         self._abort_rids: set[str] = set()
         self._abort_everything = False
-        self._pause_waiters: list[Future] = []
+        self._pause_waiters: list[tuple[Future, str]] = []
         self._paused = False
         self._exclusive: deque[_Exclusive] = deque()
         self._stopping = False
@@ -280,15 +301,19 @@ class Generator:
             self._abort_everything = True
             self._cond.notify()
 
-    def pause(self) -> Future:
-        """Abort running requests and hold queued and new ones until ``resume()``.
+    def pause(self, mode: str = "abort") -> Future:
+        """Stop running requests and hold queued and new ones until ``resume()``.
 
-        The future resolves once the running requests have been aborted.
+        ``mode`` 'abort' finishes the running requests (reason ``abort``); 'retract' puts them
+        back in the queue with their tokens, to continue after ``resume()``.  The future
+        resolves once no request is running.
         """
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode {mode!r} is not supported; use one of {', '.join(PAUSE_MODES)}.")
         future: Future = Future()
         with self._cond:
             self._paused = True
-            self._pause_waiters.append(future)
+            self._pause_waiters.append((future, mode))
             self._cond.notify()
         return future
 
@@ -378,8 +403,11 @@ class Generator:
             elif abort_rids:
                 self._abort_where(lambda s: s.request.rid in abort_rids, "aborted by abort_request")
             if pause_waiters:
-                self._abort_running("aborted by pause_generation")
-                for f in pause_waiters:
+                if any(mode == "abort" for _, mode in pause_waiters):
+                    self._abort_running("aborted by pause_generation")
+                else:
+                    self._retract_running()
+                for f, _ in pause_waiters:
                     _resolve(f, None)
             if exclusive is not None:
                 if exclusive.abort_running:
@@ -396,7 +424,7 @@ class Generator:
             for s in self._inbox:
                 self._finish(s, {"type": "abort", "message": "the server is shutting down"})
             self._inbox = []
-            for f in self._pause_waiters:
+            for f, _ in self._pause_waiters:
                 _resolve(f, None)
             for op in self._exclusive:
                 _fail(op.future, RuntimeError("the generator was closed before the weight update ran."))
@@ -418,14 +446,18 @@ class Generator:
 
     def _finish(self, seq: _Sequence, reason: dict[str, Any]) -> None:
         req = seq.request
+        version = seq.weight_version if seq.weight_version is not None else self._weight_version
+        # As SGLang: one span even without tokens, and weight_version is the last span's.
+        spans = [(str(v), int(a), int(b)) for v, a, b in seq.version_spans] or [(version, 0, 0)]
         result = GenerationResult(
             rid=req.rid,
             output_ids=list(seq.output_ids),
             output_logprobs=list(seq.logprobs) if req.return_logprob else None,
             finish_reason=reason,
             prompt_tokens=len(req.input_ids),
-            weight_version=seq.weight_version if seq.weight_version is not None else self._weight_version,
+            weight_version=spans[-1][0],
             e2e_latency=time.perf_counter() - seq.submitted,
+            weight_versions=spans,
         )
         _resolve(seq.future, result)
 
@@ -438,6 +470,13 @@ class Generator:
     def _abort_running(self, message: str) -> None:
         for s in self._running:
             self._finish(s, {"type": "abort", "message": message})
+        self._running = []
+        self.cache.clear()
+
+    def _retract_running(self) -> None:
+        """Put the running requests back at the head of the queue, in order, with their tokens so far;
+        admission prefills each again (prompt and tokens) and it goes on sampling."""
+        self._waiting.extendleft(reversed(self._running))
         self._running = []
         self.cache.clear()
 
@@ -475,7 +514,7 @@ class Generator:
                 seq.weight_version = self._weight_version
                 self._finish(seq, {"type": "length", "length": 0})
                 continue
-            n = len(seq.request.input_ids)
+            n = len(seq.request.input_ids) + len(seq.output_ids)
             if batch and (len(batch) + 1) * max(longest, n) > self.max_prefill_tokens:
                 break
             batch.append(self._waiting.popleft())
@@ -499,11 +538,13 @@ class Generator:
             self.cache.clear()
 
     def _prefill(self, batch: list[_Sequence]) -> None:
-        lengths = [len(s.request.input_ids) for s in batch]
+        # A retracted request is prefilled with its tokens so far, under the current weights.
+        contexts = [s.request.input_ids + s.output_ids for s in batch]
+        lengths = [len(c) for c in contexts]
         longest = max(lengths)
         tokens = torch.zeros(len(batch), longest, dtype=torch.long)
-        for i, s in enumerate(batch):
-            tokens[i, : lengths[i]] = torch.tensor(s.request.input_ids)
+        for i, context in enumerate(contexts):
+            tokens[i, : lengths[i]] = torch.tensor(context)
         start = self.cache.add_rows(len(batch))
         self.cache.begin_forward(start, start + len(batch), longest, valid=lengths)
         logits = self.model(tokens.to(self.device), positions=self.cache.positions(), cache=self.cache)
@@ -552,6 +593,7 @@ class Generator:
         keep = list(range(first_row))
         for i, (s, p, tok) in enumerate(zip(seqs, params, tokens.tolist())):
             s.output_ids.append(tok)
+            s.note_token_version(self._weight_version)
             if logprobs is not None and s.request.return_logprob:
                 s.logprobs.append(logprobs[i])
             # Length is checked before stop tokens, as SGLang does.

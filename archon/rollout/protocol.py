@@ -236,6 +236,8 @@ def generate_response(result: GenerationResult) -> dict[str, Any]:
     if result.output_logprobs is not None:
         meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(result.output_logprobs, result.output_ids)]
     meta["weight_version"] = result.weight_version
+    # SGLang's per-token versions: which weights produced each span of generated tokens.
+    meta["weight_versions"] = [{"version": v, "start": a, "end": b} for v, a, b in result.weight_versions]
     meta["e2e_latency"] = result.e2e_latency
     return {"text": "", "output_ids": result.output_ids, "meta_info": meta}
 
