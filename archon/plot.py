@@ -2,8 +2,9 @@
 
 Reads ``OUTPUT_DIR/metrics.jsonl`` (one JSON object per step, as RL and SFT runs write it)
 and draws one panel per group of metrics it finds: reward (mean with a +-std band), response
-length, actor loss, KL, train/inference logprob mismatch, entropy, gradient norm, and the
-SFT loss.  A panel whose metrics are absent or null in every step is left out, so the same
+length, actor loss, KL, train/inference logprob mismatch, entropy, gradient norm, the
+staleness of asynchronous runs (mean/max and histogram), the behaviour/proximal importance
+ratio and the clipped fractions of decoupled PPO, and the SFT loss.  A panel whose metrics are absent or null in every step is left out, so the same
 command plots RL and SFT runs.  The figure goes to ``OUTPUT_DIR/curves.png`` unless ``--out``
 says otherwise; it is drawn with the Agg backend, so no display is needed.
 """
@@ -30,7 +31,8 @@ class Panel:
     title: str
     """Subplot title."""
     keys: tuple[str, ...]
-    """Metrics drawn as lines, one per key present in the run."""
+    """Metrics drawn as lines, one per key present in the run; ``prefix*`` stands for every key
+    that starts with ``prefix`` (e.g. the buckets of a histogram)."""
     band: tuple[str, str] | None = None
     """``(mean key, std key)``: shade mean - std .. mean + std where both are logged."""
     ylabel: str = ""
@@ -45,6 +47,12 @@ PANELS: tuple[Panel, ...] = (
     Panel("train/inference mismatch", ("behav_prox_logprob_diff",), ylabel="mean |logprob diff|"),
     Panel("entropy", ("actor/entropy", "entropy"), ylabel="nats / token"),
     Panel("grad norm", ("actor/grad_norm", "grad_norm")),
+    Panel("staleness", ("async/staleness_mean", "async/staleness_max", "async/token_staleness_mean"),
+          ylabel="policy versions behind"),
+    Panel("staleness histogram", ("async/staleness_hist/*",), ylabel="fraction of trajectories"),
+    Panel("behaviour / proximal ratio", ("behav_ratio/mean", "behav_ratio/min", "behav_ratio/max",
+                                         "actor/behav_imp_weight"), ylabel="pi_prox / pi_behav"),
+    Panel("clipped", ("actor/clip_frac", "actor/behav_filtered_frac"), ylabel="fraction of tokens"),
     Panel("loss", ("loss",), ylabel="NLL / token"),
 )
 
@@ -125,9 +133,27 @@ def _band(records: Sequence[dict[str, Any]], mean_key: str, std_key: str) -> tup
     return xs, lo, hi
 
 
+def _natural(key: str) -> tuple:
+    """Sort key that puts ``hist/2`` before ``hist/10``."""
+    tail = key.rsplit("/", 1)[-1]
+    return (0, int(tail), key) if tail.isdigit() else (1, 0, key)
+
+
+def expand_keys(records: Sequence[dict[str, Any]], keys: Sequence[str]) -> list[str]:
+    """``keys`` with every ``prefix*`` replaced by the matching keys of ``records`` (naturally sorted)."""
+    out: list[str] = []
+    for key in keys:
+        if key.endswith("*"):
+            found = {k for r in records for k in r if k.startswith(key[:-1])}
+            out.extend(sorted(found, key=_natural))
+        else:
+            out.append(key)
+    return out
+
+
 def panels_for(records: Sequence[dict[str, Any]], panels: Sequence[Panel] = PANELS) -> list[Panel]:
     """The panels with at least one logged value."""
-    return [p for p in panels if any(_series(records, k)[1] for k in p.keys)]
+    return [p for p in panels if any(_series(records, k)[1] for k in expand_keys(records, p.keys))]
 
 
 def plot_metrics(records: Sequence[dict[str, Any]], out: str | Path, title: str = "",
@@ -148,7 +174,7 @@ def plot_metrics(records: Sequence[dict[str, Any]], out: str | Path, title: str 
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     for ax, panel in zip(axes, shown):
         drawn = 0
-        for key in panel.keys:
+        for key in expand_keys(records, panel.keys):
             xs, ys = _series(records, key)
             if not ys:
                 continue

@@ -41,6 +41,7 @@ T = TypeVar("T")
 
 _HEALTH_PROBE_TIMEOUT_S = 5.0
 _MAX_BACKOFF_S = 30.0
+_KEEPALIVE_S = 2.0
 
 
 class RolloutError(RuntimeError):
@@ -244,8 +245,11 @@ class RolloutClient:
         self._loop.run_forever()
 
     async def _open(self) -> None:
-        # limit=0: concurrency is bounded by the caller (max_concurrency), not by the pool.
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        # limit=0: concurrency is bounded by the caller (max_concurrency), not by the pool.  SGLang
+        # and uvicorn close a keep-alive connection after 5 idle seconds; reusing one the server
+        # just closed fails the request, so idle connections are dropped here well before that.
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=_KEEPALIVE_S))
         self._health_lock = asyncio.Lock()
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> "concurrent.futures.Future[T]":
