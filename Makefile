@@ -6,7 +6,7 @@ TORCH_SPEC ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch>=2.9,torch==
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install run test bench clean
+.PHONY: install run run-async test bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,13 @@ run: $(VENV)/.installed
 	rm -rf outputs/demo/grpo
 	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node=2 scripts/train_rl.py --config configs/cpu_demo.toml
 	$(PY) -m archon.plot outputs/demo/grpo
+
+# The multi-token demo, asynchronous RL: repeat a 3-digit number and stop; 1 training rank + 1 server.
+run-async: $(VENV)/.installed
+	$(PY) -m archon.demo_digits make-assets outputs/demo_digits/assets
+	rm -rf outputs/demo_digits/async
+	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node=1 scripts/train_rl.py --config configs/cpu_demo_digits.toml
+	$(PY) -m archon.plot outputs/demo_digits/async
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -2,10 +2,12 @@
 
 Reads ``OUTPUT_DIR/metrics.jsonl`` (one JSON object per step, as RL and SFT runs write it)
 and draws one panel per group of metrics it finds: reward (mean with a +-std band), response
-length, actor loss, KL, train/inference logprob mismatch, entropy, gradient norm, the SFT
-loss, and for MoE runs the router statistics (load imbalance of the worst and the mean layer
-and of every layer, the fraction of experts that got no token, the auxiliary loss or the
-largest routing bias).  A panel whose metrics are absent or null in every step is left out, so the same
+length, actor loss, KL, train/inference logprob mismatch, entropy, gradient norm, the
+staleness of asynchronous runs (mean/max and histogram), the behaviour/proximal importance
+ratio and the clipped fractions of decoupled PPO, the SFT loss, and for MoE runs the router
+statistics (load imbalance of the worst and the mean layer and of every layer, the fraction of
+experts that got no token, the auxiliary loss or the largest routing bias).  A panel whose
+metrics are absent or null in every step is left out, so the same
 command plots RL and SFT runs.  The figure goes to ``OUTPUT_DIR/curves.png`` unless ``--out``
 says otherwise; it is drawn with the Agg backend, so no display is needed.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,7 +37,8 @@ class Panel:
     title: str
     """Subplot title."""
     keys: tuple[str, ...]
-    """Metrics drawn as lines, one per key present in the run."""
+    """Metrics drawn as lines, one per key present in the run; ``prefix*`` stands for every key
+    that starts with ``prefix`` (e.g. the buckets of a histogram)."""
     band: tuple[str, str] | None = None
     """``(mean key, std key)``: shade mean - std .. mean + std where both are logged."""
     ylabel: str = ""
@@ -49,9 +53,9 @@ class Panel:
 
 
 def _natural(key: str) -> tuple:
-    # layer_10 after layer_9
-    head, _, tail = key.rpartition("_")
-    return (head, int(tail)) if tail.isdigit() else (key, -1)
+    # layer_10 after layer_9, hist/10 after hist/9
+    m = re.fullmatch(r"(.*?)(\d+)", key)
+    return (m.group(1), int(m.group(2))) if m else (key, -1)
 
 
 PANELS: tuple[Panel, ...] = (
@@ -62,6 +66,12 @@ PANELS: tuple[Panel, ...] = (
     Panel("train/inference mismatch", ("behav_prox_logprob_diff",), ylabel="mean |logprob diff|"),
     Panel("entropy", ("actor/entropy", "entropy"), ylabel="nats / token"),
     Panel("grad norm", ("actor/grad_norm", "grad_norm")),
+    Panel("staleness", ("async/staleness_mean", "async/staleness_max", "async/token_staleness_mean"),
+          ylabel="policy versions behind"),
+    Panel("staleness histogram", (), prefixes=("async/staleness_hist/",), ylabel="fraction of trajectories"),
+    Panel("behaviour / proximal ratio", ("behav_ratio/mean", "behav_ratio/min", "behav_ratio/max",
+                                         "actor/behav_imp_weight"), ylabel="pi_prox / pi_behav"),
+    Panel("clipped", ("actor/clip_frac", "actor/behav_filtered_frac"), ylabel="fraction of tokens"),
     Panel("loss", ("loss",), ylabel="NLL / token"),
     Panel("MoE load imbalance", ("actor/moe/load_imbalance_max", "actor/moe/load_imbalance_mean",
                                  "moe/load_imbalance_max", "moe/load_imbalance_mean"),

@@ -119,3 +119,23 @@ def test_moe_router_statistics_get_their_panels(tmp_path):
     assert keys[-1] == "actor/moe/load_imbalance/layer_11"  # natural order, not string order
     # A dense run draws none of them.
     assert not [t for t in plot_run(_write(tmp_path / "dense", _rl_records()).parent)[1] if t.startswith("MoE")]
+
+
+def test_asynchronous_runs_get_staleness_histogram_and_decoupled_ratio_panels(tmp_path):
+    records = _rl_records()
+    for r in records:
+        k = min(r["step"] - 1, 2)
+        r.update({"async/staleness_mean": k, "async/staleness_max": k, "async/token_staleness_mean": k * 0.8,
+                  "behav_ratio/mean": 1.0, "behav_ratio/min": 0.5, "behav_ratio/max": 3.0,
+                  "actor/clip_frac": 0.1, "actor/behav_filtered_frac": 0.01})
+        r.update({f"async/staleness_hist/{j}": float(j == k) for j in range(11)})
+    titles = [p.title for p in panels_for(records)]
+    for title in ("staleness", "staleness histogram", "behaviour / proximal ratio", "clipped"):
+        assert title in titles, title
+    # One line per bucket, in numeric order (10 after 9).
+    buckets = next(p for p in PANELS if p.title == "staleness histogram").keys_in(records)
+    assert buckets == [f"async/staleness_hist/{j}" for j in range(11)]
+    plot_metrics(records, tmp_path / "async.png")
+    assert _is_png(tmp_path / "async.png")
+    # A synchronous run has none of these panels.
+    assert "staleness" not in [p.title for p in panels_for(_rl_records())]

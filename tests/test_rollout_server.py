@@ -38,7 +38,8 @@ from hf_fixtures import random_tokens, save_tiny_hf
 
 REPO = Path(__file__).resolve().parents[1]
 ATOL = 1e-5
-META_KEYS = {"id", "finish_reason", "prompt_tokens", "completion_tokens", "weight_version", "e2e_latency"}
+META_KEYS = {"id", "finish_reason", "prompt_tokens", "completion_tokens", "weight_version", "weight_versions",
+             "e2e_latency"}
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

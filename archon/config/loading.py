@@ -379,6 +379,14 @@ def _validate_rl_options(cfg: Config, sources: dict[str, str]) -> None:
         if rs.action == "clamp" and rs.metric != "ratio":
             raise ConfigError(f"actor.rejection_sampling.action = 'clamp' bounds the importance ratio and needs "
                               f"metric 'ratio', not '{rs.metric}'; use action 'mask' with KL metrics")
+    if cfg.rollout.max_head_offpolicyness < 0:
+        raise ConfigError(f"rollout.max_head_offpolicyness = {cfg.rollout.max_head_offpolicyness} (from "
+                          f"{where('rollout.max_head_offpolicyness')}) must be 0 (synchronous) or a positive number of "
+                          "policy versions")
+    if cfg.rollout.max_head_offpolicyness > 0 and cfg.actor.moe_routing_replay:
+        raise ConfigError("actor.moe_routing_replay is not supported with asynchronous rollouts "
+                          f"(rollout.max_head_offpolicyness = {cfg.rollout.max_head_offpolicyness}): a trajectory "
+                          "generated across a weight update has no single routing to replay; set one of them off")
     dyn = cfg.dynamic_filter
     if dyn.max_num_gen_batches < 0:
         raise ConfigError(f"dynamic_filter.max_num_gen_batches = {dyn.max_num_gen_batches} must be 0 (no limit) or "

@@ -317,6 +317,12 @@ class RolloutConfig:
     """Requests in flight per trainer process; 0 sends the whole batch at once."""
     max_server_restarts: int = 3
     """Restarts per run of launched servers that died or hung (they get the current weights); others are dropped."""
+    max_head_offpolicyness: int = 0
+    """Asynchronous RL (AReaL's name): 0 trains synchronously (generate, train, sync weights, repeat); k > 0 keeps generating while the trainer trains, and no trajectory enters a batch if the policy version that generated its first token is more than k versions behind the one being trained (new prompts wait for the trainer instead). Use with actor.use_decoupled_loss."""
+    partial_rollout: bool = True
+    """Asynchronous RL: a weight update pauses the requests in flight, which then continue with the new weights (every token keeps the version that produced it). false: an update waits until every request that may start under the current weights has finished, so each batch comes from one policy version and a run is reproducible, at some cost in speed."""
+    pause_generation_mode: Literal["retract", "abort"] = "retract"
+    """Asynchronous RL: how servers pause for a weight update (SGLang's /pause_generation mode). 'retract' keeps each request's tokens on the server, which continues it after the update; 'abort' ends the requests and the trainer sends prompt + tokens so far again (servers without retract)."""
 
 
 @dataclass

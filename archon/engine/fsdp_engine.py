@@ -244,7 +244,12 @@ class FSDPEngine(ArchonEngine):
         return pack(batch, indices, multiple_of=self.parallel_dims.cp, pad_to=pad_to)
 
     # ------------------------------------------------------------------ running the model
-    def _run_model(self, mb) -> dict[str, torch.Tensor]:
+    def _loss_positions(self, batch, mb) -> None:
+        """Every position: transformers models compute their head over the whole sequence."""
+        return None
+
+    def _run_model(self, mb, keep: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        assert keep is None, "the fsdp engine computes every position"
         if isinstance(mb, PaddedMicrobatch):
             return self._run_padded(mb)
         tokens, inputs = self._model_inputs(mb)

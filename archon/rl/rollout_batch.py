@@ -32,6 +32,8 @@ class Completion:
     routed_experts: Any = None
     """MoE routing replay: int array ``[prompt + output - 1, n_layers, top_k]`` of the experts the
     server ran each token through (the last output token is never run), or None."""
+    output_versions: list[int] | None = None
+    """Policy version that generated each token (asynchronous RL; None when not tracked)."""
 
     @property
     def truncated(self) -> bool:

@@ -5,7 +5,8 @@ workers and broadcasts what it got; then every rank holds the whole rollout batc
 engine (actor, critic, reference; each with its own allocation over the same ranks) takes
 its data-parallel share of it.  Sampling seeds depend only on ``seed``, the step and the
 sample's index, so a run does not depend on the allocation and a resumed run repeats an
-uninterrupted one.
+uninterrupted one.  With ``rollout.max_head_offpolicyness > 0`` the batches come from
+``archon.rl.async_rollout``, which keeps generating while the ranks train.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from archon.rl.critic import PPOCritic
 from archon.rl.dynamic_filter import collect_mixed_groups
 from archon.rl.kl import KLController, kl_estimate
 from archon.rl.losses import aggregate
+from archon.rl.offpolicy import behaviour_ratio_metrics
 from archon.rl.rollout_batch import Completion, build_rollout_batch, routed_experts_array
 from archon.rl.server_recovery import generate_or_recover, recover_servers, sync_with_recovery
 
@@ -110,6 +112,8 @@ class RLTrainer:
         # Built in run(); close() releases whatever was built.
         self.launcher = self.client = self.rewards = self.weight_sync = self.supervisor = None
         self.served_version: str | None = None  # weights the servers hold (None: actor.path's)
+        # rollout.max_head_offpolicyness > 0: batches come from archon.rl.async_rollout.
+        self.async_rollout = None
 
     # ------------------------------------------------------------------ setup
     def _build_engines(self) -> None:
@@ -204,6 +208,8 @@ class RLTrainer:
     # ------------------------------------------------------------------ one step
     def _collect_rollouts(self, step: int) -> tuple[list[Completion], list[float], dict[str, float]]:
         """One rollout round, or with ``dynamic_filter`` as many as it takes (``archon.rl.dynamic_filter``)."""
+        if self.async_rollout is not None:
+            return self.async_rollout.collect(step)
         dyn = self.cfg.dynamic_filter
         if not dyn.enable:
             return self._rollout(step)
@@ -237,16 +243,20 @@ class RLTrainer:
                                       if args is not None else None)
                            for p, r in zip(prompts, results)]
             t1 = time.perf_counter()
-            texts = [self.tokenizer.decode(c.output_ids, skip_special_tokens=True) for c in completions]
-            extra_keys = sorted({k for p in prompts for k in p.extra})
-            extra = {k: [p.extra.get(k) for p in prompts] for k in extra_keys}
-            rewards = self.rewards.compute([p.prompt for p in prompts], texts, [p.answer for p in prompts], **extra)
+            rewards = self._score(prompts, completions)
             timing = {"rollout_time_s": t1 - t0, "reward_time_s": time.perf_counter() - t1}
             return completions, rewards, timing
 
         while (out := run_on_rank0(generate_and_score, f"rollout of step {step}")) is None:
             recover_servers(self.supervisor, self.weight_sync, self.served_version)
         return out
+
+    def _score(self, prompts: list[Any], completions: list[Completion]) -> list[float]:
+        """Rank 0: the reward of each completion of ``prompts`` (one entry per sample)."""
+        texts = [self.tokenizer.decode(c.output_ids, skip_special_tokens=True) for c in completions]
+        extra_keys = sorted({k for p in prompts for k in p.extra})
+        extra = {k: [p.extra.get(k) for p in prompts] for k in extra_keys}
+        return self.rewards.compute([p.prompt for p in prompts], texts, [p.answer for p in prompts], **extra)
 
     def _prepare(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """Reference/proximal logprobs, values and advantages, added to ``batch``; returns metrics."""
@@ -258,6 +268,8 @@ class RLTrainer:
             batch["old_logprobs"] = self.actor.compute_logprobs(batch)
             diff = (batch["old_logprobs"] - batch["logprobs"]).abs()
             metrics["behav_prox_logprob_diff"] = float(aggregate(diff, mask, "token-mean"))
+            if self.async_rollout is not None:
+                metrics.update(behaviour_ratio_metrics(batch["old_logprobs"], batch["logprobs"], mask))
         if self.ref is not None:
             policy = batch.get("old_logprobs", batch["logprobs"])
             metrics["kl_ref"] = float(aggregate(kl_estimate(policy, batch["ref_logprobs"], "k1"), mask, "token-mean"))
@@ -297,7 +309,10 @@ class RLTrainer:
         if self.critic is not None:
             record.update(self.critic.ppo_update(batch))
         train_time = time.perf_counter() - t_train
-        sync = sync_with_recovery(self.supervisor, self.weight_sync, str(step))
+        if self.async_rollout is not None:
+            sync = self.async_rollout.sync_weights(step)
+        else:
+            sync = sync_with_recovery(self.supervisor, self.weight_sync, str(step))
         self.served_version = str(step)
 
         r = torch.tensor(rewards, dtype=torch.float64)
@@ -349,6 +364,10 @@ class RLTrainer:
             # The servers started from actor.path; give them the resumed policy.
             self.weight_sync.sync(str(start))
             self.served_version = str(start)
+        if self._asynchronous():
+            from archon.rl.async_rollout import AsyncRollout
+
+            self.async_rollout = AsyncRollout(self, start_step=start, state=(extra or {}).get("async_rollout"))
         return start + 1
 
     def step(self, step: int) -> dict[str, Any]:
@@ -373,7 +392,7 @@ class RLTrainer:
                     freq = cfg.saver.freq_steps
                     if (freq and step % freq == 0) or step == cfg.total_train_steps:
                         self.ckpt.save(step, self.engines, {"loader": self.loader.state_dict(), "step": step,
-                                                            "kl_ctl": self.kl_ctl.state_dict()})
+                                                            "kl_ctl": self.kl_ctl.state_dict(), **self._async_state()})
             finally:
                 metrics_log.close()
             if cfg.saver.export_hf:
@@ -384,7 +403,17 @@ class RLTrainer:
             self.close()
         return history
 
+    def _asynchronous(self) -> bool:
+        """Whether rollout runs ahead of training (k = 0 keeps today's synchronous loop)."""
+        return self.cfg.rollout.max_head_offpolicyness > 0
+
+    def _async_state(self) -> dict[str, Any]:
+        return {} if self.async_rollout is None else {"async_rollout": self.async_rollout.state_dict()}
+
     def close(self) -> None:
+        if self.async_rollout is not None:
+            self.async_rollout.close()  # before the client it sends through
+            self.async_rollout = None
         if self.weight_sync is not None:
             self.weight_sync.close()
             self.weight_sync = None

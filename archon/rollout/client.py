@@ -61,6 +61,7 @@ T = TypeVar("T")
 
 _ABORT_TIMEOUT_S = 5.0
 _MAX_BACKOFF_S = 30.0
+_KEEPALIVE_S = 2.0
 
 
 class _ServerFailure(Exception):
@@ -187,8 +188,11 @@ class RolloutClient:
         self._loop.run_forever()
 
     async def _open(self) -> None:
-        # limit=0: concurrency is bounded by the caller (max_concurrency), not by the pool.
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=self._headers)
+        # limit=0: concurrency is bounded by the caller (max_concurrency), not by the pool.  SGLang
+        # and uvicorn close a keep-alive connection after 5 idle seconds; reusing one the server
+        # just closed fails the request, so idle connections are dropped here well before that.
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=_KEEPALIVE_S), headers=self._headers)
         self._health_lock = asyncio.Lock()
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> "concurrent.futures.Future[T]":
@@ -517,8 +521,9 @@ class RolloutClient:
         return RolloutError(f"{self.api.name} rollout servers cannot join a weight-update group; set "
                             "rollout.weight_sync = 'disk' so that new weights reach them through a folder")
 
-    async def apause_generation(self) -> dict[str, Any]:
-        return await self._fan_out(self.api.pause(), retry=True)
+    async def apause_generation(self, mode: str | None = None) -> dict[str, Any]:
+        """Pause every server; ``mode`` is SGLang's ('abort', 'retract', 'in_place'; None: the server's default, abort)."""
+        return await self._fan_out(self.api.pause(mode), retry=True)
 
     async def acontinue_generation(self) -> dict[str, Any]:
         return await self._fan_out(self.api.resume(), retry=True)
@@ -587,8 +592,8 @@ class RolloutClient:
                 s.weight_version = str(version)
         return result
 
-    def pause_generation(self) -> dict[str, Any]:
-        return self._wait(self.apause_generation())
+    def pause_generation(self, mode: str | None = None) -> dict[str, Any]:
+        return self._wait(self.apause_generation(mode))
 
     def continue_generation(self) -> dict[str, Any]:
         return self._wait(self.acontinue_generation())

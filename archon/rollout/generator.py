@@ -16,12 +16,17 @@ Control semantics (the server's endpoints map onto these one to one):
 
 * ``pause()``: running requests finish at once with reason ``abort``; queued and new requests
   wait (are not admitted) until ``resume()``.  Weight updates still run while paused.
+* ``pause(mode="retract")`` (SGLang's retract mode): running requests go back to the head of
+  the queue with the tokens they have; after ``resume()`` each is prefilled again (prompt and
+  its tokens so far, under the weights loaded by then) and continues with its own random
+  generator.  A weight update between the two makes a partial rollout: the request's tokens
+  come from two versions, which ``GenerationResult.weight_versions`` reports per token span.
 * ``abort(rid)`` / ``abort_all()``: the matching queued or running requests finish with
   reason ``abort`` and the tokens generated so far.
 * Weight updates (``run_exclusive`` and the ``update_weights_*`` helpers): admission stops,
   running requests finish normally (or are aborted when ``abort_running``), then the update
-  runs on the engine thread, ``weight_version`` changes, and admission resumes.  So no
-  request ever mixes two weight versions, and every result reports the version it used.
+  runs on the engine thread, ``weight_version`` changes, and admission resumes.  So without a
+  retract no request mixes two weight versions.
 """
 
 from __future__ import annotations
@@ -50,6 +55,9 @@ from models.common.inference import InferenceForward
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+PAUSE_MODES = ("abort", "retract")
+"""``pause`` modes (SGLang's names; SGLang's 'in_place' keeps a KV cache of the old weights, which this server never does)."""
 
 
 # ---- requests and results -----------------------------------------------------------------
@@ -88,13 +96,16 @@ class GenerationResult:
     prompt_tokens: int
     """Prompt length."""
     weight_version: str
-    """Version of the weights every generated token was produced with."""
+    """Version of the weights the last generated token was produced with (at admission if none was)."""
     e2e_latency: float
     """Seconds from submission to finish."""
     routed_experts: torch.Tensor | None = None
     """int32 ``[tokens, n_layers, top_k]``: the experts each token the model ran was routed to (the
     prompt, then every generated token but the last, which is never fed back; from
     ``routed_experts_start_len`` on; dense layers 0), as SGLang returns them; None if not requested."""
+    weight_versions: list[tuple[str, int, int]] = field(default_factory=list)
+    """SGLang's spans ``(version, start, end)``: generated tokens ``start:end`` came from weight
+    ``version``; in order, covering every token (one span per version change)."""
 
     @property
     def completion_tokens(self) -> int:
@@ -126,6 +137,16 @@ class _Sequence:
     """Version of the weights at admission."""
     routed: list[torch.Tensor] = field(default_factory=list)
     """Routed experts of the tokens run so far, one ``[n, n_layers, top_k]`` chunk per forward (when requested)."""
+    version_spans: list[list] = field(default_factory=list)
+    """``[version, start, end]`` of the generated tokens, a new span whenever the version changed."""
+
+    def note_token_version(self, version: str) -> None:
+        """Record that the last appended token came from weights ``version``."""
+        n = len(self.output_ids)
+        if self.version_spans and self.version_spans[-1][0] == version:
+            self.version_spans[-1][2] = n
+        else:
+            self.version_spans.append([version, n - 1, n])
 
 
 @dataclass
@@ -204,7 +225,7 @@ class Generator:
         self._inbox: list[_Sequence] = []
         self._abort_rids: set[str] = set()
         self._abort_everything = False
-        self._pause_waiters: list[Future] = []
+        self._pause_waiters: list[tuple[Future, str]] = []
         self._paused = False
         self._exclusive: deque[_Exclusive] = deque()
         self._stopping = False
@@ -315,15 +336,19 @@ class Generator:
             self._abort_everything = True
             self._cond.notify()
 
-    def pause(self) -> Future:
-        """Abort running requests and hold queued and new ones until ``resume()``.
+    def pause(self, mode: str = "abort") -> Future:
+        """Stop running requests and hold queued and new ones until ``resume()``.
 
-        The future resolves once the running requests have been aborted.
+        ``mode`` 'abort' finishes the running requests (reason ``abort``); 'retract' puts them
+        back in the queue with their tokens, to continue after ``resume()``.  The future
+        resolves once no request is running.
         """
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode {mode!r} is not supported; use one of {', '.join(PAUSE_MODES)}.")
         future: Future = Future()
         with self._cond:
             self._paused = True
-            self._pause_waiters.append(future)
+            self._pause_waiters.append((future, mode))
             self._cond.notify()
         return future
 
@@ -415,8 +440,11 @@ class Generator:
             elif abort_rids:
                 self._abort_where(lambda s: s.request.rid in abort_rids, "aborted by abort_request")
             if pause_waiters:
-                self._abort_running("aborted by pause_generation")
-                for f in pause_waiters:
+                if any(mode == "abort" for _, mode in pause_waiters):
+                    self._abort_running("aborted by pause_generation")
+                else:
+                    self._retract_running()
+                for f, _ in pause_waiters:
                     _resolve(f, None)
             if exclusive is not None:
                 if exclusive.abort_running:
@@ -433,7 +461,7 @@ class Generator:
             for s in self._inbox:
                 self._finish(s, {"type": "abort", "message": "the server is shutting down"})
             self._inbox = []
-            for f in self._pause_waiters:
+            for f, _ in self._pause_waiters:
                 _resolve(f, None)
             for op in self._exclusive:
                 _fail(op.future, RuntimeError("the generator was closed before the weight update ran."))
@@ -457,15 +485,19 @@ class Generator:
 
     def _finish(self, seq: _Sequence, reason: dict[str, Any]) -> None:
         req = seq.request
+        version = seq.weight_version if seq.weight_version is not None else self._weight_version
+        # As SGLang: one span even without tokens, and weight_version is the last span's.
+        spans = [(str(v), int(a), int(b)) for v, a, b in seq.version_spans] or [(version, 0, 0)]
         result = GenerationResult(
             rid=req.rid,
             output_ids=list(seq.output_ids),
             output_logprobs=list(seq.logprobs) if req.return_logprob else None,
             finish_reason=reason,
             prompt_tokens=len(req.input_ids),
-            weight_version=seq.weight_version if seq.weight_version is not None else self._weight_version,
+            weight_version=spans[-1][0],
             e2e_latency=time.perf_counter() - seq.submitted,
             routed_experts=self._routed_result(seq) if req.return_routed_experts else None,
+            weight_versions=spans,
         )
         _resolve(seq.future, result)
 
@@ -478,6 +510,13 @@ class Generator:
     def _abort_running(self, message: str) -> None:
         for s in self._running:
             self._finish(s, {"type": "abort", "message": message})
+        self._running = []
+        self.cache.clear()
+
+    def _retract_running(self) -> None:
+        """Put the running requests back at the head of the queue, in order, with their tokens so far;
+        admission prefills each again (prompt and tokens) and it goes on sampling."""
+        self._waiting.extendleft(reversed(self._running))
         self._running = []
         self.cache.clear()
 
@@ -515,7 +554,7 @@ class Generator:
                 seq.weight_version = self._weight_version
                 self._finish(seq, {"type": "length", "length": 0})
                 continue
-            n = len(seq.request.input_ids)
+            n = len(seq.request.input_ids) + len(seq.output_ids)
             if batch and (len(batch) + 1) * max(longest, n) > self.max_prefill_tokens:
                 break
             batch.append(self._waiting.popleft())
@@ -539,24 +578,26 @@ class Generator:
             self.cache.clear()
 
     def _prefill(self, batch: list[_Sequence]) -> None:
-        # Identical prompts (a GRPO group's samples) are computed once: the first of each is
+        # Identical contexts (a GRPO group's samples) are computed once: the first of each is
         # prefilled, the others get copies of its cache row and logits.  Cache rows follow the
-        # order firsts, then copies; each request still samples with its own generator.
+        # order firsts, then copies; each request still samples with its own generator.  A
+        # retracted request is prefilled with its tokens so far, under the current weights.
         first_row: dict[tuple[int, ...], int] = {}
         firsts, copies, source = [], [], []
         for s in batch:
-            key = tuple(s.request.input_ids)
+            key = tuple(s.request.input_ids + s.output_ids)
             if key in first_row:
                 copies.append(s)
                 source.append(first_row[key])
             else:
                 first_row[key] = len(firsts)
                 firsts.append(s)
-        lengths = [len(s.request.input_ids) for s in firsts]
+        contexts = [s.request.input_ids + s.output_ids for s in firsts]
+        lengths = [len(c) for c in contexts]
         longest = max(lengths)
         tokens = torch.zeros(len(firsts), longest, dtype=torch.long)
-        for i, s in enumerate(firsts):
-            tokens[i, : lengths[i]] = torch.tensor(s.request.input_ids)
+        for i, context in enumerate(contexts):
+            tokens[i, : lengths[i]] = torch.tensor(context)
         start = self.cache.add_rows(len(batch))
         self.cache.begin_forward(start, start + len(firsts), longest, valid=lengths)
         logits = self._forward(tokens, last=torch.tensor(lengths, device=self.device) - 1)
@@ -564,8 +605,10 @@ class Generator:
             self.cache.copy_rows([start + i for i in source], start + len(firsts))
             logits = torch.cat([logits, logits[torch.tensor(source, device=logits.device)]])
         batch = firsts + copies
+        for s in batch:
+            s.routed.clear()  # a retracted request's whole context was routed again
         rows = list(range(len(firsts))) + source
-        self._keep_routing(batch, rows, [len(s.request.input_ids) for s in batch])
+        self._keep_routing(batch, rows, [lengths[r] for r in rows])
         for s in batch:
             s.weight_version = self._weight_version
         self._running.extend(batch)
@@ -639,6 +682,7 @@ class Generator:
         keep = list(range(first_row))
         for i, (s, p, tok) in enumerate(zip(seqs, params, tokens.tolist())):
             s.output_ids.append(tok)
+            s.note_token_version(self._weight_version)
             if logprobs is not None and s.request.return_logprob:
                 s.logprobs.append(logprobs[i])
             # Stop tokens are checked before length, as SGLang does: EOS as the last allowed token is 'stop'.

@@ -261,6 +261,8 @@ def generate_response(result: GenerationResult) -> dict[str, Any]:
         meta["routed_experts"] = base64.b64encode(
             result.routed_experts.to(torch.int32).contiguous().numpy().tobytes()).decode("ascii")
     meta["weight_version"] = result.weight_version
+    # SGLang's per-token versions: which weights produced each span of generated tokens.
+    meta["weight_versions"] = [{"version": v, "start": a, "end": b} for v, a, b in result.weight_versions]
     meta["e2e_latency"] = result.e2e_latency
     return {"text": "", "output_ids": result.output_ids, "meta_info": meta}
 

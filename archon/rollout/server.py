@@ -38,7 +38,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 from archon.rollout import protocol
 from archon.rollout.auth import APIKeyMiddleware, api_key_from_env, check_bind
-from archon.rollout.generator import GenerationRequest, Generator
+from archon.rollout.generator import PAUSE_MODES, GenerationRequest, Generator
 from archon.rollout.http_limits import BodyLimitMiddleware, add_error_handlers
 from archon.rollout.protocol import ProtocolError
 from archon.rollout.sampling import SamplingParams
@@ -229,11 +229,12 @@ def create_app(server: RolloutServer) -> FastAPI:
             mode = body.get("mode", "abort") if isinstance(body, dict) else None
         except ProtocolError as e:
             return _error(str(e))
-        if mode != "abort":
-            return _error(f"pause_generation mode {mode!r} is not supported; the built-in server aborts "
-                          "running requests (mode 'abort').")
-        await asyncio.wrap_future(gen.pause())
-        return JSONResponse({"success": True, "message": "Generation paused; running requests were aborted."})
+        if mode not in PAUSE_MODES:
+            return _error(f"pause_generation mode {mode!r} is not supported; the built-in server aborts running "
+                          "requests (mode 'abort') or puts them back in its queue to continue later (mode 'retract').")
+        await asyncio.wrap_future(gen.pause(mode))
+        done = "aborted" if mode == "abort" else "retracted (they continue after /continue_generation)"
+        return JSONResponse({"success": True, "message": f"Generation paused; running requests were {done}."})
 
     @app.post("/continue_generation")
     async def continue_generation() -> JSONResponse:

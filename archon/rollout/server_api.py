@@ -8,7 +8,7 @@ connections, retries and fan-out, and every backend returns the same ``GenerateR
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from archon.errors import ArchonError
@@ -54,6 +54,8 @@ class GenerateResult:
     """Flat int32 numpy array of the experts chosen for every token the server ran (prompt, then
     each generated token but the last), SGLang's ``meta_info["routed_experts"]`` decoded; its
     shape is ``[tokens, num_hidden_layers, top_k]``.  None unless requested."""
+    output_versions: list[str] = field(default_factory=list)
+    """Weight version of each generated token (``token_versions``)."""
 
 
 @dataclass(frozen=True)
@@ -119,14 +121,16 @@ class ServerAPI:
         return GenerateResult(output_ids=output_ids, output_logprobs=logprobs, finish_reason=reason,
                               prompt_tokens=int(meta.get("prompt_tokens", 0)),
                               weight_version=str(meta.get("weight_version", weight_version)), server=server,
-                              matched_stop=matched, routed_experts=routed)
+                              matched_stop=matched, routed_experts=routed,
+                              output_versions=token_versions(meta, len(output_ids), weight_version))
 
     def abort(self, rid: str) -> Call | None:
         """Frees a timed-out request's slot (None: the server does that when the connection drops)."""
         return Call("POST", "/abort_request", {"rid": rid})
 
-    def pause(self) -> list[Call]:
-        return [Call("POST", "/pause_generation", {})]
+    def pause(self, mode: str | None = None) -> list[Call]:
+        """``mode``: SGLang's ('abort', 'retract', 'in_place'; None: the server's default, abort)."""
+        return [Call("POST", "/pause_generation", {"mode": mode} if mode else {})]
 
     def resume(self) -> list[Call]:
         return [Call("POST", "/continue_generation", {})]
@@ -137,6 +141,26 @@ class ServerAPI:
     def update_weights_from_disk(self, path: str, version: str, abort_all_requests: bool) -> list[Call]:
         return [Call("POST", "/update_weights_from_disk", {"model_path": path, "weight_version": version,
                                                           "abort_all_requests": abort_all_requests})]
+
+
+def token_versions(meta: dict[str, Any], n_tokens: int, default: str = "") -> list[str]:
+    """The weight version that produced each of ``n_tokens`` generated tokens, from a ``meta_info``.
+
+    SGLang (0.5.x and later) and the built-in server report ``weight_versions``, spans
+    ``{"version", "start", "end"}`` over the generated tokens; a request paused in retract mode
+    across a weight update has several.  Tokens no span covers (older servers report no spans)
+    get ``weight_version``, the version when the answer was made (``default`` if absent).
+    """
+    fallback = str(meta.get("weight_version", default))
+    versions: list[str | None] = [None] * n_tokens
+    for span in meta.get("weight_versions") or []:
+        if isinstance(span, dict):
+            version, start, end = span.get("version"), span.get("start", 0), span.get("end", 0)
+        else:  # SGLang's msgspec form is array-like: [version, start, end]
+            version, start, end = span
+        lo, hi = max(0, int(start)), min(n_tokens, int(end))
+        versions[lo:hi] = [str(version)] * max(0, hi - lo)
+    return [fallback if v is None else v for v in versions]
 
 
 def decode_routed_experts(value: Any, server: str) -> Any:

@@ -91,6 +91,11 @@ def check_vllm_config(cfg: Config) -> None:
         raise ConfigError(f"actor.moe_routing_replay needs the experts each token was routed to, which "
                           f"rollout.backend = '{cfg.rollout.backend}' does not report; use an sglang or local "
                           "rollout backend, or set actor.moe_routing_replay = false")
+    r = cfg.rollout
+    if r.max_head_offpolicyness > 0 and r.partial_rollout and r.pause_generation_mode != "abort":
+        raise ConfigError(f"rollout.pause_generation_mode = '{r.pause_generation_mode}' is SGLang's; vLLM servers pause "
+                          "by aborting, so set rollout.pause_generation_mode = 'abort' (interrupted requests are sent "
+                          "again with their tokens so far)")
     vllm_logprobs_mode(cfg.gconfig)
 
 
@@ -194,12 +199,15 @@ class VLLMAPI(ServerAPI):
         prompt_tokens = len(prompt_ids) if prompt_ids is not None else int(usage.get("prompt_tokens", 0))
         return GenerateResult(output_ids=output_ids, output_logprobs=logprobs, finish_reason=reason,
                               prompt_tokens=prompt_tokens, weight_version=version, server=server,
-                              matched_stop=matched)
+                              matched_stop=matched, output_versions=[version] * len(output_ids))
 
     def abort(self, rid: str) -> Call | None:
         return None  # vLLM aborts a request whose connection drops (with_cancellation)
 
-    def pause(self) -> list[Call]:
+    def pause(self, mode: str | None = None) -> list[Call]:
+        if mode not in (None, "abort"):
+            raise RolloutError(f"vLLM servers cannot pause in mode {mode!r}; set rollout.pause_generation_mode = "
+                               "'abort' (interrupted requests are then sent again with their tokens so far)")
         return [Call("POST", "/pause?mode=abort")]  # like SGLang's: running requests end with 'abort'
 
     def resume(self) -> list[Call]:

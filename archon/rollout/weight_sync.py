@@ -192,7 +192,7 @@ class DistributedWeightSync:
     def __init__(self, engine: WeightSyncEngine, client: Any, *, chunk_mb: float = 512, backend: str | None = None,
                  master_address: str | None = None, ranks_per_server: int = 1,
                  group_name: str = "archon_weight_update", dtype: torch.dtype | None = None,
-                 timeout_s: float = 600.0, extras: bool = False):
+                 timeout_s: float = 600.0, extras: bool = False, pause_mode: str | None = None):
         if chunk_mb <= 0:
             raise ConfigError(f"rollout.weight_chunk_mb = {chunk_mb} must be positive")
         self.engine = engine
@@ -206,6 +206,9 @@ class DistributedWeightSync:
         self.timeout_s = timeout_s
         self._rebuilds: tuple[str, int] | None = None  # (first group name, groups formed again by rebuild())
         self.extras = extras
+        # How the servers pause around the broadcast (SGLang's mode; None: abort). Asynchronous RL
+        # sets 'retract' so that requests in flight continue with the new weights.
+        self.pause_mode = pause_mode
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" \
             else torch.device("cpu")
         self._pg: dist.ProcessGroup | None = None
@@ -285,7 +288,7 @@ class DistributedWeightSync:
             # Each bucket is applied on its own: without a pause, a request admitted between two
             # buckets would run on half-updated weights.
             try:
-                self.client.pause_generation()
+                self.client.pause_generation(self.pause_mode)
                 paused = True
             except Exception as exc:  # noqa: BLE001 - reported on every rank below
                 error = f"could not pause the rollout servers before weight sync {version}: {exc}"
