@@ -40,16 +40,14 @@ def _make_model(folder: str, args: argparse.Namespace) -> None:
 
 
 def _rollout(folder: str, args: argparse.Namespace):
-    import models
     from archon.rollout.generator import GenerationRequest, Generator
     from archon.rollout.sampling import SamplingParams
 
-    model = models.load_hf_model(folder, dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(args.seed)
     prompts = [torch.randint(0, args.vocab, (int(torch.randint(8, 32, (1,), generator=g)),), generator=g).tolist()
                for _ in range(args.samples)]
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, ignore_eos=True)
-    with Generator(model, random_seed=args.seed, max_running_requests=16) as gen:
+    with Generator.from_hf(folder, dtype=torch.bfloat16, random_seed=args.seed, max_running_requests=16) as gen:
         results = gen.generate([GenerationRequest(p, params, return_logprob=True, return_routed_experts=True)
                                 for p in prompts])
     return prompts, results

@@ -164,7 +164,7 @@ def test_checkpoint_code_does_not_import_the_engine():
 
 def test_request_sampling_derives_from_the_generation_config():
     from archon.config import SGLANG_DEFAULT_MAX_NEW_TOKENS, GenerationConfig
-    from archon.rollout.client import sampling_params
+    from archon.rollout.server_api import sampling_params
     from archon.rollout.protocol import parse_sampling_params
     from archon.rollout.sampling import SamplingParams
 

@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import save_file
 
 from archon.config import GenerationConfig
-from archon.rollout.client import RolloutClient, RolloutError, RolloutRequestError, sampling_params
+from archon.rollout.client import RolloutClient, RolloutError, RolloutRequestError
+from archon.rollout.server_api import sampling_params
 from dist_utils import find_free_port, wait_until
 from fake_sglang import FakeSGLang, fake_completion
 

@@ -55,7 +55,8 @@ def _interrupted(model, requests, after_forward: int, update=None):
         futures = [gen.submit(r) for r in requests]
         assert fired.wait(60)
         pausing[0].result(timeout=60)
-        assert gen.stats() == {"num_running_reqs": 0, "num_queued_reqs": len(requests)}
+        stats = gen.stats()
+        assert (stats["num_running_reqs"], stats["num_queued_reqs"]) == (0, len(requests))
         assert not any(f.done() for f in futures)  # retracted, not finished
         if update is not None:
             gen.run_exclusive(update, weight_version="1").result(timeout=60)

@@ -139,7 +139,7 @@ def fake() -> Iterator[tuple[FakeVLLM, str]]:
 def test_reported_logprobs_equal_the_trainers_recomputation(gconfig):
     cfg = load_config(None, [f"gconfig.{k}={v}" for k, v in gconfig.items()] + ["gconfig.max_new_tokens=12"])
     server = FakeVLLM("m", max_model_len=256, logprobs_mode=vllm_logprobs_mode(cfg.gconfig), dev_mode=True, eos=EOS)
-    from archon.rollout.client import sampling_params
+    from archon.rollout.server_api import sampling_params
 
     params = sampling_params(cfg.gconfig, stop_token_ids=[EOS])
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7]]

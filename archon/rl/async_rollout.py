@@ -247,7 +247,7 @@ class RolloutWorker:
                 self.resubmitted += 1
                 continue
             reason = "length" if res.finish_reason == "abort" and len(out) >= max_new else res.finish_reason
-            return Completion(list(input_ids), out, logprobs, reason, versions)
+            return Completion(list(input_ids), out, logprobs, reason, output_versions=versions)
 
     async def _atake(self, new_step: bool) -> Round:
         if new_step:

@@ -155,7 +155,7 @@ class RLTrainer:
                                    group_size=cfg.gconfig.n_samples)
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
-        from archon.rollout.client import sampling_params
+        from archon.rollout.server_api import sampling_params
 
         # The tokenizer's EOS may differ from config.json's eos_token_id (which the server stops on).
         eos = self.tokenizer.eos_token_id

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import json
 import logging
 import threading
@@ -43,9 +42,9 @@ from typing import Any, Coroutine, Sequence, TypeVar
 import aiohttp
 
 from archon.alloc import ModelAllocation
-from archon.config import ConfigError, GenerationConfig, RolloutConfig
+from archon.config import ConfigError, RolloutConfig
 from archon.rollout.auth import api_key_from_env, auth_headers
-from archon.rollout.server_api import (  # noqa: F401 - RolloutError, RolloutRequestError, GenerateResult are public here
+from archon.rollout.server_api import (  # noqa: F401 - errors, results and helpers are public here too
     HEALTH_PROBE_TIMEOUT_S,
     Call,
     GenerateResult,
@@ -53,6 +52,8 @@ from archon.rollout.server_api import (  # noqa: F401 - RolloutError, RolloutReq
     RolloutRequestError,
     ServerAPI,
     api_for_backend,
+    error_message,
+    normalize_addr,
 )
 
 logger = logging.getLogger("archon.rollout.client")
@@ -95,25 +96,6 @@ class _Server:
     """Version of the last weight update this client made on the server ("" before any)."""
 
 
-def normalize_addr(addr: str) -> str:
-    """'host:port' or 'http://host:port[/]' -> 'http://host:port'."""
-    addr = addr.strip().rstrip("/")
-    if not addr:
-        raise ConfigError("a rollout server address is empty; write it as host:port, e.g. 127.0.0.1:30000")
-    return addr if "://" in addr else f"http://{addr}"
-
-
-def sampling_params(gconfig: GenerationConfig, **overrides: Any) -> dict[str, Any]:
-    """SGLang ``sampling_params`` from the run's generation config (overrides win).
-
-    Every field of ``GenerationConfig`` but ``n_samples`` (samples per prompt, the trainer's
-    business) carries SGLang's name, so the fields map one to one.
-    """
-    params = {k: v for k, v in dataclasses.asdict(gconfig).items() if k != "n_samples"}
-    params.update(overrides)
-    return params
-
-
 async def _cancel_on_first_error(tasks: list[asyncio.Task]) -> list[BaseException]:
     """Wait for ``tasks``; at the first failure cancel the rest. Returns the failures (empty if none)."""
     _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
@@ -123,20 +105,6 @@ async def _cancel_on_first_error(tasks: list[asyncio.Task]) -> list[BaseExceptio
             t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
     return errors
-
-
-def _error_message(body: Any, text: str) -> str:
-    """The human part of an error body: SGLang answers {'error': {'message'}}, {'message'} or plain text."""
-    if isinstance(body, dict):
-        err = body.get("error")
-        if isinstance(err, dict) and err.get("message"):
-            return str(err["message"])
-        if isinstance(err, str) and err:
-            return err
-        for key in ("message", "detail"):
-            if body.get(key):
-                return str(body[key])
-    return text.strip()[:2000] or "(empty body)"
 
 
 class RolloutClient:
@@ -305,9 +273,9 @@ class RolloutClient:
         except ValueError:
             body = text
         if status >= 500:
-            raise _ServerFailure(f"HTTP {status} on {path}: {_error_message(body, text)}")
+            raise _ServerFailure(f"HTTP {status} on {path}: {error_message(body, text)}")
         if status >= 400:
-            raise RolloutRequestError(server.url, status, _error_message(body, text))
+            raise RolloutRequestError(server.url, status, error_message(body, text))
         return body
 
     def _record_failure(self, server: _Server, exc: _ServerFailure) -> None:

@@ -37,8 +37,8 @@ import threading
 import time
 import uuid
 from collections import deque
-from concurrent.futures import Future, InvalidStateError
-from dataclasses import dataclass, field
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence, TypeVar
 
@@ -47,8 +47,16 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import models
+from archon.rollout.generation_types import (  # noqa: F401 - GenerationResult is public here
+    ActiveSequence,
+    GenerationRequest,
+    GenerationResult,
+    fail_future,
+    keep_routing,
+    resolve_future,
+)
 from archon.rollout.kv_cache import BatchedKVCache
-from archon.rollout.sampling import SamplingParams, sample_tokens, suppress_tokens, token_logprobs
+from archon.rollout.sampling import sample_tokens, suppress_tokens, token_logprobs
 from archon.rollout.weight_update import load_weights_from_disk, read_eos_token_ids, receive_weights
 from models.common.inference import InferenceForward
 
@@ -60,94 +68,7 @@ PAUSE_MODES = ("abort", "retract")
 """``pause`` modes (SGLang's names; SGLang's 'in_place' keeps a KV cache of the old weights, which this server never does)."""
 
 
-# ---- requests and results -----------------------------------------------------------------
-
-@dataclass
-class GenerationRequest:
-    """One prompt to complete."""
-
-    input_ids: list[int]
-    """Prompt token ids."""
-    sampling_params: SamplingParams = field(default_factory=SamplingParams)
-    """How to sample and when to stop."""
-    return_logprob: bool = False
-    """Report the logprob of every generated token."""
-    rid: str | None = None
-    """Request id (for ``abort``); a random one is assigned when None."""
-    return_routed_experts: bool = False
-    """Report the experts every token was routed to in every MoE layer (SGLang's name)."""
-    routed_experts_start_len: int = 0
-    """First position reported by ``return_routed_experts`` (SGLang's; 0 = the whole sequence)."""
-
-
-@dataclass
-class GenerationResult:
-    """A finished (or aborted) request."""
-
-    rid: str
-    """Request id."""
-    output_ids: list[int]
-    """Generated token ids (a matched EOS or stop token included)."""
-    output_logprobs: list[float] | None
-    """Logprob of every generated token (see the module docstring), or None if not requested."""
-    finish_reason: dict[str, Any]
-    """SGLang's form: ``{"type": "stop", "matched": id}``, ``{"type": "length", "length": n}``
-    or ``{"type": "abort", "message": str}``."""
-    prompt_tokens: int
-    """Prompt length."""
-    weight_version: str
-    """Version of the weights the last generated token was produced with (at admission if none was)."""
-    e2e_latency: float
-    """Seconds from submission to finish."""
-    routed_experts: torch.Tensor | None = None
-    """int32 ``[tokens, n_layers, top_k]``: the experts each token the model ran was routed to (the
-    prompt, then every generated token but the last, which is never fed back; from
-    ``routed_experts_start_len`` on; dense layers 0), as SGLang returns them; None if not requested."""
-    weight_versions: list[tuple[str, int, int]] = field(default_factory=list)
-    """SGLang's spans ``(version, start, end)``: generated tokens ``start:end`` came from weight
-    ``version``; in order, covering every token (one span per version change)."""
-
-    @property
-    def completion_tokens(self) -> int:
-        """Number of generated tokens."""
-        return len(self.output_ids)
-
-
 # ---- engine-internal state ----------------------------------------------------------------
-
-@dataclass
-class _Sequence:
-    """A request being served: its future, random generator and tokens so far."""
-
-    request: GenerationRequest
-    """The request as submitted (rid filled in)."""
-    future: Future
-    """Resolved with a ``GenerationResult``."""
-    rng: torch.Generator
-    """The request's own generator (one uniform draw per sampled token)."""
-    stop_ids: frozenset[int]
-    """Tokens that finish the request: EOS and stop_token_ids (none with ignore_eos)."""
-    submitted: float
-    """``time.perf_counter()`` at submission."""
-    output_ids: list[int] = field(default_factory=list)
-    """Generated tokens."""
-    logprobs: list[float] = field(default_factory=list)
-    """Their logprobs (only filled when requested)."""
-    weight_version: str | None = None
-    """Version of the weights at admission."""
-    routed: list[torch.Tensor] = field(default_factory=list)
-    """Routed experts of the tokens run so far, one ``[n, n_layers, top_k]`` chunk per forward (when requested)."""
-    version_spans: list[list] = field(default_factory=list)
-    """``[version, start, end]`` of the generated tokens, a new span whenever the version changed."""
-
-    def note_token_version(self, version: str) -> None:
-        """Record that the last appended token came from weights ``version``."""
-        n = len(self.output_ids)
-        if self.version_spans and self.version_spans[-1][0] == version:
-            self.version_spans[-1][2] = n
-        else:
-            self.version_spans.append([version, n - 1, n])
-
 
 @dataclass
 class _Exclusive:
@@ -215,6 +136,7 @@ class Generator:
         self._weight_version = weight_version
         self._request_counter = 0
         # MoE blocks keep their last routing, which requests may ask for (routing replay).
+        self._n_layers = int(args.n_layers)
         self._moe = {int(i): layer.moe for i, layer in getattr(model, "layers", {}).items()
                      if getattr(layer, "moe_enabled", False)}
         for moe in self._moe.values():
@@ -222,7 +144,7 @@ class Generator:
 
         # Shared with caller threads, guarded by _cond's lock.
         self._cond = threading.Condition()
-        self._inbox: list[_Sequence] = []
+        self._inbox: list[ActiveSequence] = []
         self._abort_rids: set[str] = set()
         self._abort_everything = False
         self._pause_waiters: list[tuple[Future, str]] = []
@@ -231,8 +153,8 @@ class Generator:
         self._stopping = False
 
         # Owned by the engine thread.
-        self._waiting: deque[_Sequence] = deque()
-        self._running: list[_Sequence] = []
+        self._waiting: deque[ActiveSequence] = deque()
+        self._running: list[ActiveSequence] = []
 
         self._thread = threading.Thread(target=self._loop, name="archon-generator", daemon=True)
         self._thread.start()
@@ -315,7 +237,7 @@ class Generator:
             self._request_counter += 1
             # Any JSON integer is a valid seed; torch takes 64 bits.
             rng = torch.Generator(device="cpu").manual_seed(int(seed) % 2**64)
-            self._inbox.append(_Sequence(request, future, rng, frozenset(stop_ids), time.perf_counter()))
+            self._inbox.append(ActiveSequence(request, future, rng, frozenset(stop_ids), time.perf_counter()))
             self._cond.notify()
         return future
 
@@ -445,7 +367,7 @@ class Generator:
                 else:
                     self._retract_running()
                 for f, _ in pause_waiters:
-                    _resolve(f, None)
+                    resolve_future(f, None)
             if exclusive is not None:
                 if exclusive.abort_running:
                     self._abort_running("aborted for a weight update")
@@ -462,9 +384,9 @@ class Generator:
                 self._finish(s, {"type": "abort", "message": "the server is shutting down"})
             self._inbox = []
             for f, _ in self._pause_waiters:
-                _resolve(f, None)
+                resolve_future(f, None)
             for op in self._exclusive:
-                _fail(op.future, RuntimeError("the generator was closed before the weight update ran."))
+                fail_future(op.future, RuntimeError("the generator was closed before the weight update ran."))
             self._exclusive.clear()
 
     def _run_exclusive(self, op: _Exclusive) -> None:
@@ -473,17 +395,17 @@ class Generator:
                 value = op.fn(self.model)
         except BaseException as e:  # noqa: BLE001  reported to the caller, the engine keeps serving
             logger.warning("weight update failed: %s", e)
-            _fail(op.future, e)
+            fail_future(op.future, e)
         else:
             if op.weight_version is not None:
                 self._weight_version = op.weight_version
-            _resolve(op.future, value)
+            resolve_future(op.future, value)
         if self._lean is not None:
             self._lean.refresh()  # an update that assigned new Parameters needs new fused weights
         with self._cond:
             self._exclusive.popleft()
 
-    def _finish(self, seq: _Sequence, reason: dict[str, Any]) -> None:
+    def _finish(self, seq: ActiveSequence, reason: dict[str, Any]) -> None:
         req = seq.request
         version = seq.weight_version if seq.weight_version is not None else self._weight_version
         # As SGLang: one span even without tokens, and weight_version is the last span's.
@@ -496,10 +418,10 @@ class Generator:
             prompt_tokens=len(req.input_ids),
             weight_version=spans[-1][0],
             e2e_latency=time.perf_counter() - seq.submitted,
-            routed_experts=self._routed_result(seq) if req.return_routed_experts else None,
+            routed_experts=seq.routed_result(self._n_layers, self._moe) if req.return_routed_experts else None,
             weight_versions=spans,
         )
-        _resolve(seq.future, result)
+        resolve_future(seq.future, result)
 
     def _retire(self, keep: list[int]) -> None:
         """Keep running rows ``keep`` (ascending) and compact the cache."""
@@ -520,9 +442,9 @@ class Generator:
         self._running = []
         self.cache.clear()
 
-    def _abort_where(self, pred: Callable[[_Sequence], bool], message: str) -> None:
+    def _abort_where(self, pred: Callable[[ActiveSequence], bool], message: str) -> None:
         reason = {"type": "abort", "message": message}
-        kept_waiting: deque[_Sequence] = deque()
+        kept_waiting: deque[ActiveSequence] = deque()
         for s in self._waiting:
             if pred(s):
                 self._finish(s, reason)
@@ -545,7 +467,7 @@ class Generator:
 
     def _admit(self) -> None:
         """Prefill as many queued requests as fit (running rows, padded prefill tokens)."""
-        batch: list[_Sequence] = []
+        batch: list[ActiveSequence] = []
         longest = 0
         while self._waiting and len(self._running) + len(batch) < self.max_running_requests:
             seq = self._waiting[0]
@@ -562,7 +484,7 @@ class Generator:
         if batch:
             self._step(lambda: self._prefill(batch), batch)
 
-    def _step(self, fn: Callable[[], None], new: list[_Sequence] | None = None) -> None:
+    def _step(self, fn: Callable[[], None], new: list[ActiveSequence] | None = None) -> None:
         """Run one forward; on an error fail the requests involved and keep serving."""
         try:
             with torch.inference_mode():
@@ -572,12 +494,12 @@ class Generator:
             # The cache may be half-written; every request in it starts over, so fail them all.
             error = RuntimeError(f"generation failed: {e}")
             for s in {id(s): s for s in self._running + (new or [])}.values():
-                _fail(s.future, error)
+                fail_future(s.future, error)
             self._running = []
             self.cache.abort_forward()
             self.cache.clear()
 
-    def _prefill(self, batch: list[_Sequence]) -> None:
+    def _prefill(self, batch: list[ActiveSequence]) -> None:
         # Identical contexts (a GRPO group's samples) are computed once: the first of each is
         # prefilled, the others get copies of its cache row and logits.  Cache rows follow the
         # order firsts, then copies; each request still samples with its own generator.  A
@@ -608,7 +530,7 @@ class Generator:
         for s in batch:
             s.routed.clear()  # a retracted request's whole context was routed again
         rows = list(range(len(firsts))) + source
-        self._keep_routing(batch, rows, [lengths[r] for r in rows])
+        keep_routing(batch, rows, [lengths[r] for r in rows], self._moe, self._n_layers)
         for s in batch:
             s.weight_version = self._weight_version
         self._running.extend(batch)
@@ -619,7 +541,7 @@ class Generator:
         tokens = torch.tensor([s.output_ids[-1] for s in self._running], dtype=torch.long)[:, None]
         self.cache.begin_forward(0, n, 1)
         logits = self._forward(tokens)
-        self._keep_routing(self._running, list(range(n)), [1] * n)
+        keep_routing(self._running, list(range(n)), [1] * n, self._moe, self._n_layers)
         self._sample_and_retire(logits, first_row=0)
 
     def _forward(self, tokens: torch.Tensor, last: torch.Tensor | None = None) -> torch.Tensor:
@@ -632,26 +554,6 @@ class Generator:
             logits = logits[:, -1] if last is None else logits[torch.arange(len(logits), device=logits.device), last]
         self.cache.end_forward()
         return logits
-
-    def _keep_routing(self, seqs: list[_Sequence], rows: list[int], lengths: list[int]) -> None:
-        """Append the routing of this forward's row ``rows[i]`` (its first ``lengths[i]`` positions) to
-        each sequence that asked for it (a prompt prefilled once serves all its copies)."""
-        wanted = [i for i, s in enumerate(seqs) if s.request.return_routed_experts]
-        if not wanted or not self._moe:
-            return
-        n_layers, top_k = int(self.model.args.n_layers), next(iter(self._moe.values())).top_k
-        b, t = max(rows) + 1, max(lengths)
-        routed = torch.zeros(b, t, n_layers, top_k, dtype=torch.int32)
-        for layer_id, moe in self._moe.items():
-            routed[:, :, layer_id] = moe.selected_experts.view(b, -1, top_k)[:, :t].to("cpu", torch.int32)
-        for i in wanted:
-            seqs[i].routed.append(routed[rows[i], : lengths[i]])
-
-    def _routed_result(self, seq: _Sequence) -> torch.Tensor:
-        n_layers = int(getattr(self.model.args, "n_layers", 0))
-        top_k = next(iter(self._moe.values())).top_k if self._moe else 0
-        routed = torch.cat(seq.routed) if seq.routed else torch.zeros(0, n_layers, top_k, dtype=torch.int32)
-        return routed[seq.request.routed_experts_start_len:]
 
     def _sample_and_retire(self, logits: torch.Tensor, first_row: int) -> None:
         """Sample one token for running rows ``first_row..`` from ``logits [b, V]``; retire finished rows."""
@@ -693,17 +595,3 @@ class Generator:
             else:
                 keep.append(first_row + i)
         self._retire(keep)
-
-
-def _resolve(future: Future, value: Any) -> None:
-    try:
-        future.set_result(value)
-    except InvalidStateError:  # cancelled by the caller meanwhile
-        pass
-
-
-def _fail(future: Future, error: BaseException) -> None:
-    try:
-        future.set_exception(error)
-    except InvalidStateError:
-        pass

@@ -8,9 +8,11 @@ connections, retries and fan-out, and every backend returns the same ``GenerateR
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from archon.config import ConfigError, GenerationConfig
 from archon.errors import ArchonError
 
 # SGLang's /health runs a one-token generation and answers after at least 1 s, up to its own
@@ -180,6 +182,39 @@ def check_logprob_count(server: str, output_ids: list[int], logprobs: list[float
     if len(logprobs) != len(output_ids):
         raise RolloutError(f"rollout server {server} returned {len(output_ids)} tokens but {len(logprobs)} "
                            "logprobs; the completion cannot be trained on")
+
+
+def normalize_addr(addr: str) -> str:
+    """'host:port' or 'http://host:port[/]' -> 'http://host:port'."""
+    addr = addr.strip().rstrip("/")
+    if not addr:
+        raise ConfigError("a rollout server address is empty; write it as host:port, e.g. 127.0.0.1:30000")
+    return addr if "://" in addr else f"http://{addr}"
+
+
+def sampling_params(gconfig: GenerationConfig, **overrides: Any) -> dict[str, Any]:
+    """SGLang ``sampling_params`` from the run's generation config (overrides win).
+
+    Every field of ``GenerationConfig`` but ``n_samples`` (samples per prompt, the trainer's
+    business) carries SGLang's name, so the fields map one to one.
+    """
+    params = {k: v for k, v in dataclasses.asdict(gconfig).items() if k != "n_samples"}
+    params.update(overrides)
+    return params
+
+
+def error_message(body: Any, text: str) -> str:
+    """The human part of an error body: SGLang answers {'error': {'message'}}, {'message'} or plain text."""
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])
+        if isinstance(err, str) and err:
+            return err
+        for key in ("message", "detail"):
+            if body.get(key):
+                return str(body[key])
+    return text.strip()[:2000] or "(empty body)"
 
 
 def api_for_backend(backend: str) -> ServerAPI:

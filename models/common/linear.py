@@ -115,6 +115,11 @@ class PackedLinear:
         self._version = -1
         self._packed: torch.Tensor | None = None
 
+    def __getstate__(self) -> dict:
+        # The packed weight is an opaque oneDNN tensor that copy and pickle cannot handle; a copy
+        # (``copy.deepcopy`` of a model that has served, say) packs its own on first use.
+        return {**self.__dict__, "_version": -1, "_packed": None}
+
     def _weight_for(self, x: torch.Tensor) -> torch.Tensor | None:
         if not _use_onednn(x, self.weight):
             return None
