@@ -133,6 +133,21 @@ def pid_alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+def pids_mentioning(text: str) -> list[int]:
+    """Live processes with ``text`` in their command line (Linux /proc), this one excepted."""
+    from pathlib import Path
+
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if text.encode() in (entry / "cmdline").read_bytes() and pid_alive(int(entry.name)):
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
 def wait_until(pred: Callable[[], bool], what: str, timeout: float = 120.0, poll_s: float = 0.01) -> None:
     """Poll ``pred`` until it holds.
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from archon.drill import FILE_ENV, PAUSE_ENV
-from dist_utils import find_free_port, pid_alive, wait_until
+from dist_utils import find_free_port, pid_alive, pids_mentioning, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "cpu_demo.toml"
@@ -40,19 +40,6 @@ COMPARED = ("actor/loss", "reward_mean", "response_len_mean", "actor/grad_norm",
 def _env(**extra: str) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]),
             **extra}
-
-
-def _pids_mentioning(text: str) -> list[int]:
-    """Live processes with ``text`` in their command line (Linux /proc)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                if text.encode() in (entry / "cmdline").read_bytes() and pid_alive(int(entry.name)):
-                    pids.append(int(entry.name))
-            except OSError:
-                continue
-    return pids
 
 
 # ---------------------------------------------------------------------------------- launcher death
@@ -139,7 +126,7 @@ class Drill:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         servers = [int(p) for p in re.findall(r"started rollout server \d+ \(pid (\d+)\)", log.read_text())]
-        wait_until(lambda: not _pids_mentioning(str(self.out)) and not any(pid_alive(p) for p in servers),
+        wait_until(lambda: not pids_mentioning(str(self.out)) and not any(pid_alive(p) for p in servers),
                    f"every trainer rank and rollout server of launch {self.launches} to exit")
 
     def kill_at(self, phase: str, n: int) -> str:

@@ -33,7 +33,7 @@ from archon.rollout.discovery import (
     server_source,
 )
 from archon.rollout.launcher import RolloutLauncher, RolloutLaunchError
-from dist_utils import find_free_port, pid_alive
+from dist_utils import find_free_port, pid_alive, pids_mentioning
 
 REPO = Path(__file__).resolve().parents[1]
 DENSE = REPO / "configs" / "qwen3_8b_dense.toml"
@@ -317,19 +317,6 @@ def test_serve_node_reports_a_server_that_dies_with_its_log(demo_assets, tmp_pat
     assert "every rollout server of node 0 has exited" in text
 
 
-def _pids_mentioning(text: str) -> list[int]:
-    """Processes with ``text`` in their command line (Linux /proc), this test's own excepted."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                if text.encode() in (entry / "cmdline").read_bytes():
-                    pids.append(int(entry.name))
-            except OSError:
-                continue
-    return pids
-
-
 @pytest.mark.slow
 def test_a_cancelled_slurm_job_stops_every_step(demo_assets, tmp_path):
     """SIGTERM to the batch script mid-training (a time limit, `scancel --batch`): servers and ranks all stop."""
@@ -363,7 +350,7 @@ def test_a_cancelled_slurm_job_stops_every_step(demo_assets, tmp_path):
     assert proc.returncode == 143, text[-3000:]
     server_pid = int(re.search(r"started rollout server 0 \(pid (\d+)\)", text).group(1))
     deadline = time.monotonic() + 30  # the last exits are reaped asynchronously
-    while (pid_alive(server_pid) or _pids_mentioning(str(out))) and time.monotonic() < deadline:
+    while (pid_alive(server_pid) or pids_mentioning(str(out))) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not pid_alive(server_pid) and not _pids_mentioning(str(out))
+    assert not pid_alive(server_pid) and not pids_mentioning(str(out))
     assert len(metrics.read_text().splitlines()) < 200

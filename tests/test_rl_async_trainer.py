@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from dist_utils import find_free_port, run_distributed
-from test_rl_trainer import _pids_mentioning, _run, overrides, rl_setup  # noqa: F401 - rl_setup is a fixture
+from dist_utils import find_free_port, pids_mentioning, run_distributed
+from test_rl_trainer import _run, overrides, rl_setup  # noqa: F401 - rl_setup is a fixture
 
 TIMINGS = ("_time_s", "_s", "peak_mem_gb")
 
@@ -127,7 +127,7 @@ def test_killed_async_run_resumes_without_losing_or_repeating_a_trajectory(rl_se
     while not latest.is_file() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert latest.is_file(), proc.stderr.read() if proc.poll() is not None else "no checkpoint in time"
-    for pid in [proc.pid] + _pids_mentioning(str(out)):
+    for pid in [proc.pid] + pids_mentioning(str(out)):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
