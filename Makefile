@@ -6,12 +6,12 @@ TORCH_SPEC ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch>=2.9,torch==
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install run run-async test bench clean
+.PHONY: install run run-async test lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test,ray]"
+	$(PY) -m pip install -q -e ".[test,ray,lint]"
 	touch $@
 
 install: $(VENV)/.installed
@@ -32,6 +32,12 @@ run-async: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# ruff (lint and format check) and pyright (basic), as configured in pyproject.toml.
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/pyright --pythonpath $(PY)
 
 # Quick side-by-side benchmarks (each under a minute): training vs HF transformers, decoding vs
 # transformers generate, a GRPO step vs TRL (installed here as the `bench` extra; `make test` never needs it).

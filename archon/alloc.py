@@ -19,8 +19,8 @@ from __future__ import annotations
 import difflib
 import math
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
-from typing import Iterator
 
 from archon.errors import ArchonError
 
@@ -98,14 +98,16 @@ class ModelAllocation:
         return self.ffn is not None
 
     @classmethod
-    def from_str(cls, text: str) -> "ModelAllocation":
+    def from_str(cls, text: str) -> ModelAllocation:
         """Parse one component such as ``archon:d4p2t2``; chains belong to AllocationMode."""
         if not isinstance(text, str):
             raise AllocationError(f"an allocation must be a string such as 'archon:d4', got {text!r}")
         components = _Parser(text).parse_mode()
         if len(components) > 1:
-            raise AllocationError(f"allocation '{text}' has {len(components)} components joined by '+', but one "
-                                  f"engine takes a single allocation such as '{components[-1]}'")
+            raise AllocationError(
+                f"allocation '{text}' has {len(components)} components joined by '+', but one "
+                f"engine takes a single allocation such as '{components[-1]}'"
+            )
         return components[0]
 
     def to_str(self) -> str:
@@ -135,7 +137,7 @@ class AllocationMode:
         self.text = text or "+".join(map(str, components))
 
     @classmethod
-    def from_str(cls, text: str) -> "AllocationMode":
+    def from_str(cls, text: str) -> AllocationMode:
         if not isinstance(text, str):
             raise AllocationError(f"an allocation must be a string such as 'sglang:d4+archon:d4', got {text!r}")
         return cls(_Parser(text).parse_mode(), text)
@@ -151,15 +153,19 @@ class AllocationMode:
             if comp.name == name:
                 return comp
         names = [c.name for c in self.components if c.name]
-        raise KeyError(f"allocation '{self.text}' has no component named '{name}'"
-                       + (f"; its names are {', '.join(names)}" if names else "; name components as backend[name]:dims"))
+        raise KeyError(
+            f"allocation '{self.text}' has no component named '{name}'"
+            + (f"; its names are {', '.join(names)}" if names else "; name components as backend[name]:dims")
+        )
 
     def _one(self, inference: bool) -> ModelAllocation | None:
         matches = [c for c in self.components if c.is_inference == inference]
         if len(matches) > 1:
             kind = "inference" if inference else "training"
-            raise AllocationError(f"allocation '{self.text}' has {len(matches)} {kind} components; pick one by "
-                                  f"name with mode['<name>'] instead of .{'gen' if inference else 'train'}")
+            raise AllocationError(
+                f"allocation '{self.text}' has {len(matches)} {kind} components; pick one by "
+                f"name with mode['<name>'] instead of .{'gen' if inference else 'train'}"
+            )
         return matches[0] if matches else None
 
     @property
@@ -237,25 +243,30 @@ class _Parser:
     def parse_mode(self) -> list[ModelAllocation]:
         text = self.text
         if not text.strip():
-            raise AllocationError("the allocation string is empty; write one such as 'archon:d4' or "
-                                  "'sglang:d4t2+archon:d4'")
+            raise AllocationError(
+                "the allocation string is empty; write one such as 'archon:d4' or 'sglang:d4t2+archon:d4'"
+            )
         self._reject_legacy()
         components = [self.parse_component()]
         while self.peek() == "+":
             self.pos += 1
             components.append(self.parse_component())
         if self.peek():
-            raise self.fail(f"unexpected '{self.text[self.pos:]}'", "join components with '+' and write dims "
-                            "as letters with sizes, e.g. 'sglang:d4t2+archon:d4'")
+            raise self.fail(
+                f"unexpected '{self.text[self.pos :]}'",
+                "join components with '+' and write dims as letters with sizes, e.g. 'sglang:d4t2+archon:d4'",
+            )
         self._check_chain(components)
         return components
 
     def _reject_legacy(self) -> None:
         stripped = self.text.strip()
         if ":" not in stripped and re.fullmatch(r"(\s*[dtpce]\s*\d+\s*)+", stripped):
-            raise AllocationError(f"allocation '{self.text}' has no backend; a backend prefix is required: write "
-                                  f"'archon:{stripped.replace(' ', '')}' for training or "
-                                  f"'sglang:{stripped.replace(' ', '')}' for inference")
+            raise AllocationError(
+                f"allocation '{self.text}' has no backend; a backend prefix is required: write "
+                f"'archon:{stripped.replace(' ', '')}' for training or "
+                f"'sglang:{stripped.replace(' ', '')}' for inference"
+            )
         m = re.fullmatch(r"\s*(sglang|vllm)\.([dtp\d]+)\s*(?:\+\s*([dtpce\d]+))?\s*", self.text)
         if m:
             backend, gen_dims, train_dims = m.groups()
@@ -265,8 +276,10 @@ class _Parser:
                 if int(sizes.get("p", "1")) > 1:
                     backend, gen_dims = "vllm", m.group(2)
             modern = f"{backend}:{gen_dims}" + (f"+archon:{train_dims}" if train_dims else "")
-            raise AllocationError(f"the dotted allocation form '{self.text}' is no longer accepted; write "
-                                  f"'{modern}' (backend, colon, dims; every component needs its backend)")
+            raise AllocationError(
+                f"the dotted allocation form '{self.text}' is no longer accepted; write "
+                f"'{modern}' (backend, colon, dims; every component needs its backend)"
+            )
 
     def parse_component(self) -> ModelAllocation:
         start = self.pos
@@ -274,17 +287,22 @@ class _Parser:
         start = self.pos
         backend = self.word()
         if not backend:
-            found = self.text[self.pos:self.pos + 1] or "nothing"
-            raise self.fail(f"expected a backend name but found '{found}'",
-                            f"start each component with a backend ({', '.join(BACKENDS)}), e.g. 'archon:d4'")
+            found = self.text[self.pos : self.pos + 1] or "nothing"
+            raise self.fail(
+                f"expected a backend name but found '{found}'",
+                f"start each component with a backend ({', '.join(BACKENDS)}), e.g. 'archon:d4'",
+            )
         if backend not in BACKENDS:
             if re.fullmatch(r"([dtpce]\d+)+", backend):
-                raise self.fail(f"'{backend}' has no backend", f"a backend prefix is required: write "
-                                f"'archon:{backend}' for training or 'sglang:{backend}' for inference", at=start)
+                raise self.fail(
+                    f"'{backend}' has no backend",
+                    f"a backend prefix is required: write "
+                    f"'archon:{backend}' for training or 'sglang:{backend}' for inference",
+                    at=start,
+                )
             near = difflib.get_close_matches(backend, list(BACKENDS), n=1)
             hint = f"did you mean '{near[0]}'? " if near else ""
-            raise self.fail(f"unknown backend '{backend}'", f"{hint}known backends are {', '.join(BACKENDS)}",
-                            at=start)
+            raise self.fail(f"unknown backend '{backend}'", f"{hint}known backends are {', '.join(BACKENDS)}", at=start)
         name = None
         if self.peek() == "[":
             self.pos += 1
@@ -292,25 +310,36 @@ class _Parser:
             name_start = self.pos
             name = self.word()
             if not name or not _NAME_RE.fullmatch(name):
-                raise self.fail("expected a component name inside '[...]'",
-                                "names start with a letter or '_', e.g. 'sglang[rollout]:d2'", at=name_start)
+                raise self.fail(
+                    "expected a component name inside '[...]'",
+                    "names start with a letter or '_', e.g. 'sglang[rollout]:d2'",
+                    at=name_start,
+                )
             self.expect("]", f"close the name with ']', e.g. '{backend}[{name}]:d2'")
         if self.peek() != ":":
-            raise self.fail(f"backend '{backend}' is not followed by ':'",
-                            f"write the dims after a colon, e.g. '{backend}:d2'")
+            raise self.fail(
+                f"backend '{backend}' is not followed by ':'", f"write the dims after a colon, e.g. '{backend}:d2'"
+            )
         self.pos += 1
         if self.peek() == "(":
             return self.parse_hybrid(backend, name, start)
         dims = self.parse_dims(backend, allowed=BACKENDS[backend], section=None)
-        strategy = ParallelStrategy(dp_size=dims.get("d", 1), tp_size=dims.get("t", 1), pp_size=dims.get("p", 1),
-                                    cp_size=dims.get("c", 1), ep_size=dims.get("e", 1))
+        strategy = ParallelStrategy(
+            dp_size=dims.get("d", 1),
+            tp_size=dims.get("t", 1),
+            pp_size=dims.get("p", 1),
+            cp_size=dims.get("c", 1),
+            ep_size=dims.get("e", 1),
+        )
         if strategy.ep_size > 1 and strategy.ranks_per_stage % strategy.ep_size:
             grow = strategy.ep_size // math.gcd(strategy.ep_size, strategy.ranks_per_stage)
             fixed = ModelAllocation(backend, replace(strategy, dp_size=strategy.dp_size * grow), name)
-            raise self.fail(f"expert parallel e{strategy.ep_size} must divide d*c*t = {strategy.ranks_per_stage} "
-                            "(EP borrows ranks inside one pipeline stage and adds none)",
-                            f"raise d, e.g. '{fixed}' ({fixed.world_size} ranks), or pick e from the divisors "
-                            "of d*c*t", at=start)
+            raise self.fail(
+                f"expert parallel e{strategy.ep_size} must divide d*c*t = {strategy.ranks_per_stage} "
+                "(EP borrows ranks inside one pipeline stage and adds none)",
+                f"raise d, e.g. '{fixed}' ({fixed.world_size} ranks), or pick e from the divisors of d*c*t",
+                at=start,
+            )
         return ModelAllocation(backend, strategy, name)
 
     def parse_dims(self, backend: str, allowed: str, section: str | None) -> dict[str, int]:
@@ -324,8 +353,9 @@ class _Parser:
             at = self.pos
             if ch not in "dtpce":
                 example = f"{backend}:d2" if section is None else f"{section}:d2"
-                raise self.fail(f"'{ch}' is not a dimension", f"dims are d, t, p, c, e followed by a size, "
-                                f"e.g. '{example}'")
+                raise self.fail(
+                    f"'{ch}' is not a dimension", f"dims are d, t, p, c, e followed by a size, e.g. '{example}'"
+                )
             self.pos += 1
             self.skip_ws()
             m = re.compile(r"\d+").match(self.text, self.pos)
@@ -336,7 +366,7 @@ class _Parser:
             if size < 1:
                 raise self.fail(f"dimension '{ch}{m.group(0)}' has size 0", "sizes must be at least 1", at=at)
             if ch in dims:
-                raise self.fail(f"dimension '{ch}' appears twice", f"give each dimension once", at=at)
+                raise self.fail(f"dimension '{ch}' appears twice", "give each dimension once", at=at)
             if ch not in allowed:
                 raise self.fail(*self._not_allowed(ch, backend, allowed, section), at=at)
             dims[ch] = size
@@ -362,8 +392,11 @@ class _Parser:
 
     def parse_hybrid(self, backend: str, name: str | None, start: int) -> ModelAllocation:
         if backend not in HYBRID_BACKENDS:
-            raise self.fail(f"backend '{backend}' does not take the (attn:...|ffn:...) form",
-                            f"use {' or '.join(HYBRID_BACKENDS)} for MoE parallel folding", at=start)
+            raise self.fail(
+                f"backend '{backend}' does not take the (attn:...|ffn:...) form",
+                f"use {' or '.join(HYBRID_BACKENDS)} for MoE parallel folding",
+                at=start,
+            )
         self.pos += 1  # '('
         sections: dict[str, dict[str, int]] = {}
         for expected, sep in (("attn", "|"), ("ffn", ")")):
@@ -371,21 +404,34 @@ class _Parser:
             at = self.pos
             label = self.word()
             if label not in ("attn", "ffn"):
-                raise self.fail(f"expected section '{expected}:' but found '{label or self.peek() or 'the end'}'",
-                                f"write '{backend}:(attn:<dims>|ffn:<dims>)'", at=at)
+                raise self.fail(
+                    f"expected section '{expected}:' but found '{label or self.peek() or 'the end'}'",
+                    f"write '{backend}:(attn:<dims>|ffn:<dims>)'",
+                    at=at,
+                )
             if label != expected:
-                raise self.fail(f"section '{label}' is in the wrong place", f"write attn first, then ffn: "
-                                f"'{backend}:(attn:<dims>|ffn:<dims>)'", at=at)
+                raise self.fail(
+                    f"section '{label}' is in the wrong place",
+                    f"write attn first, then ffn: '{backend}:(attn:<dims>|ffn:<dims>)'",
+                    at=at,
+                )
             self.expect(":", f"write '{label}:' followed by its dims")
             allowed = "dtpc" if label == "attn" else "dtpe"
             sections[label] = self.parse_dims(backend, allowed=allowed, section=label)
-            self.expect(sep, "the hybrid form is '(attn:<dims>|ffn:<dims>)'" if sep == "|"
-                        else "close the hybrid form with ')' after the ffn dims")
+            self.expect(
+                sep,
+                "the hybrid form is '(attn:<dims>|ffn:<dims>)'"
+                if sep == "|"
+                else "close the hybrid form with ')' after the ffn dims",
+            )
         attn, ffn = sections["attn"], sections["ffn"]
         pp = attn.get("p", 1)
         if "p" in ffn and ffn["p"] != pp:
-            raise self.fail(f"pipeline size differs between attn (p{pp}) and ffn (p{ffn['p']})",
-                            "p must be identical in both sections (or omitted in ffn)", at=start)
+            raise self.fail(
+                f"pipeline size differs between attn (p{pp}) and ffn (p{ffn['p']})",
+                "p must be identical in both sections (or omitted in ffn)",
+                at=start,
+            )
         world = attn.get("d", 1) * attn.get("t", 1) * pp * attn.get("c", 1)
         ftp, ep = ffn.get("t", 1), ffn.get("e", 1)
         if "d" in ffn:
@@ -393,16 +439,27 @@ class _Parser:
         else:
             per = pp * ftp * ep
             if world % per:
-                raise self.fail(f"the ffn dp cannot be derived: attn world size {world} is not divisible by "
-                                f"p*t*e = {per} of ffn", "choose ffn sizes whose product divides the attn world "
-                                "size, or give ffn 'd' explicitly", at=start)
+                raise self.fail(
+                    f"the ffn dp cannot be derived: attn world size {world} is not divisible by p*t*e = {per} of ffn",
+                    "choose ffn sizes whose product divides the attn world size, or give ffn 'd' explicitly",
+                    at=start,
+                )
             fdp = world // per
         fworld = fdp * pp * ftp * ep
         if fworld != world:
-            raise self.fail(f"world sizes differ: attn d*p*t*c = {world} but ffn d*p*t*e = {fworld}",
-                            "make both sections cover the same ranks (omit ffn 'd' to derive it)", at=start)
-        strategy = ParallelStrategy(dp_size=attn.get("d", 1), tp_size=attn.get("t", 1), pp_size=pp,
-                                    cp_size=attn.get("c", 1), ep_size=ep, etp_size=ftp)
+            raise self.fail(
+                f"world sizes differ: attn d*p*t*c = {world} but ffn d*p*t*e = {fworld}",
+                "make both sections cover the same ranks (omit ffn 'd' to derive it)",
+                at=start,
+            )
+        strategy = ParallelStrategy(
+            dp_size=attn.get("d", 1),
+            tp_size=attn.get("t", 1),
+            pp_size=pp,
+            cp_size=attn.get("c", 1),
+            ep_size=ep,
+            etp_size=ftp,
+        )
         ffn_strategy = ParallelStrategy(dp_size=fdp, tp_size=ftp, pp_size=pp, ep_size=ep, etp_size=ftp)
         return ModelAllocation(backend, strategy, name, ffn_strategy)
 
@@ -410,30 +467,37 @@ class _Parser:
         names = [c.name for c in components]
         if len(components) >= 3 and not all(names):
             unnamed = [str(c) for c in components if not c.name]
-            raise AllocationError(f"invalid allocation '{self.text}': with {len(components)} components every one "
-                                  f"needs a name, but {', '.join(repr(u) for u in unnamed)} has none; write e.g. "
-                                  "'sglang[rollout]:d2+archon[actor]:d2+archon[critic]:d2'")
+            raise AllocationError(
+                f"invalid allocation '{self.text}': with {len(components)} components every one "
+                f"needs a name, but {', '.join(repr(u) for u in unnamed)} has none; write e.g. "
+                "'sglang[rollout]:d2+archon[actor]:d2+archon[critic]:d2'"
+            )
         seen = set()
         for n in names:
             if n is not None and n in seen:
-                raise AllocationError(f"invalid allocation '{self.text}': the name '{n}' is used twice; give every "
-                                      "component its own name")
+                raise AllocationError(
+                    f"invalid allocation '{self.text}': the name '{n}' is used twice; give every component its own name"
+                )
             seen.add(n)
         if len(components) == 2 and not any(names):
             kinds = [c.is_inference for c in components]
             if kinds[0] == kinds[1]:
                 kind = "inference" if kinds[0] else "training"
-                raise AllocationError(f"invalid allocation '{self.text}': both components are {kind} backends and "
-                                      "unnamed, so it is ambiguous which is which; name them, e.g. "
-                                      f"'{components[0].backend}[a]:...+{components[1].backend}[b]:...'")
+                raise AllocationError(
+                    f"invalid allocation '{self.text}': both components are {kind} backends and "
+                    "unnamed, so it is ambiguous which is which; name them, e.g. "
+                    f"'{components[0].backend}[a]:...+{components[1].backend}[b]:...'"
+                )
 
 
 def megatron_refusal(key: str, alloc: ModelAllocation) -> str:
     """Why a ``megatron:`` training allocation is refused, and what to write instead (one sentence)."""
     dims = str(alloc).split(":", 1)[1]
-    return (f"{key} = '{alloc}' asks for Megatron-Core, which Archon does not bundle; write 'archon:{dims}' "
-            "(Archon's models: qwen2, qwen3, qwen3_moe and any added with scripts/add_model.py; every dim) "
-            "or, for any other transformers model, 'fsdp:' with d, t and c only")
+    return (
+        f"{key} = '{alloc}' asks for Megatron-Core, which Archon does not bundle; write 'archon:{dims}' "
+        "(Archon's models: qwen2, qwen3, qwen3_moe and any added with scripts/add_model.py; every dim) "
+        "or, for any other transformers model, 'fsdp:' with d, t and c only"
+    )
 
 
 def allocation_rows(allocs: dict[str, ModelAllocation]) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
@@ -442,6 +506,12 @@ def allocation_rows(allocs: dict[str, ModelAllocation]) -> tuple[tuple[str, ...]
     rows = []
     for engine, a in allocs.items():
         p = a.parallel
-        rows.append((engine, a.backend, str(a), *(str(x) for x in (p.dp_size, p.tp_size, p.pp_size, p.cp_size,
-                                                                  p.ep_size, p.etp_size, a.world_size))))
+        rows.append(
+            (
+                engine,
+                a.backend,
+                str(a),
+                *(str(x) for x in (p.dp_size, p.tp_size, p.pp_size, p.cp_size, p.ep_size, p.etp_size, a.world_size)),
+            )
+        )
     return header, rows

@@ -6,8 +6,9 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch.distributed as dist
 
@@ -16,8 +17,7 @@ from archon.engine.dist import init_distributed, resolve_device_type, shutdown_d
 from archon.errors import JobError, user_error_types  # noqa: F401 - JobError is public here
 
 
-def run_job(job: Callable[[Config], Any], description: str, argv: Sequence[str] | None = None,
-            kind: str = "rl") -> int:
+def run_job(job: Callable[[Config], Any], description: str, argv: Sequence[str] | None = None, kind: str = "rl") -> int:
     """Parse ``--config x.toml [dotted.key=value ...]``, run ``job(cfg)``, leave the process group.
 
     ``kind`` ('rl' or 'sft') is the run's kind for the config check: SFT starts no rollout server.

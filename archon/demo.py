@@ -61,8 +61,10 @@ class DemoTask:
         if len(set(self.letters)) != len(self.letters) or not self.letters.isalpha():
             raise ValueError(f"DemoTask.letters = {self.letters!r} must be distinct letters, e.g. 'abcdefghij'")
         if not 1 <= self.prompt_letters <= len(self.letters):
-            raise ValueError(f"DemoTask.prompt_letters = {self.prompt_letters} must be between 1 and "
-                             f"{len(self.letters)} (the number of letters)")
+            raise ValueError(
+                f"DemoTask.prompt_letters = {self.prompt_letters} must be between 1 and "
+                f"{len(self.letters)} (the number of letters)"
+            )
 
 
 @dataclass(frozen=True)
@@ -135,8 +137,10 @@ def sample_prompts(task: DemoTask, n: int, rng: random.Random, exclude: Iterable
     seen = set(exclude)
     available = math.perm(len(task.letters), task.prompt_letters) - len(seen)
     if n > available:
-        raise ValueError(f"asked for {n} distinct prompts but only {available} exist with "
-                         f"{task.prompt_letters} of {len(task.letters)} letters; ask for fewer")
+        raise ValueError(
+            f"asked for {n} distinct prompts but only {available} exist with "
+            f"{task.prompt_letters} of {len(task.letters)} letters; ask for fewer"
+        )
     prompts: list[str] = []
     while len(prompts) < n:
         prompt = make_prompt(rng.sample(task.letters, task.prompt_letters))
@@ -151,12 +155,14 @@ def make_rows(task: DemoTask = DemoTask()) -> dict[str, list[dict[str, str]]]:
     # A string seed is hashed with SHA-512 by `random`: the same rows on every platform.
     rng = random.Random(f"archon-demo:{task.seed}")
     prompts = sample_prompts(task, task.n_train + task.n_test, rng)
-    train, test = prompts[: task.n_train], prompts[task.n_train:]
+    train, test = prompts[: task.n_train], prompts[task.n_train :]
     sft_rng = random.Random(f"archon-demo-sft:{task.seed}")
     # The SFT answers are uniformly random letters: they teach the answer's shape (one letter,
     # then EOS) and nothing about which letter is right.
-    sft = [{"prompt": p, "completion": sft_rng.choice(task.letters)}
-           for p in (sft_rng.choice(train) for _ in range(task.n_sft))]
+    sft = [
+        {"prompt": p, "completion": sft_rng.choice(task.letters)}
+        for p in (sft_rng.choice(train) for _ in range(task.n_sft))
+    ]
     return {
         "train": [{"prompt": p, "answer": first_letter(p)} for p in train],
         "test": [{"prompt": p, "answer": first_letter(p)} for p in test],
@@ -164,8 +170,9 @@ def make_rows(task: DemoTask = DemoTask()) -> dict[str, list[dict[str, str]]]:
     }
 
 
-def uniform_policy_reward(rows: Sequence[dict[str, Any]], candidates: Sequence[str],
-                          reward_fn: Callable[..., Any] | str = REWARD_FN) -> float:
+def uniform_policy_reward(
+    rows: Sequence[dict[str, Any]], candidates: Sequence[str], reward_fn: Callable[..., Any] | str = REWARD_FN
+) -> float:
     """Expected reward of a policy that answers every prompt with a uniformly random candidate.
 
     With ``candidates`` = the decoded vocabulary this is the chance level of a randomly
@@ -197,8 +204,9 @@ def build_tokenizer(task: DemoTask = DemoTask(), max_length: int = TinyQwen3.max
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     # WordPiece's decoder joins words with spaces, so decode(encode(prompt)) == prompt.
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=UNK_TOKEN, pad_token=PAD_TOKEN,
-                                   eos_token=EOS_TOKEN, model_max_length=max_length)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token=UNK_TOKEN, pad_token=PAD_TOKEN, eos_token=EOS_TOKEN, model_max_length=max_length
+    )
 
 
 def build_model(tokenizer: Any, spec: TinyQwen3 = TinyQwen3()):
@@ -207,8 +215,10 @@ def build_model(tokenizer: Any, spec: TinyQwen3 = TinyQwen3()):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     if spec.hidden_size % spec.num_attention_heads:
-        raise ValueError(f"TinyQwen3.hidden_size = {spec.hidden_size} must be a multiple of "
-                         f"num_attention_heads = {spec.num_attention_heads}")
+        raise ValueError(
+            f"TinyQwen3.hidden_size = {spec.hidden_size} must be a multiple of "
+            f"num_attention_heads = {spec.num_attention_heads}"
+        )
     config = Qwen3Config(
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,
@@ -252,9 +262,14 @@ def make_assets(out_dir: str | Path, task: DemoTask = DemoTask(), spec: TinyQwen
     root = Path(out_dir)
     if root.exists() and not root.is_dir():
         raise NotADirectoryError(f"'{root}' exists and is not a directory; pass a directory for the demo assets")
-    assets = DemoAssets(root=root, tokenizer=root / "tokenizer", model=root / "model",
-                        train=root / "data" / "train.jsonl", test=root / "data" / "test.jsonl",
-                        sft=root / "data" / "sft.jsonl")
+    assets = DemoAssets(
+        root=root,
+        tokenizer=root / "tokenizer",
+        model=root / "model",
+        train=root / "data" / "train.jsonl",
+        test=root / "data" / "test.jsonl",
+        sft=root / "data" / "sft.jsonl",
+    )
     tokenizer = build_tokenizer(task, spec.max_position_embeddings)
     tokenizer.save_pretrained(assets.tokenizer)
     build_model(tokenizer, spec).save_pretrained(assets.model)
@@ -267,8 +282,9 @@ def make_assets(out_dir: str | Path, task: DemoTask = DemoTask(), spec: TinyQwen
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m archon.demo", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m archon.demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     make = sub.add_parser("make-assets", help="write the demo's tokenizer, tiny model and data into OUT_DIR")
     make.add_argument("out_dir", metavar="OUT_DIR")
@@ -287,9 +303,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = load_jsonl(assets.test)
     vocab = vocabulary(DemoTask(seed=args.seed))
     chance = uniform_policy_reward(rows, vocab)
-    print(f"demo assets in {assets.root}: model {assets.model}, data {assets.train.parent}\n"
-          f"task: answer with the first letter of the prompt (e.g. {rows[0]['prompt']!r} -> {rows[0]['answer']!r}); "
-          f"chance reward of a uniform answer over the {len(vocab)}-token vocabulary: {chance:.3f}")
+    print(
+        f"demo assets in {assets.root}: model {assets.model}, data {assets.train.parent}\n"
+        f"task: answer with the first letter of the prompt (e.g. {rows[0]['prompt']!r} -> {rows[0]['answer']!r}); "
+        f"chance reward of a uniform answer over the {len(vocab)}-token vocabulary: {chance:.3f}"
+    )
     return 0
 
 

@@ -61,8 +61,10 @@ class DigitsTask:
         if not 1 <= self.digits <= 8:
             raise ValueError(f"DigitsTask.digits = {self.digits} must be between 1 and 8")
         if self.n_test >= 10**self.digits:
-            raise ValueError(f"DigitsTask.n_test = {self.n_test} must be below the {10**self.digits} numbers of "
-                             f"{self.digits} digits, so that training prompts remain")
+            raise ValueError(
+                f"DigitsTask.n_test = {self.n_test} must be below the {10**self.digits} numbers of "
+                f"{self.digits} digits, so that training prompts remain"
+            )
 
 
 def vocabulary() -> list[str]:
@@ -96,10 +98,12 @@ def make_rows(task: DigitsTask = DigitsTask()) -> dict[str, list[dict[str, str]]
     rng = random.Random(f"archon-demo-digits:{task.seed}")
     numbers = [str(n).zfill(task.digits) for n in range(10**task.digits)]
     rng.shuffle(numbers)
-    test, rest = numbers[: task.n_test], numbers[task.n_test:]
+    test, rest = numbers[: task.n_test], numbers[task.n_test :]
     train = [rest[i % len(rest)] for i in range(task.n_train)]
-    return {"train": [{"prompt": make_prompt(n), "answer": n} for n in train],
-            "test": [{"prompt": make_prompt(n), "answer": n} for n in test]}
+    return {
+        "train": [{"prompt": make_prompt(n), "answer": n} for n in train],
+        "test": [{"prompt": make_prompt(n), "answer": n} for n in test],
+    }
 
 
 def build_tokenizer(max_length: int = TinyQwen3.max_position_embeddings):
@@ -110,8 +114,9 @@ def build_tokenizer(max_length: int = TinyQwen3.max_position_embeddings):
     tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(vocabulary())}, unk_token=UNK_TOKEN))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()  # decode(encode(s)) == s: characters are joined without spaces
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=UNK_TOKEN, pad_token=PAD_TOKEN,
-                                   eos_token=EOS_TOKEN, model_max_length=max_length)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token=UNK_TOKEN, pad_token=PAD_TOKEN, eos_token=EOS_TOKEN, model_max_length=max_length
+    )
 
 
 @dataclass(frozen=True)
@@ -144,8 +149,9 @@ def make_assets(out_dir: str | Path, task: DigitsTask = DigitsTask(), spec: Tiny
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m archon.demo_digits", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m archon.demo_digits", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     make = sub.add_parser("make-assets", help="write the demo's tokenizer, tiny model and data into OUT_DIR")
     make.add_argument("out_dir", metavar="OUT_DIR")
@@ -163,8 +169,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     example = make_rows(task)["test"][0]
-    print(f"digits demo assets in {assets.root}: model {assets.model}, data {assets.train.parent}\n"
-          f"task: repeat the number, then stop (e.g. {example['prompt']!r} -> {example['answer']!r} + EOS)")
+    print(
+        f"digits demo assets in {assets.root}: model {assets.model}, data {assets.train.parent}\n"
+        f"task: repeat the number, then stop (e.g. {example['prompt']!r} -> {example['answer']!r} + EOS)"
+    )
     return 0
 
 

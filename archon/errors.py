@@ -36,5 +36,11 @@ def user_error_types() -> tuple[type[BaseException], ...]:
     from parallel.errors import ParallelConfigError
     from pipeline.split import PipelineConfigError
 
-    return (ArchonError, models.HFConfigError, models.ModelRegistryError, models.HFCheckpointError,
-            PipelineConfigError, ParallelConfigError)
+    return (
+        ArchonError,
+        models.HFConfigError,
+        models.ModelRegistryError,
+        models.HFCheckpointError,
+        PipelineConfigError,
+        ParallelConfigError,
+    )

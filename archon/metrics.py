@@ -37,8 +37,14 @@ class MetricsLogger:
     (CI logs, files) it prints one plain line per step.
     """
 
-    def __init__(self, run_dir: str | Path, total_steps: int, enabled: bool = True,
-                 headline: tuple[str, ...] = ("loss",), start_step: int = 0):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        total_steps: int,
+        enabled: bool = True,
+        headline: tuple[str, ...] = ("loss",),
+        start_step: int = 0,
+    ):
         self.enabled = enabled
         self.headline = headline
         self.total_steps = total_steps
@@ -54,8 +60,13 @@ class MetricsLogger:
         if sys.stdout.isatty():
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-            self._progress = Progress(TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
-                                      TimeElapsedColumn(), TextColumn("{task.fields[info]}"))
+            self._progress = Progress(
+                TextColumn("[bold]step"),
+                MofNCompleteColumn(),
+                BarColumn(),
+                TimeElapsedColumn(),
+                TextColumn("{task.fields[info]}"),
+            )
             self._task = self._progress.add_task("train", total=total_steps, completed=start_step, info="")
             self._progress.start()
         self._t0 = time.perf_counter()

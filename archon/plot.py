@@ -66,22 +66,45 @@ PANELS: tuple[Panel, ...] = (
     Panel("train/inference mismatch", ("behav_prox_logprob_diff",), ylabel="mean |logprob diff|"),
     Panel("entropy", ("actor/entropy", "entropy"), ylabel="nats / token"),
     Panel("grad norm", ("actor/grad_norm", "grad_norm")),
-    Panel("staleness", ("async/staleness_mean", "async/staleness_max", "async/token_staleness_mean"),
-          ylabel="policy versions behind"),
+    Panel(
+        "staleness",
+        ("async/staleness_mean", "async/staleness_max", "async/token_staleness_mean"),
+        ylabel="policy versions behind",
+    ),
     Panel("staleness histogram", (), prefixes=("async/staleness_hist/",), ylabel="fraction of trajectories"),
-    Panel("behaviour / proximal ratio", ("behav_ratio/mean", "behav_ratio/min", "behav_ratio/max",
-                                         "actor/behav_imp_weight"), ylabel="pi_prox / pi_behav"),
+    Panel(
+        "behaviour / proximal ratio",
+        ("behav_ratio/mean", "behav_ratio/min", "behav_ratio/max", "actor/behav_imp_weight"),
+        ylabel="pi_prox / pi_behav",
+    ),
     Panel("clipped", ("actor/clip_frac", "actor/behav_filtered_frac"), ylabel="fraction of tokens"),
     Panel("loss", ("loss",), ylabel="NLL / token"),
-    Panel("MoE load imbalance", ("actor/moe/load_imbalance_max", "actor/moe/load_imbalance_mean",
-                                 "moe/load_imbalance_max", "moe/load_imbalance_mean"),
-          ylabel="max / mean tokens per expert"),
-    Panel("MoE load imbalance per layer", (), prefixes=("actor/moe/load_imbalance/", "moe/load_imbalance/"),
-          ylabel="max / mean tokens per expert"),
-    Panel("MoE idle experts", ("actor/moe/zero_load_expert_frac", "moe/zero_load_expert_frac"),
-          ylabel="fraction with no token"),
-    Panel("MoE balancing", ("actor/moe/aux_loss", "moe/aux_loss", "actor/moe/expert_bias_abs_max",
-                            "moe/expert_bias_abs_max"), ylabel="aux loss (1 = even) / max |bias|"),
+    Panel(
+        "MoE load imbalance",
+        (
+            "actor/moe/load_imbalance_max",
+            "actor/moe/load_imbalance_mean",
+            "moe/load_imbalance_max",
+            "moe/load_imbalance_mean",
+        ),
+        ylabel="max / mean tokens per expert",
+    ),
+    Panel(
+        "MoE load imbalance per layer",
+        (),
+        prefixes=("actor/moe/load_imbalance/", "moe/load_imbalance/"),
+        ylabel="max / mean tokens per expert",
+    ),
+    Panel(
+        "MoE idle experts",
+        ("actor/moe/zero_load_expert_frac", "moe/zero_load_expert_frac"),
+        ylabel="fraction with no token",
+    ),
+    Panel(
+        "MoE balancing",
+        ("actor/moe/aux_loss", "moe/aux_loss", "actor/moe/expert_bias_abs_max", "moe/expert_bias_abs_max"),
+        ylabel="aux loss (1 = even) / max |bias|",
+    ),
 )
 
 
@@ -102,8 +125,10 @@ def metrics_path(run: str | Path) -> Path:
         raise FileNotFoundError(f"run directory '{run}' does not exist; pass the output_dir of a training run")
     path = run / METRICS_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"'{path}' does not exist; a run writes it after its first step, so check that "
-                                f"'{run}' is the run's output_dir and that the run has started")
+        raise FileNotFoundError(
+            f"'{path}' does not exist; a run writes it after its first step, so check that "
+            f"'{run}' is the run's output_dir and that the run has started"
+        )
     return path
 
 
@@ -120,8 +145,9 @@ def load_metrics(run: str | Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError as exc:
             if lineno == len(lines):
                 break  # a running job may be halfway through writing its last line
-            raise DataError(f"{path}:{lineno} is not valid JSON ({exc.msg}); metrics.jsonl holds one JSON "
-                            "object per line") from None
+            raise DataError(
+                f"{path}:{lineno} is not valid JSON ({exc.msg}); metrics.jsonl holds one JSON object per line"
+            ) from None
         if not isinstance(record, dict):
             raise DataError(f"{path}:{lineno} holds a {type(record).__name__}, not a JSON object of metrics")
         records.append(record)
@@ -166,8 +192,9 @@ def panels_for(records: Sequence[dict[str, Any]], panels: Sequence[Panel] = PANE
     return [p for p in panels if any(_series(records, k)[1] for k in p.keys_in(records))]
 
 
-def plot_metrics(records: Sequence[dict[str, Any]], out: str | Path, title: str = "",
-                 panels: Sequence[Panel] = PANELS) -> list[str]:
+def plot_metrics(
+    records: Sequence[dict[str, Any]], out: str | Path, title: str = "", panels: Sequence[Panel] = PANELS
+) -> list[str]:
     """Draw ``records`` into the PNG ``out``; returns the titles of the panels drawn."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -201,7 +228,7 @@ def plot_metrics(records: Sequence[dict[str, Any]], out: str | Path, title: str 
         ax.grid(True, alpha=0.3)
         if 1 < drawn <= 8:
             ax.legend(fontsize="small")
-    for ax in axes[len(shown):]:
+    for ax in axes[len(shown) :]:
         ax.set_visible(False)
     if title:
         fig.suptitle(title)
@@ -220,8 +247,9 @@ def plot_run(run: str | Path, out: str | Path | None = None) -> tuple[Path, list
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m archon.plot",
-                                     description="Plot the training curves of a run's metrics.jsonl.")
+    parser = argparse.ArgumentParser(
+        prog="python -m archon.plot", description="Plot the training curves of a run's metrics.jsonl."
+    )
     parser.add_argument("output_dir", metavar="OUTPUT_DIR", help="run directory holding metrics.jsonl")
     parser.add_argument("--out", help=f"image file to write (default: OUTPUT_DIR/{DEFAULT_IMAGE})")
     args = parser.parse_args(argv)

@@ -32,11 +32,11 @@ def loss_token_count(mb: dict[str, torch.Tensor]) -> float:
 
 def run_sft(cfg: Config) -> list[dict[str, Any]]:
     """Train ``cfg.actor`` on ``cfg.train_dataset`` for ``cfg.total_train_steps``; returns the metrics."""
+    from archon.cli import init_run
     from archon.data.collate import collate
     from archon.data.encoding import load_tokenizer
     from archon.data.sampler import EpochSampler
     from archon.data.sft_dataset import SFTDataset
-    from archon.cli import init_run
     from archon.engine import build_engine
     from archon.engine.checkpoint_manager import CheckpointManager
     from archon.metrics import MetricsLogger, peak_memory_gb
@@ -44,26 +44,37 @@ def run_sft(cfg: Config) -> list[dict[str, Any]]:
     if not cfg.actor.path:
         raise ConfigError("actor.path is empty; SFT needs a Hugging Face model folder with a tokenizer")
     if not cfg.train_dataset.path:
-        raise ConfigError("train_dataset.path is empty; point it at a jsonl file of {\"prompt\", \"completion\"}")
+        raise ConfigError('train_dataset.path is empty; point it at a jsonl file of {"prompt", "completion"}')
     init_run(cfg, "sft")
     ckpt = CheckpointManager(cfg.run_dir, cfg.saver.keep_last)
     ckpt.check_writable()
-    engine = build_engine(cfg.actor, name="actor", seed=cfg.seed, device=cfg.device,
-                          total_steps=cfg.total_train_steps).initialize()
+    engine = build_engine(
+        cfg.actor, name="actor", seed=cfg.seed, device=cfg.device, total_steps=cfg.total_train_steps
+    ).initialize()
     ckpt.check_space({"actor": engine})
     rank0 = dist.get_rank() == 0
     tokenizer = load_tokenizer(cfg.actor.path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     dataset = SFTDataset(cfg.train_dataset.path, tokenizer, max_length=cfg.train_dataset.max_length)
-    sampler = EpochSampler(len(dataset), cfg.train_dataset.batch_size, seed=cfg.seed,
-                           shuffle=cfg.train_dataset.shuffle, drop_last=cfg.train_dataset.drop_last)
+    sampler = EpochSampler(
+        len(dataset),
+        cfg.train_dataset.batch_size,
+        seed=cfg.seed,
+        shuffle=cfg.train_dataset.shuffle,
+        drop_last=cfg.train_dataset.drop_last,
+    )
     extra = ckpt.load({"actor": engine})
     if extra is not None:
         sampler.load_state_dict(extra["sampler"])
         if rank0:
             logger.info("resumed from %s at step %d", ckpt.loaded, engine.step)
-    metrics_log = MetricsLogger(cfg.run_dir, cfg.total_train_steps, enabled=rank0,
-                                headline=("loss", "grad_norm", "tokens_per_s"), start_step=engine.step)
+    metrics_log = MetricsLogger(
+        cfg.run_dir,
+        cfg.total_train_steps,
+        enabled=rank0,
+        headline=("loss", "grad_norm", "tokens_per_s"),
+        start_step=engine.step,
+    )
     history = []
     try:
         while engine.step < cfg.total_train_steps:
@@ -72,9 +83,15 @@ def run_sft(cfg: Config) -> list[dict[str, Any]]:
             stats = engine.train_batch(batch, sft_loss_fn, loss_token_count)
             elapsed = time.perf_counter() - t0
             record = {
-                "step": engine.step, "loss": stats["loss"], "grad_norm": stats["grad_norm"], "lr": stats["lr"],
-                "tokens": stats["tokens"], "tokens_per_s": stats["tokens"] / elapsed, "step_time_s": elapsed,
-                "peak_mem_gb": peak_memory_gb(engine.device_type), "entropy": stats.get("entropy"),
+                "step": engine.step,
+                "loss": stats["loss"],
+                "grad_norm": stats["grad_norm"],
+                "lr": stats["lr"],
+                "tokens": stats["tokens"],
+                "tokens_per_s": stats["tokens"] / elapsed,
+                "step_time_s": elapsed,
+                "peak_mem_gb": peak_memory_gb(engine.device_type),
+                "entropy": stats.get("entropy"),
                 "update_skipped": stats["update_skipped"],
             }
             # MoE router statistics (load imbalance, idle experts, aux loss or routing bias).

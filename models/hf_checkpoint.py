@@ -13,9 +13,10 @@ import json
 import os
 import re
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -39,6 +40,7 @@ class HFCheckpointError(ValueError):
 
 # ---- reading ---------------------------------------------------------------------------
 
+
 def read_hf_config(folder: str | os.PathLike) -> dict[str, Any]:
     """The ``config.json`` of a Hugging Face model folder, as a dict."""
     folder = Path(folder)
@@ -61,8 +63,10 @@ def open_safetensors(path: Path) -> Any:
     try:
         return safe_open(path, framework="pt", device="cpu")
     except Exception as e:  # noqa: BLE001 - safetensors raises its own error type for a damaged file
-        raise HFCheckpointError(f"{path} is not a readable safetensors file ({e}); it is probably truncated or "
-                              "corrupt, so copy or export it again.") from None
+        raise HFCheckpointError(
+            f"{path} is not a readable safetensors file ({e}); it is probably truncated or "
+            "corrupt, so copy or export it again."
+        ) from None
 
 
 def checkpoint_key_files(folder: str | os.PathLike) -> dict[str, str]:
@@ -83,14 +87,14 @@ def checkpoint_key_files(folder: str | os.PathLike) -> dict[str, str]:
             if not (folder / fname).is_file():
                 raise HFCheckpointError(f"{index_path} lists shard {fname}, which is missing from {folder}.")
         return dict(weight_map)
-    files = [SINGLE_FILE] if (folder / SINGLE_FILE).is_file() else sorted(
-        p.name for p in folder.glob("*.safetensors")
-    )
+    files = [SINGLE_FILE] if (folder / SINGLE_FILE).is_file() else sorted(p.name for p in folder.glob("*.safetensors"))
     if not files:
         hint = ""
         if any(folder.glob("*.bin")) or any(folder.glob("*.pt")):
-            hint = ("; it has PyTorch .bin/.pt weights, which Archon never unpickles, so convert them to safetensors "
-                    "first (transformers: save_pretrained(..., safe_serialization=True))")
+            hint = (
+                "; it has PyTorch .bin/.pt weights, which Archon never unpickles, so convert them to safetensors "
+                "first (transformers: save_pretrained(..., safe_serialization=True))"
+            )
         raise HFCheckpointError(f"{folder} has no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors file{hint}.")
     key_files: dict[str, str] = {}
     for fname in files:
@@ -217,8 +221,9 @@ def _strided_local_box(dst: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, .
                 on_d.append(Replicate())
             else:
                 on_d.append(Shard(0) if type(p) is Shard else _StridedShard(0, split_factor=p.split_factor))
-        index = distribute_tensor(torch.arange(size, device=device), dst.device_mesh, on_d,
-                                  src_data_rank=None).to_local()
+        index = distribute_tensor(
+            torch.arange(size, device=device), dst.device_mesh, on_d, src_data_rank=None
+        ).to_local()
         start = int(index[0]) if index.numel() else 0
         if not torch.equal(index, torch.arange(start, start + index.numel(), device=device)):
             return None
@@ -279,10 +284,7 @@ def adapter_for(model: nn.Module) -> BaseStateDictAdapter:
 
 
 def load_hf_weights(
-    model: nn.Module,
-    folder: str | os.PathLike,
-    adapter: BaseStateDictAdapter | None = None,
-    strict: bool = True,
+    model: nn.Module, folder: str | os.PathLike, adapter: BaseStateDictAdapter | None = None, strict: bool = True
 ) -> HFLoadResult:
     """Fill ``model``'s parameters from the Hugging Face safetensors checkpoint in ``folder``.
 
@@ -328,7 +330,8 @@ def load_hf_weights(
     if unexpected and strict:
         raise HFCheckpointError(
             f"checkpoint {folder} has {len(unexpected)} tensor(s) {type(model).__name__} does not use: "
-            + ", ".join(unexpected[:10]) + (" ..." if len(unexpected) > 10 else "")
+            + ", ".join(unexpected[:10])
+            + (" ..." if len(unexpected) > 10 else "")
             + "; use the config.json that came with these weights, or weights made for this architecture."
         )
 
@@ -400,7 +403,8 @@ def load_hf_weights(
     if result.missing and strict:
         raise HFCheckpointError(
             f"checkpoint {folder} lacks {len(result.missing)} tensor(s) {type(model).__name__} needs: "
-            + ", ".join(result.missing[:10]) + (" ..." if len(result.missing) > 10 else "")
+            + ", ".join(result.missing[:10])
+            + (" ..." if len(result.missing) > 10 else "")
             + "; check that the checkpoint is complete and matches its config.json."
         )
     return result
@@ -408,8 +412,18 @@ def load_hf_weights(
 
 # ---- writing ---------------------------------------------------------------------------
 
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def parse_size(size: int | str) -> int:
@@ -487,7 +501,8 @@ def save_hf_tensors(
             path.rename(folder / final)
             weight_map.update({k: final for k in names})
         with open(folder / INDEX_FILE, "w") as f:
-            json.dump({"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))},
-                      f, indent=2)
+            json.dump(
+                {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2
+            )
     with open(folder / CONFIG_NAME, "w") as f:
         json.dump(hf_config_dict, f, indent=2, sort_keys=True)

@@ -82,10 +82,7 @@ def load_hf_model(
 
 
 def save_hf(
-    model: nn.Module,
-    path: str | os.PathLike,
-    max_shard_size: int | str = "5GB",
-    dtype: torch.dtype | None = None,
+    model: nn.Module, path: str | os.PathLike, max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None
 ) -> None:
     """Write ``model`` as a Hugging Face folder: ``config.json`` and sharded safetensors.
 

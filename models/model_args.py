@@ -10,9 +10,10 @@ silently computing a different function.
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 
 class HFConfigError(ValueError):
@@ -124,9 +125,11 @@ class RefusedSetting:
     def check(self, cfg: Mapping[str, Any]) -> None:
         if self.is_on(cfg):
             off = f"{self.off_key} ({cfg.get(self.off_key)})" if self.off_key else repr(self.off)
-            raise HFConfigError(f"{_where(cfg)} sets {self.key}={cfg.get(self.key)!r} ({self.what}), which this "
-                                f"Archon model does not implement; set it to {off} if the checkpoint was trained "
-                                "without it, or implement it in the model package")
+            raise HFConfigError(
+                f"{_where(cfg)} sets {self.key}={cfg.get(self.key)!r} ({self.what}), which this "
+                f"Archon model does not implement; set it to {off} if the checkpoint was trained "
+                "without it, or implement it in the model package"
+            )
 
 
 _PROBING = [False]
@@ -162,7 +165,7 @@ class BaseModelArgs:
     """The Hugging Face config dict this model was built from (None when built from args)."""
 
     @classmethod
-    def from_hf_config(cls, hf_config: Any, is_critic: bool = False) -> "BaseModelArgs":
+    def from_hf_config(cls, hf_config: Any, is_critic: bool = False) -> BaseModelArgs:
         """Build args from a ``config.json`` dict or a transformers config object."""
         raise NotImplementedError(f"{cls.__name__} does not implement from_hf_config")
 

@@ -111,7 +111,7 @@ class BaseStateDictAdapter:
     # ---- helpers for loaders -----------------------------------------------------------
     def num_experts_of(self, archon_name: str) -> int:
         """Number of experts of a grouped expert tensor (for completeness checks)."""
-        return int(getattr(self.model_args, "num_experts"))
+        return int(self.model_args.num_experts)
 
     def is_optional(self, archon_name: str) -> bool:
         """True if a loader may leave this tensor at its initial value when a checkpoint lacks it."""

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from functools import partial
 
 import torch
 import torch.nn as nn
@@ -32,10 +31,14 @@ AC_MODES = ("none", "full", "selective", "memory_budget")
 
 
 def _save_list() -> set:
-    ops = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-           torch.ops.aten._scaled_dot_product_efficient_attention.default,
-           torch.ops.aten._scaled_dot_product_flash_attention.default,
-           torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+    ops = {
+        torch.ops.aten.mm.default,
+        torch.ops.aten.addmm.default,
+        torch.ops.aten.bmm.default,
+        torch.ops.aten._scaled_dot_product_efficient_attention.default,
+        torch.ops.aten._scaled_dot_product_flash_attention.default,
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    }
     for name in ("_grouped_mm", "_scaled_dot_product_cudnn_attention"):
         if hasattr(torch.ops.aten, name):
             ops.add(getattr(torch.ops.aten, name).default)
@@ -70,8 +73,11 @@ def _ignore_fsdp_unshard_ops() -> None:
     # depends on what ran before.  SAC matches ops between forward and recompute by count, so
     # skip the ops of a gather (and the profiler ranges around it).  The save list never holds
     # them, so they would be recomputed anyway.
-    ops = {torch.ops.profiler._record_function_enter_new.default,
-           torch.ops.profiler._record_function_exit._RecordFunction, torch.ops.aten.copy_.default}
+    ops = {
+        torch.ops.profiler._record_function_enter_new.default,
+        torch.ops.profiler._record_function_exit._RecordFunction,
+        torch.ops.aten.copy_.default,
+    }
     for name in ("all_gather_copy_in", "split_with_sizes_copy"):
         if hasattr(torch.ops.fsdp, name):
             ops.add(getattr(torch.ops.fsdp, name).default)
@@ -124,7 +130,8 @@ def apply_ac(
         if not compile_enabled:
             raise ParallelConfigError(
                 "ac_mode = 'memory_budget' needs torch.compile; set archon.enable_compile = true "
-                "or choose ac_mode 'selective' or 'full'")
+                "or choose ac_mode 'selective' or 'full'"
+            )
         if not 0.0 <= ac_memory_budget <= 1.0:
             raise ParallelConfigError(f"ac_memory_budget = {ac_memory_budget} must be between 0.0 and 1.0")
         import torch._functorch.config as functorch_config
@@ -147,5 +154,9 @@ def apply_ac(
             blocks[name] = _wrap(block, f"block {name}", save_ops, preserve_rng_state, debug)
     if debug:
         wrapped = [n for i, n in enumerate(blocks) if i % every == 0]
-        logger.info("AC %s%s: checkpointed blocks %s", ac_mode,
-                    f" ({selective_ac_option})" if ac_mode == "selective" else "", wrapped)
+        logger.info(
+            "AC %s%s: checkpointed blocks %s",
+            ac_mode,
+            f" ({selective_ac_option})" if ac_mode == "selective" else "",
+            wrapped,
+        )

@@ -46,7 +46,8 @@ def check_heads_divisible(n_heads: int, tp: int, cp: int, model_name: str) -> No
         raise ParallelConfigError(
             f"{model_name}: num_attention_heads={n_heads} is not divisible by tensor x context "
             f"parallel t{tp} x c{cp} = {tp * cp}; Ulysses context parallel gives every rank "
-            f"whole heads, so choose t*c from the divisors of {n_heads}")
+            f"whole heads, so choose t*c from the divisors of {n_heads}"
+        )
 
 
 def kv_repeats_for_cp(q_heads: int, kv_heads: int, cp: int) -> int:
@@ -57,7 +58,8 @@ def kv_repeats_for_cp(q_heads: int, kv_heads: int, cp: int) -> int:
     if q_heads % cp:
         raise ParallelConfigError(
             f"Ulysses context parallel over c{cp} ranks needs the local query heads ({q_heads}, after "
-            f"tensor parallel) to divide by {cp}; choose t*c from the divisors of the head count")
+            f"tensor parallel) to divide by {cp}; choose t*c from the divisors of the head count"
+        )
     return cp // math.gcd(kv_heads, cp)
 
 
@@ -106,8 +108,10 @@ class UlyssesAttention(nn.Module):
         max_seqlen: int | None = None,
     ) -> torch.Tensor:
         if mask is not None:
-            raise ValueError("context parallel attention takes cu_seqlens (or a causal row), not an explicit mask "
-                             "(KV-cache decoding); run generation without context parallel")
+            raise ValueError(
+                "context parallel attention takes cu_seqlens (or a causal row), not an explicit mask "
+                "(KV-cache decoding); run generation without context parallel"
+            )
         repeats = kv_repeats_for_cp(q.shape[2], k.shape[2], self.cp)
         if repeats > 1:
             k = k.repeat_interleave(repeats, dim=2)
@@ -151,8 +155,10 @@ def shard_sequence(x: torch.Tensor, cp_mesh: DeviceMesh, dim: int = 1) -> torch.
     """This CP rank's contiguous chunk of ``x`` along ``dim`` (its length must divide by cp)."""
     cp = cp_mesh.size()
     if x.shape[dim] % cp:
-        raise ValueError(f"a sequence of {x.shape[dim]} tokens cannot be split evenly over c{cp} ranks; pad packed "
-                         f"rows to a multiple of the context-parallel size")
+        raise ValueError(
+            f"a sequence of {x.shape[dim]} tokens cannot be split evenly over c{cp} ranks; pad packed "
+            f"rows to a multiple of the context-parallel size"
+        )
     return x.chunk(cp, dim=dim)[cp_mesh.get_local_rank()]
 
 

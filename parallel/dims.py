@@ -38,11 +38,19 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from parallel.errors import ParallelConfigError
 
 _MESH_DOCS = {
-    "pp": "pipeline stages", "dp_replicate": "HSDP replicas", "dp_shard": "FSDP shards (without cp)",
-    "cp": "context parallel", "tp": "tensor parallel", "dp": "data loading (dp_replicate x dp_shard)",
-    "dp_shard_cp": "FSDP (dp_shard x cp)", "dp_cp": "loss reduction (dp_replicate x dp_shard x cp)",
-    "hsdp": "2-D FSDP mesh [dp_replicate, dp_shard_cp]", "ep": "expert parallel", "etp": "expert tensor parallel",
-    "efsdp": "FSDP of expert weights", "ehsdp": "2-D expert FSDP mesh [dp_replicate, efsdp]",
+    "pp": "pipeline stages",
+    "dp_replicate": "HSDP replicas",
+    "dp_shard": "FSDP shards (without cp)",
+    "cp": "context parallel",
+    "tp": "tensor parallel",
+    "dp": "data loading (dp_replicate x dp_shard)",
+    "dp_shard_cp": "FSDP (dp_shard x cp)",
+    "dp_cp": "loss reduction (dp_replicate x dp_shard x cp)",
+    "hsdp": "2-D FSDP mesh [dp_replicate, dp_shard_cp]",
+    "ep": "expert parallel",
+    "etp": "expert tensor parallel",
+    "efsdp": "FSDP of expert weights",
+    "ehsdp": "2-D expert FSDP mesh [dp_replicate, efsdp]",
 }
 
 
@@ -93,31 +101,42 @@ class ParallelDims:
             if self.world_size % rest:
                 raise ParallelConfigError(
                     f"world_size={self.world_size} is not divisible by dp_replicate*cp*tp*pp={rest}, "
-                    "so dp_shard=-1 cannot fill it")
+                    "so dp_shard=-1 cannot fill it"
+                )
             self.dp_shard = self.world_size // rest
         if self.dp_shard < 1:
             raise ParallelConfigError(
-                f"parallel size dp_shard={self.dp_shard} must be at least 1 (or -1 to fill the rest)")
+                f"parallel size dp_shard={self.dp_shard} must be at least 1 (or -1 to fill the rest)"
+            )
         product = self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
         if product != self.world_size:
             raise ParallelConfigError(
                 f"dp_replicate*dp_shard*cp*tp*pp = {self.dp_replicate}*{self.dp_shard}*{self.cp}*"
-                f"{self.tp}*{self.pp} = {product} does not equal world_size={self.world_size}")
+                f"{self.tp}*{self.pp} = {product} does not equal world_size={self.world_size}"
+            )
         block = self.dp_shard * self.cp * self.tp
         if self.ep * self.etp > 1 and block % (self.ep * self.etp):
             raise ParallelConfigError(
                 f"ep*etp = {self.ep}*{self.etp} must divide dp_shard*cp*tp = {block} (experts fold the "
-                "ranks of one pipeline stage and add none); choose ep and the ffn t from its divisors")
+                "ranks of one pipeline stage and add none); choose ep and the ffn t from its divisors"
+            )
 
     @classmethod
-    def from_allocation(cls, alloc: Any, world_size: int | None = None, dp_replicate: int = 1) -> "ParallelDims":
+    def from_allocation(cls, alloc: Any, world_size: int | None = None, dp_replicate: int = 1) -> ParallelDims:
         """From any object with ``dp_size, tp_size, pp_size, cp_size, ep_size, etp_size`` (or its ``.parallel``)."""
         strategy = getattr(alloc, "parallel", alloc)
         dp = strategy.dp_size
         if dp_replicate < 1 or dp % dp_replicate:
             raise ParallelConfigError(f"dp_replicate={dp_replicate} must divide the data-parallel size d={dp}")
-        sizes = dict(dp_shard=dp // dp_replicate, dp_replicate=dp_replicate, cp=strategy.cp_size,
-                     tp=strategy.tp_size, pp=strategy.pp_size, ep=strategy.ep_size, etp=strategy.etp_size)
+        sizes = dict(
+            dp_shard=dp // dp_replicate,
+            dp_replicate=dp_replicate,
+            cp=strategy.cp_size,
+            tp=strategy.tp_size,
+            pp=strategy.pp_size,
+            ep=strategy.ep_size,
+            etp=strategy.etp_size,
+        )
         world = dp * strategy.tp_size * strategy.pp_size * strategy.cp_size
         if world_size is not None and world_size != world:
             raise ParallelConfigError(f"the allocation needs {world} ranks (d*t*p*c) but world_size={world_size}")
@@ -196,8 +215,10 @@ class ParallelDims:
     def describe(self) -> str:
         """The layout in one line, as the engine logs it; ``dp_replicate`` appears when HSDP replicates."""
         replicate = f"dp_replicate={self.dp_replicate}, " if self.dp_replicate > 1 else ""
-        return (f"pp={self.pp}, {replicate}dp_shard={self.dp_shard}, tp={self.tp}, cp={self.cp}, "
-                f"ep={self.ep}, etp={self.etp}")
+        return (
+            f"pp={self.pp}, {replicate}dp_shard={self.dp_shard}, tp={self.tp}, cp={self.cp}, "
+            f"ep={self.ep}, etp={self.etp}"
+        )
 
     # ---- meshes ------------------------------------------------------------------------
     def _unflatten(self, world: DeviceMesh, dims: list[tuple[str, int]], real: tuple[str, ...] = ()) -> DeviceMesh:
@@ -210,30 +231,56 @@ class ParallelDims:
     def build_meshes(self, device_type: str) -> None:
         """Create every mesh of this layout over the default process group (collective: all ranks call it)."""
         if dist.get_world_size() != self.world_size:
-            raise ValueError(f"the process group has {dist.get_world_size()} ranks but these parallel dims need "
-                             f"{self.world_size}")
+            raise ValueError(
+                f"the process group has {dist.get_world_size()} ranks but these parallel dims need {self.world_size}"
+            )
         self._fake_ok = _ensure_fake_backend()
         world = init_device_mesh(device_type, (self.world_size,), mesh_dim_names=("world",))
-        dense = self._unflatten(world, [("pp", self.pp), ("dp_replicate", self.dp_replicate),
-                                        ("dp_shard", self.dp_shard), ("cp", self.cp), ("tp", self.tp)])
+        dense = self._unflatten(
+            world,
+            [
+                ("pp", self.pp),
+                ("dp_replicate", self.dp_replicate),
+                ("dp_shard", self.dp_shard),
+                ("cp", self.cp),
+                ("tp", self.tp),
+            ],
+        )
         meshes = {"dense": dense, "world": world}
         for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp"):
             meshes[name] = dense[name]
-        fsdp = self._unflatten(world, [("pp", self.pp), ("dp_replicate", self.dp_replicate),
-                                       ("dp_shard_cp", self.dp_shard * self.cp), ("tp", self.tp)],
-                                real=("dp_replicate", "dp_shard_cp"))
+        fsdp = self._unflatten(
+            world,
+            [
+                ("pp", self.pp),
+                ("dp_replicate", self.dp_replicate),
+                ("dp_shard_cp", self.dp_shard * self.cp),
+                ("tp", self.tp),
+            ],
+            real=("dp_replicate", "dp_shard_cp"),
+        )
         meshes["dp_shard_cp"] = fsdp["dp_shard_cp"]
         meshes["hsdp"] = fsdp["dp_replicate", "dp_shard_cp"]
-        loading = self._unflatten(world, [("pp", self.pp), ("dp", self.dp_replicate * self.dp_shard),
-                                          ("cp", self.cp), ("tp", self.tp)])
+        loading = self._unflatten(
+            world, [("pp", self.pp), ("dp", self.dp_replicate * self.dp_shard), ("cp", self.cp), ("tp", self.tp)]
+        )
         meshes["dp"] = loading["dp"]
-        loss = self._unflatten(world, [("pp", self.pp), ("dp_cp", self.dp_replicate * self.dp_shard * self.cp),
-                                       ("tp", self.tp)])
+        loss = self._unflatten(
+            world, [("pp", self.pp), ("dp_cp", self.dp_replicate * self.dp_shard * self.cp), ("tp", self.tp)]
+        )
         meshes["dp_cp"] = loss["dp_cp"]
         if self.moe_folding_enabled:
-            sparse = self._unflatten(world, [("pp", self.pp), ("dp_replicate", self.dp_replicate),
-                                             ("efsdp", self.efsdp), ("ep", self.ep), ("etp", self.etp)],
-                                    real=("dp_replicate", "efsdp"))
+            sparse = self._unflatten(
+                world,
+                [
+                    ("pp", self.pp),
+                    ("dp_replicate", self.dp_replicate),
+                    ("efsdp", self.efsdp),
+                    ("ep", self.ep),
+                    ("etp", self.etp),
+                ],
+                real=("dp_replicate", "efsdp"),
+            )
             meshes["sparse"] = sparse
             for name in ("efsdp", "ep", "etp"):
                 meshes[name] = sparse[name]
@@ -241,12 +288,24 @@ class ParallelDims:
         self._meshes = meshes
 
     def _size(self, name: str) -> int:
-        return {"world": self.world_size, "dense": self.world_size, "sparse": self.world_size,
-                "pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp,
-                "tp": self.tp, "dp": self.dp_replicate * self.dp_shard, "dp_shard_cp": self.dp_shard * self.cp,
-                "dp_cp": self.dp_replicate * self.dp_shard * self.cp,
-                "hsdp": self.dp_replicate * self.dp_shard * self.cp, "ep": self.ep, "etp": self.etp,
-                "efsdp": self.efsdp, "ehsdp": self.dp_replicate * self.efsdp}[name]
+        return {
+            "world": self.world_size,
+            "dense": self.world_size,
+            "sparse": self.world_size,
+            "pp": self.pp,
+            "dp_replicate": self.dp_replicate,
+            "dp_shard": self.dp_shard,
+            "cp": self.cp,
+            "tp": self.tp,
+            "dp": self.dp_replicate * self.dp_shard,
+            "dp_shard_cp": self.dp_shard * self.cp,
+            "dp_cp": self.dp_replicate * self.dp_shard * self.cp,
+            "hsdp": self.dp_replicate * self.dp_shard * self.cp,
+            "ep": self.ep,
+            "etp": self.etp,
+            "efsdp": self.efsdp,
+            "ehsdp": self.dp_replicate * self.efsdp,
+        }[name]
 
     def get_optional_mesh(self, name: str) -> DeviceMesh | None:
         """The named mesh, or None when that dimension has size 1."""
@@ -269,8 +328,10 @@ class ParallelDims:
         """The named mesh (see the module docstring); an error when that dimension is disabled."""
         mesh = self.get_optional_mesh(name)
         if mesh is None:
-            raise ValueError(f"mesh '{name}' ({_MESH_DOCS.get(name, name)}) has size 1 in this layout "
-                             f"({self.describe()}); check the matching *_enabled flag before asking for it")
+            raise ValueError(
+                f"mesh '{name}' ({_MESH_DOCS.get(name, name)}) has size 1 in this layout "
+                f"({self.describe()}); check the matching *_enabled flag before asking for it"
+            )
         return mesh
 
     @property

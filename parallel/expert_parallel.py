@@ -38,8 +38,9 @@ so expert and dense gradients equal the single-device ones.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -72,22 +73,26 @@ class _Routing:
     """``[received]``: the row of each received copy in the local-expert order."""
 
 
-def check_expert_parallel(num_experts: int, n_moe_layers: int, ep: int, model_name: str, etp: int = 1,
-                          moe_hidden_dim: int = 0) -> None:
+def check_expert_parallel(
+    num_experts: int, n_moe_layers: int, ep: int, model_name: str, etp: int = 1, moe_hidden_dim: int = 0
+) -> None:
     """Raise a one-sentence error when ``ep`` (experts) or ``etp`` (their hidden dim) cannot split this model."""
     if n_moe_layers == 0:
         what = f"expert parallel e{ep}" if ep > 1 else f"expert tensor parallel (ffn t{etp})"
         raise ParallelConfigError(
             f"{model_name} has no MoE layers, so {what} has nothing to split; "
-            "drop 'e' and the ffn section from the allocation")
+            "drop 'e' and the ffn section from the allocation"
+        )
     if num_experts % ep:
         raise ParallelConfigError(
             f"{model_name}: num_experts={num_experts} is not divisible by the expert-parallel size "
-            f"e{ep}; choose e from the divisors of {num_experts}")
+            f"e{ep}; choose e from the divisors of {num_experts}"
+        )
     if moe_hidden_dim % etp:
         raise ParallelConfigError(
             f"{model_name}: moe_intermediate_size={moe_hidden_dim} is not divisible by the expert "
-            f"tensor-parallel size (ffn t{etp}); choose the ffn t from the divisors of {moe_hidden_dim}")
+            f"tensor-parallel size (ffn t{etp}); choose the ffn t from the divisors of {moe_hidden_dim}"
+        )
 
 
 def moe_token_replication(parallel_dims: ParallelDims) -> int:
@@ -178,16 +183,18 @@ class ExpertParallel(ParallelStyle):
             return mesh, None
         if mesh.ndim == 2:
             return mesh[mesh.mesh_dim_names[0]], mesh[mesh.mesh_dim_names[1]]
-        raise ValueError(f"expert parallel needs a 1-D [ep] or 2-D [ep, etp] mesh, got {mesh.ndim} dims "
-                         f"{mesh.mesh_dim_names}")
+        raise ValueError(
+            f"expert parallel needs a 1-D [ep] or 2-D [ep, etp] mesh, got {mesh.ndim} dims {mesh.mesh_dim_names}"
+        )
 
     def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         for pname, param in list(module.named_parameters(recurse=False)):
             placements = [Shard(0)]
             if mesh.ndim == 2:
                 placements.append(Shard(_HIDDEN_DIM[pname]) if pname in _HIDDEN_DIM else Replicate())
-            module.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, placements),
-                                                          requires_grad=param.requires_grad))
+            module.register_parameter(
+                pname, nn.Parameter(distribute_tensor(param, mesh, placements), requires_grad=param.requires_grad)
+            )
 
     # Under torch.compile the hooks run eagerly (one graph break each): their all-to-alls
     # have data-dependent split sizes that a graph cannot hold.
@@ -223,12 +230,12 @@ class ExpertParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self._meshes = self._split_meshes(device_mesh)
-        return distribute_module(module, device_mesh, self._partition,
-                                 input_fn=self._dispatch, output_fn=self._combine)
+        return distribute_module(module, device_mesh, self._partition, input_fn=self._dispatch, output_fn=self._combine)
 
 
-def _exchange(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: Any,
-              autograd: bool) -> torch.Tensor:
+def _exchange(
+    x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: Any, autograd: bool
+) -> torch.Tensor:
     """``all_to_all_single`` of rows (the backward is the reverse exchange when ``autograd``)."""
     if autograd:
         return all_to_all_single_autograd(x, output_splits, input_splits, group)
@@ -266,7 +273,9 @@ class ExpertTensorParallelTokens(ParallelStyle):
     def _gather(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
         x, rest = inputs[0], list(inputs[1:])
         if x.shape[0] != 1:
-            raise ValueError(f"expert tensor parallel pools packed rows, so the batch must be one row, got {x.shape[0]}")
+            raise ValueError(
+                f"expert tensor parallel pools packed rows, so the batch must be one row, got {x.shape[0]}"
+            )
         group = mesh.get_group()
         n = torch.tensor([x.shape[1]], dtype=torch.int64, device=x.device)
         sizes = [torch.empty_like(n) for _ in range(mesh.size())]
@@ -309,8 +318,9 @@ class ExpertHiddenParallel(ParallelStyle):
         def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
             for pname, param in list(mod.named_parameters(recurse=False)):
                 placement = Shard(_HIDDEN_DIM[pname]) if pname in _HIDDEN_DIM else Replicate()
-                mod.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [placement]),
-                                                           requires_grad=param.requires_grad))
+                mod.register_parameter(
+                    pname, nn.Parameter(distribute_tensor(param, mesh, [placement]), requires_grad=param.requires_grad)
+                )
 
         return distribute_module(module, device_mesh, partition)
 
@@ -325,8 +335,9 @@ def apply_ep(experts: Iterable[nn.Module], mesh: DeviceMesh, token_group_alignme
         ExpertParallel(token_group_alignment)._apply(module, mesh)
 
 
-def apply_moe_folding(moes: Iterable[nn.Module], parallel_dims: ParallelDims,
-                      token_group_alignment: int | None = None) -> None:
+def apply_moe_folding(
+    moes: Iterable[nn.Module], parallel_dims: ParallelDims, token_group_alignment: int | None = None
+) -> None:
     """Lay MoE modules (``router``, ``experts``) on the sparse mesh: ETP token pooling, then EP and/or ETP experts."""
     moes = list(moes)
     mesh = expert_parallel_mesh(parallel_dims)

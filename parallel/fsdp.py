@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn as nn
@@ -24,8 +24,9 @@ def reshard_after_forward(policy: str, pp_enabled: bool) -> bool:
     raise ParallelConfigError(f"reshard_after_forward_policy '{policy}' must be default, always or never")
 
 
-def fsdp_policies(param_dtype: str | torch.dtype, reduce_dtype: str | torch.dtype,
-                  cpu_offload: bool) -> tuple[MixedPrecisionPolicy, OffloadPolicy]:
+def fsdp_policies(
+    param_dtype: str | torch.dtype, reduce_dtype: str | torch.dtype, cpu_offload: bool
+) -> tuple[MixedPrecisionPolicy, OffloadPolicy]:
     """The mixed-precision and offload policies every FSDP unit of an engine shares."""
     mp = MixedPrecisionPolicy(param_dtype=to_dtype(param_dtype), reduce_dtype=to_dtype(reduce_dtype))
     # Pinned host memory needs an accelerator; on a CPU-only machine offload is the identity anyway.

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -25,8 +25,12 @@ def _norm_pow(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     return total
 
 
-def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float, norm_type: float = 2.0,
-                    pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def clip_grad_norm_(
+    parameters: Iterable[torch.nn.Parameter],
+    max_norm: float,
+    norm_type: float = 2.0,
+    pp_group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
     """Clip in place and return the total norm (float32 scalar, identical on every rank).
 
     Grads on different meshes (e.g. experts on the expert mesh, the rest on the dense mesh) are

@@ -97,8 +97,14 @@ class _LogprobEntropy(torch.autograd.Function):
 
 class _VocabParallelLogprobEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, vocab_start: int,
-                group: dist.ProcessGroup | None, temperature: float):
+    def forward(
+        ctx,
+        logits: torch.Tensor,
+        targets: torch.Tensor,
+        vocab_start: int,
+        group: dist.ProcessGroup | None,
+        temperature: float,
+    ):
         z = logits.float()
         if temperature != 1.0:
             z = z / temperature
@@ -144,9 +150,13 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
         return grad.to(ctx.input_dtype), None, None, None, None
 
 
-def vocab_parallel_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                                    group: dist.ProcessGroup | None = None, vocab_start: int = 0,
-                                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def vocab_parallel_logprobs_entropy(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    group: dist.ProcessGroup | None = None,
+    vocab_start: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``log softmax(logits / T)[target]`` and the entropy of ``softmax(logits / T)``, per token.
 
     ``logits``: ``[..., V]`` full, or a DTensor sharded on the last dim (its mesh is the TP
@@ -174,6 +184,7 @@ def vocab_parallel_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor,
     if group is None and vocab_start == 0:
         logprobs, entropy = _LogprobEntropy.apply(flat_logits, targets.reshape(-1), float(temperature))
     else:
-        logprobs, entropy = _VocabParallelLogprobEntropy.apply(flat_logits, targets.reshape(-1), vocab_start,
-                                                                group, float(temperature))
+        logprobs, entropy = _VocabParallelLogprobEntropy.apply(
+            flat_logits, targets.reshape(-1), vocab_start, group, float(temperature)
+        )
     return logprobs.view(shape), entropy.view(shape)

@@ -57,7 +57,7 @@ class ParallelizeOptions:
         """The dtype router gates are pinned to, or None when they follow ``param_dtype``."""
         return None if self.moe_router_dtype in ("auto", "") else to_dtype(self.moe_router_dtype)
 
-    def without_compile(self) -> "ParallelizeOptions":
+    def without_compile(self) -> ParallelizeOptions:
         """The same options with torch.compile off (for stages a schedule cannot run compiled)."""
         return dataclasses.replace(self, enable_compile=False)
 
@@ -66,5 +66,4 @@ class ParallelizeFn(Protocol):
     """``ModelSpec.parallelize_fn``: lay a meta-device model (or one pipeline stage of it) over the meshes of
     ``parallel_dims`` as ``options`` say, in place; returns the model."""
 
-    def __call__(self, model: nn.Module, *, parallel_dims: ParallelDims, options: ParallelizeOptions) -> nn.Module:
-        ...
+    def __call__(self, model: nn.Module, *, parallel_dims: ParallelDims, options: ParallelizeOptions) -> nn.Module: ...

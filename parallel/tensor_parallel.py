@@ -28,15 +28,7 @@ from typing import Any
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import (
-    DTensor,
-    Partial,
-    Placement,
-    Replicate,
-    Shard,
-    distribute_module,
-    distribute_tensor,
-)
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from parallel.errors import ParallelConfigError
@@ -55,9 +47,15 @@ def _to_layout(x: Any, mesh: DeviceMesh, layout: Placement | None, desired: Plac
 class ReplicateParallel(ParallelStyle):
     """Replicate every parameter over the TP mesh; the first input goes ``input_layout -> desired``."""
 
-    def __init__(self, *, input_layout: Placement | None = Replicate(), desired_input_layout: Placement | None = None,
-                 output_layout: Placement | None = None, use_local_output: bool = True,
-                 partial_output_grad: bool = False):
+    def __init__(
+        self,
+        *,
+        input_layout: Placement | None = Replicate(),
+        desired_input_layout: Placement | None = None,
+        output_layout: Placement | None = None,
+        use_local_output: bool = True,
+        partial_output_grad: bool = False,
+    ):
         super().__init__()
         self.input_layout = input_layout
         self.desired_input_layout = desired_input_layout or input_layout
@@ -85,11 +83,15 @@ class ReplicateParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
             for pname, param in list(mod.named_parameters(recurse=False)):
-                mod.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [Replicate()]),
-                                                           requires_grad=param.requires_grad))
+                mod.register_parameter(
+                    pname,
+                    nn.Parameter(distribute_tensor(param, mesh, [Replicate()]), requires_grad=param.requires_grad),
+                )
 
         return distribute_module(
-            module, device_mesh, partition,
+            module,
+            device_mesh,
+            partition,
             input_fn=lambda mod, inputs, mesh: self._prepare_input(mod, inputs, mesh),
             output_fn=lambda mod, output, mesh: self._prepare_output(mod, output, mesh),
         )
@@ -135,8 +137,9 @@ class ExpertTensorParallel(ParallelStyle):
             dims = {"w1": 1, "w3": 1, "w2": 2}
             for pname, param in list(mod.named_parameters(recurse=False)):
                 placement = Shard(dims[pname]) if pname in dims else Replicate()
-                mod.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [placement]),
-                                                           requires_grad=param.requires_grad))
+                mod.register_parameter(
+                    pname, nn.Parameter(distribute_tensor(param, mesh, [placement]), requires_grad=param.requires_grad)
+                )
 
         def input_fn(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
             # Tokens arrive replicated; this rank's gradient for them covers its hidden slice only.
@@ -157,4 +160,5 @@ def check_divisible(sizes: dict[str, int], tp: int, model_name: str) -> None:
         if value % tp:
             raise ParallelConfigError(
                 f"{model_name}: {field_name}={value} is not divisible by the tensor-parallel size "
-                f"t{tp}; choose t from the divisors of {value}")
+                f"t{tp}; choose t from the divisors of {value}"
+            )

@@ -15,5 +15,4 @@ from pipeline.model import PipelinedModel, PipelineOptions, PipeliningFn, pipeli
 from pipeline.runner import Microbatch
 from pipeline.split import PipelineConfigError
 
-__all__ = ["Microbatch", "PipelineConfigError", "PipelineOptions", "PipelinedModel", "PipeliningFn",
-           "pipeline_decoder"]
+__all__ = ["Microbatch", "PipelineConfigError", "PipelineOptions", "PipelinedModel", "PipeliningFn", "pipeline_decoder"]

@@ -17,8 +17,9 @@ stage, with the engine's ``ParallelizeOptions``) and returns a ``PipelinedModel`
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -37,13 +38,7 @@ from pipeline.schedules import (
     placement_style,
     required_stages_per_rank,
 )
-from pipeline.split import (
-    PipelineConfigError,
-    build_stage_module,
-    count_stages,
-    owner_stage,
-    stage_module_names,
-)
+from pipeline.split import PipelineConfigError, build_stage_module, count_stages, owner_stage, stage_module_names
 
 logger = logging.getLogger("archon.pipeline")
 
@@ -78,8 +73,9 @@ class FullTensorInfo:
 class PipelinedModel:
     """This rank's stages of one pipelined model."""
 
-    def __init__(self, parts: list[nn.Module], model: nn.Module, runner: PipelineRunner,
-                 full_tensors: list[FullTensorInfo]) -> None:
+    def __init__(
+        self, parts: list[nn.Module], model: nn.Module, runner: PipelineRunner, full_tensors: list[FullTensorInfo]
+    ) -> None:
         self.parts = parts
         self.model = model
         self.runner = runner
@@ -96,9 +92,15 @@ class PipelinedModel:
         if n > requested and requested < self.n_stages and not self._warned_microbatches:
             self._warned_microbatches = True
             if dist.get_rank() == 0:
-                logger.warning("mb_spec.n_mbs = %d is below the %d pipeline stages, so every microbatch's "
-                               "activations would pile up in warm-up; using %d microbatches (set mb_spec.n_mbs "
-                               ">= %d to silence this)", requested, self.n_stages, n, self.n_stages)
+                logger.warning(
+                    "mb_spec.n_mbs = %d is below the %d pipeline stages, so every microbatch's "
+                    "activations would pile up in warm-up; using %d microbatches (set mb_spec.n_mbs "
+                    ">= %d to silence this)",
+                    requested,
+                    self.n_stages,
+                    n,
+                    self.n_stages,
+                )
         return n
 
     def train_step(self, microbatches: list[Microbatch], loss_fn: LossFn) -> None:
@@ -110,9 +112,12 @@ class PipelinedModel:
     def broadcast_from_last_stage(self, obj: Any) -> Any:
         """``obj`` as the last stage's rank of this pipeline group has it (a collective over the group)."""
         box = [obj]
-        dist.broadcast_object_list(box, src=self.runner.global_rank_of_stage(self.n_stages - 1),
-                                   group=self.runner.pp_group,
-                                   device=self.runner.device if self.runner.device.type != "cpu" else None)
+        dist.broadcast_object_list(
+            box,
+            src=self.runner.global_rank_of_stage(self.n_stages - 1),
+            group=self.runner.pp_group,
+            device=self.runner.device if self.runner.device.type != "cpu" else None,
+        )
         return box[0]
 
     def named_full_tensors(self, local: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -137,9 +142,16 @@ class PipelinedModel:
 class PipeliningFn(Protocol):
     """``ModelSpec.pipelining_fn``: this rank's parallelized pipeline stages of a meta-device model."""
 
-    def __call__(self, model: nn.Module, *, parallel_dims: ParallelDims, options: ParallelizeOptions,
-                 pipeline: PipelineOptions, parallelize_fn: ParallelizeFn, device: torch.device) -> PipelinedModel:
-        ...
+    def __call__(
+        self,
+        model: nn.Module,
+        *,
+        parallel_dims: ParallelDims,
+        options: ParallelizeOptions,
+        pipeline: PipelineOptions,
+        parallelize_fn: ParallelizeFn,
+        device: torch.device,
+    ) -> PipelinedModel: ...
 
 
 def _persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -177,15 +189,24 @@ def _rank_view(model: nn.Module, parts: list[nn.Module]) -> nn.Module:
                 setattr(part, name, child)
 
     def refuse(*args: Any, **kwargs: Any) -> None:
-        raise RuntimeError("this module is one pipeline rank's stages seen as a model (for loading, checkpoints "
-                           "and export); run it through PipelinedModel.train_step / forward_step")
+        raise RuntimeError(
+            "this module is one pipeline rank's stages seen as a model (for loading, checkpoints "
+            "and export); run it through PipelinedModel.train_step / forward_step"
+        )
 
     model.forward = refuse
     return model
 
 
-def pipeline_decoder(model: nn.Module, *, parallel_dims: ParallelDims, options: ParallelizeOptions,
-                     pipeline: PipelineOptions, parallelize_fn: ParallelizeFn, device: torch.device) -> PipelinedModel:
+def pipeline_decoder(
+    model: nn.Module,
+    *,
+    parallel_dims: ParallelDims,
+    options: ParallelizeOptions,
+    pipeline: PipelineOptions,
+    parallelize_fn: ParallelizeFn,
+    device: torch.device,
+) -> PipelinedModel:
     """Split a meta-device decoder into pipeline stages and parallelize this rank's (see the module docstring).
 
     Raises ``PipelineConfigError`` for a layout that cannot work.
@@ -194,9 +215,11 @@ def pipeline_decoder(model: nn.Module, *, parallel_dims: ParallelDims, options: 
     pp = parallel_dims.pp
     style = placement_style(schedule)
     if getattr(model, "embeddings_tied", False):
-        raise PipelineConfigError(f"the model ties its input embeddings to its LM head (tie_word_embeddings = "
-                                  f"true), which pipeline parallel (p{pp}) would put on different stages; use p1 "
-                                  "(put those ranks in d or t) or a model without tied embeddings")
+        raise PipelineConfigError(
+            f"the model ties its input embeddings to its LM head (tie_word_embeddings = "
+            f"true), which pipeline parallel (p{pp}) would put on different stages; use p1 "
+            "(put those ranks in d or t) or a model without tied embeddings"
+        )
     check_activation_checkpointing(schedule, options.ac_enabled, options.ac_mode, options.selective_ac_option)
     n_layers = len(model.layers)
     n_stages = count_stages(n_layers, pp, required_stages_per_rank(schedule), pipeline.layers_per_stage)
@@ -205,24 +228,36 @@ def pipeline_decoder(model: nn.Module, *, parallel_dims: ParallelDims, options: 
     stage_ids = stages_of_rank(dist.get_rank(pp_group), pp, n_stages, style)
     if schedule in ZERO_BUBBLE and options.enable_compile:
         if dist.get_rank() == 0:
-            logger.warning("archon.pp_schedule = %r cannot run compiled stages (its split backward keeps graphs "
-                           "that compile's donated buffers would free); torch.compile is off for this engine",
-                           schedule)
+            logger.warning(
+                "archon.pp_schedule = %r cannot run compiled stages (its split backward keeps graphs "
+                "that compile's donated buffers would free); torch.compile is off for this engine",
+                schedule,
+            )
         options = options.without_compile()
 
     def owner(name: str) -> int:
         return rank_of_stage(owner_stage(name, stage_modules), pp, n_stages, style)
 
     full_tensors = [FullTensorInfo(name, p.shape, p.dtype, owner(name)) for name, p in model.named_parameters()]
-    full_tensors += [FullTensorInfo(name, b.shape, b.dtype, owner(name), is_buffer=True)
-                     for name, b in _persistent_buffers(model)]
-    boundary = StageBoundary(hidden_dim=model.args.dim, dtype=_activation_dtype(model, parallel_dims, options),
-                             seq_shards=parallel_dims.tp)
-    parts = [parallelize_fn(build_stage_module(model, stage_modules[sid]), parallel_dims=parallel_dims,
-                            options=options) for sid in stage_ids]
+    full_tensors += [
+        FullTensorInfo(name, b.shape, b.dtype, owner(name), is_buffer=True) for name, b in _persistent_buffers(model)
+    ]
+    boundary = StageBoundary(
+        hidden_dim=model.args.dim, dtype=_activation_dtype(model, parallel_dims, options), seq_shards=parallel_dims.tp
+    )
+    parts = [
+        parallelize_fn(build_stage_module(model, stage_modules[sid]), parallel_dims=parallel_dims, options=options)
+        for sid in stage_ids
+    ]
     view = _rank_view(model, parts)
     runner = PipelineRunner(parts, stage_ids, n_stages, schedule, style, pp_group, device, boundary)
     if dist.get_rank() == 0:
-        logger.info("pipeline: %s over p%d, %d stages of %d layers (%s placement)", schedule, pp, n_stages,
-                    n_layers // n_stages, style)
+        logger.info(
+            "pipeline: %s over p%d, %d stages of %d layers (%s placement)",
+            schedule,
+            pp,
+            n_stages,
+            n_layers // n_stages,
+            style,
+        )
     return PipelinedModel(parts, view, runner, full_tensors)

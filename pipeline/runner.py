@@ -19,8 +19,9 @@ backward outputs that a forward-only pass never makes).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -50,17 +51,27 @@ class StageBoundary:
 
     def shape(self, seq_len: int) -> tuple[int, int, int]:
         if seq_len % self.seq_shards:
-            raise ValueError(f"a microbatch of {seq_len} tokens cannot be split over {self.seq_shards} sequence "
-                             "shards; pad it to a multiple")
+            raise ValueError(
+                f"a microbatch of {seq_len} tokens cannot be split over {self.seq_shards} sequence "
+                "shards; pad it to a multiple"
+            )
         return (1, seq_len // self.seq_shards, self.hidden_dim)
 
 
 class PipelineRunner:
     """Drives this rank's stage modules through one pipeline step at a time."""
 
-    def __init__(self, parts: list[nn.Module], stage_ids: list[int], n_stages: int, schedule_name: str,
-                 style: PlacementStyle, pp_group: dist.ProcessGroup, device: torch.device,
-                 boundary: StageBoundary) -> None:
+    def __init__(
+        self,
+        parts: list[nn.Module],
+        stage_ids: list[int],
+        n_stages: int,
+        schedule_name: str,
+        style: PlacementStyle,
+        pp_group: dist.ProcessGroup,
+        device: torch.device,
+        boundary: StageBoundary,
+    ) -> None:
         if len(parts) != len(stage_ids) or list(stage_ids) != sorted(stage_ids):
             raise ValueError(f"parts and stage ids must pair up in increasing stage order, got ids {stage_ids}")
         self.parts = parts
@@ -87,13 +98,19 @@ class PipelineRunner:
             if self._expected is None:
                 return
             shape, dtype = self._expected
-            if isinstance(output, DTensor) or not isinstance(output, torch.Tensor) \
-                    or tuple(output.shape) != shape or output.dtype != dtype:
-                got = f"{type(output).__name__} {tuple(getattr(output, 'shape', ()))} " \
-                      f"{getattr(output, 'dtype', '')}"
-                raise RuntimeError(f"pipeline stage {stage_id} produced a {got} hidden state, but stage "
-                                   f"{stage_id + 1} expects a plain tensor {shape} {dtype}; the stage boundary "
-                                   "description (pipeline.runner.StageBoundary) does not match the model")
+            if (
+                isinstance(output, DTensor)
+                or not isinstance(output, torch.Tensor)
+                or tuple(output.shape) != shape
+                or output.dtype != dtype
+            ):
+                got = f"{type(output).__name__} {tuple(getattr(output, 'shape', ()))} {getattr(output, 'dtype', '')}"
+                raise RuntimeError(
+                    f"pipeline stage {stage_id} produced a {got} hidden state, but stage "
+                    f"{stage_id + 1} expects a plain tensor {shape} {dtype}; the stage boundary "
+                    "description (pipeline.runner.StageBoundary) does not match the model"
+                )
+
         return check
 
     def _check_microbatches(self, microbatches: list[Microbatch]) -> int:
@@ -104,25 +121,31 @@ class PipelineRunner:
             shapes = [tuple(inputs.shape)] + [tuple(kwargs[k].shape) for k in sorted(kwargs)]
             ref = [tuple(first_inputs.shape)] + [tuple(first_kwargs[k].shape) for k in sorted(first_kwargs)]
             if sorted(kwargs) != sorted(first_kwargs) or shapes != ref:
-                raise ValueError(f"pipeline microbatch {i} has shapes {shapes} but microbatch 0 has {ref}; "
-                                 "every microbatch of a step must be padded to one shape")
+                raise ValueError(
+                    f"pipeline microbatch {i} has shapes {shapes} but microbatch 0 has {ref}; "
+                    "every microbatch of a step must be padded to one shape"
+                )
         return first_inputs.shape[1]
 
     # ------------------------------------------------------------------ train
     def _build_stages(self, inputs: torch.Tensor, seq_len: int) -> list[PipelineStage]:
-        hidden = torch.empty(self.boundary.shape(seq_len), dtype=self.boundary.dtype, device="meta",
-                             requires_grad=True)
+        hidden = torch.empty(self.boundary.shape(seq_len), dtype=self.boundary.dtype, device="meta", requires_grad=True)
         first_input = torch.empty(inputs.shape, dtype=inputs.dtype, device="meta")
         # The last stage's output never leaves the rank (the loss consumes it); only its count matters.
         last_output = torch.empty((), device="meta")
         stages = []
         for part, sid in zip(self.parts, self.stage_ids):
-            stages.append(PipelineStage(
-                part, sid, self.n_stages, self.device,
-                input_args=(first_input if sid == 0 else hidden,),
-                output_args=(last_output if sid == self.n_stages - 1 else hidden,),
-                group=self.pp_group,
-            ))
+            stages.append(
+                PipelineStage(
+                    part,
+                    sid,
+                    self.n_stages,
+                    self.device,
+                    input_args=(first_input if sid == 0 else hidden,),
+                    output_args=(last_output if sid == self.n_stages - 1 else hidden,),
+                    group=self.pp_group,
+                )
+            )
         return stages
 
     def train_step(self, microbatches: list[Microbatch], loss_fn: LossFn) -> None:
@@ -134,8 +157,9 @@ class PipelineRunner:
         seq_len = self._check_microbatches(microbatches)
         self._expected = (self.boundary.shape(seq_len), self.boundary.dtype)
         stages = self._build_stages(microbatches[0][0], seq_len)
-        schedule = build_schedule(self.schedule_name, stages, len(microbatches),
-                                  loss_fn=lambda output, target: loss_fn(output, int(target)))
+        schedule = build_schedule(
+            self.schedule_name, stages, len(microbatches), loss_fn=lambda output, target: loss_fn(output, int(target))
+        )
         inputs = torch.cat([mb[0] for mb in microbatches])
         kwargs = {k: torch.cat([mb[1][k] for mb in microbatches]) for k in microbatches[0][1]}
         # Microbatch indices ride along as the "target" so the loss knows which microbatch it sees.

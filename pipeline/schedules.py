@@ -13,7 +13,8 @@ compiled stages), so both are errors; full AC and layer-level selective AC work.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.distributed.pipelining import (
@@ -28,7 +29,6 @@ from torch.distributed.pipelining import (
 
 from pipeline.placement import PlacementStyle
 from pipeline.split import PipelineConfigError
-
 
 SCHEDULES: dict[str, type] = {
     "1F1B": Schedule1F1B,
@@ -47,8 +47,9 @@ _ROUNDS = frozenset({"Interleaved1F1B", "InterleavedZeroBubble"})
 
 def check_schedule_name(name: str) -> None:
     if name not in SCHEDULES:
-        raise PipelineConfigError(f"archon.pp_schedule = {name!r} is not a pipeline schedule; choose one of "
-                                  f"{', '.join(SCHEDULES)}")
+        raise PipelineConfigError(
+            f"archon.pp_schedule = {name!r} is not a pipeline schedule; choose one of {', '.join(SCHEDULES)}"
+        )
 
 
 def placement_style(name: str) -> PlacementStyle:
@@ -67,20 +68,25 @@ def required_stages_per_rank(name: str) -> int | None:
     return None
 
 
-def check_activation_checkpointing(name: str, gradient_checkpointing: bool, ac_mode: str,
-                                   selective_ac_option: str) -> None:
+def check_activation_checkpointing(
+    name: str, gradient_checkpointing: bool, ac_mode: str, selective_ac_option: str
+) -> None:
     """Zero-bubble schedules reject op-level selective AC and the memory-budget mode (see the module docstring)."""
     if name not in ZERO_BUBBLE or not gradient_checkpointing:
         return
     if ac_mode == "selective" and selective_ac_option == "op":
-        raise PipelineConfigError(f"archon.pp_schedule = {name!r} splits backward into input and weight steps, "
-                                  "which op-level selective AC (ac_mode = 'selective', selective_ac_option = 'op') "
-                                  "cannot serve; use ac_mode = 'full', a layer-level selective_ac_option such as "
-                                  "'2', or a non-zero-bubble schedule (1F1B, Interleaved1F1B)")
+        raise PipelineConfigError(
+            f"archon.pp_schedule = {name!r} splits backward into input and weight steps, "
+            "which op-level selective AC (ac_mode = 'selective', selective_ac_option = 'op') "
+            "cannot serve; use ac_mode = 'full', a layer-level selective_ac_option such as "
+            "'2', or a non-zero-bubble schedule (1F1B, Interleaved1F1B)"
+        )
     if ac_mode == "memory_budget":
-        raise PipelineConfigError(f"archon.pp_schedule = {name!r} cannot run torch.compile, which ac_mode = "
-                                  "'memory_budget' needs; use ac_mode = 'full' or a layer-level selective AC, or a "
-                                  "non-zero-bubble schedule (1F1B, Interleaved1F1B)")
+        raise PipelineConfigError(
+            f"archon.pp_schedule = {name!r} cannot run torch.compile, which ac_mode = "
+            "'memory_budget' needs; use ac_mode = 'full' or a layer-level selective AC, or a "
+            "non-zero-bubble schedule (1F1B, Interleaved1F1B)"
+        )
 
 
 def _valid_count(name: str, n: int, pp: int) -> bool:
@@ -101,8 +107,12 @@ def microbatch_count(name: str, requested: int, n_stages: int, pp: int) -> int:
     return n
 
 
-def build_schedule(name: str, stages: list[PipelineStage], n_microbatches: int,
-                   loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None) -> Any:
+def build_schedule(
+    name: str,
+    stages: list[PipelineStage],
+    n_microbatches: int,
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None,
+) -> Any:
     """The torch schedule ``name`` over this rank's ``stages``.
 
     Gradients are not rescaled by the schedule (``scale_grads=False``): the loss of every
@@ -112,7 +122,9 @@ def build_schedule(name: str, stages: list[PipelineStage], n_microbatches: int,
     cls = SCHEDULES[name]
     if name in SINGLE_STAGE:
         if len(stages) != 1:
-            raise PipelineConfigError(f"archon.pp_schedule = {name!r} runs one stage per rank, but this rank holds "
-                                      f"{len(stages)}; use Interleaved1F1B for several stages per rank")
+            raise PipelineConfigError(
+                f"archon.pp_schedule = {name!r} runs one stage per rank, but this rank holds "
+                f"{len(stages)}; use Interleaved1F1B for several stages per rank"
+            )
         return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
     return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)

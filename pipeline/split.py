@@ -34,30 +34,40 @@ def count_stages(n_layers: int, pp: int, stages_per_rank: int | None, layers_per
     count per rank.  Raises ``PipelineConfigError`` when the layers do not split evenly.
     """
     if layers_per_stage < 0:
-        raise PipelineConfigError(f"archon.pp_layers_per_stage = {layers_per_stage} must be 0 (derive it) or a "
-                                  "positive number of transformer blocks")
+        raise PipelineConfigError(
+            f"archon.pp_layers_per_stage = {layers_per_stage} must be 0 (derive it) or a "
+            "positive number of transformer blocks"
+        )
     if layers_per_stage:
         if n_layers % layers_per_stage:
-            raise PipelineConfigError(f"the model's {n_layers} layers do not split into stages of "
-                                      f"archon.pp_layers_per_stage = {layers_per_stage}; choose a divisor of "
-                                      f"{n_layers}")
+            raise PipelineConfigError(
+                f"the model's {n_layers} layers do not split into stages of "
+                f"archon.pp_layers_per_stage = {layers_per_stage}; choose a divisor of "
+                f"{n_layers}"
+            )
         n_stages = n_layers // layers_per_stage
         if n_stages % pp:
-            raise PipelineConfigError(f"archon.pp_layers_per_stage = {layers_per_stage} makes {n_stages} stages of "
-                                      f"{n_layers} layers, which p{pp} ranks cannot share equally; choose it so "
-                                      f"that {n_layers} / pp_layers_per_stage is a multiple of {pp}")
+            raise PipelineConfigError(
+                f"archon.pp_layers_per_stage = {layers_per_stage} makes {n_stages} stages of "
+                f"{n_layers} layers, which p{pp} ranks cannot share equally; choose it so "
+                f"that {n_layers} / pp_layers_per_stage is a multiple of {pp}"
+            )
         if stages_per_rank is not None and n_stages != stages_per_rank * pp:
-            raise PipelineConfigError(f"archon.pp_layers_per_stage = {layers_per_stage} makes {n_stages // pp} "
-                                      f"stage(s) per rank over p{pp}, but the schedule needs exactly "
-                                      f"{stages_per_rank}; set pp_layers_per_stage = "
-                                      f"{max(1, n_layers // (stages_per_rank * pp))} or pick another "
-                                      "archon.pp_schedule")
+            raise PipelineConfigError(
+                f"archon.pp_layers_per_stage = {layers_per_stage} makes {n_stages // pp} "
+                f"stage(s) per rank over p{pp}, but the schedule needs exactly "
+                f"{stages_per_rank}; set pp_layers_per_stage = "
+                f"{max(1, n_layers // (stages_per_rank * pp))} or pick another "
+                "archon.pp_schedule"
+            )
         return n_stages
     n_stages = pp * (stages_per_rank or 2)
     if n_layers % n_stages:
-        raise PipelineConfigError(f"the model's {n_layers} layers do not split evenly into {n_stages} pipeline "
-                                  f"stages (p{pp} x {n_stages // pp} per rank); set archon.pp_layers_per_stage to a "
-                                  f"divisor of {n_layers} or change p")
+        raise PipelineConfigError(
+            f"the model's {n_layers} layers do not split evenly into {n_stages} pipeline "
+            f"stages (p{pp} x {n_stages // pp} per rank); set archon.pp_layers_per_stage to a "
+            f"divisor of {n_layers} or change p"
+        )
     return n_stages
 
 

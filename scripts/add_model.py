@@ -21,12 +21,15 @@ from models.scaffold import ScaffoldError, scaffold_model  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("source", help="a transformers model_type (e.g. llama) or a Hugging Face model folder")
     parser.add_argument("--name", help="package name under models/ (default: the model type)")
-    parser.add_argument("--models-dir", help="where to write the package (default: models/); other folders must "
-                                             "be on $ARCHON_MODELS_PATH")
+    parser.add_argument(
+        "--models-dir",
+        help="where to write the package (default: models/); other folders must be on $ARCHON_MODELS_PATH",
+    )
     parser.add_argument("--tests-dir", help="where to write the parity test (default: tests/models/)")
     args = parser.parse_args(argv)
     try:

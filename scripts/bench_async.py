@@ -30,9 +30,21 @@ REPO = Path(__file__).resolve().parents[1]
 
 def run_one(config: str, out: Path, seed: int, k: int, nproc: int, overrides: list[str]) -> dict:
     """One training run; its summary."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(REPO / "scripts" / "train_rl.py"), "--config", config, f"output_dir={out}", f"seed={seed}",
-           f"rollout.max_head_offpolicyness={k}", "saver.export_hf=false", *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(REPO / "scripts" / "train_rl.py"),
+        "--config",
+        config,
+        f"output_dir={out}",
+        f"seed={seed}",
+        f"rollout.max_head_offpolicyness={k}",
+        "saver.export_hf=false",
+        *overrides,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     load_before = os.getloadavg()[0]
     t0 = time.perf_counter()
@@ -49,10 +61,17 @@ def summarize(run: dict, last: int, target: float) -> dict:
     train_s = sum(r["step_time_s"] for r in records)
     rewards = [r["reward_mean"] for r in records]
     reached = next((r["step"] for r in records if r["reward_mean"] >= target), None)
-    return {"seed": run["seed"], "k": run["k"], "steps": len(records), "steps_per_s": len(records) / train_s,
-            "final_reward": mean(rewards[-last:]), "reached": reached,
-            "staleness_max": max((r.get("async/staleness_max") or 0.0) for r in records),
-            "wall_s": run["wall_s"], "load": run["load"]}
+    return {
+        "seed": run["seed"],
+        "k": run["k"],
+        "steps": len(records),
+        "steps_per_s": len(records) / train_s,
+        "final_reward": mean(rewards[-last:]),
+        "reached": reached,
+        "staleness_max": max((r.get("async/staleness_max") or 0.0) for r in records),
+        "wall_s": run["wall_s"],
+        "load": run["load"],
+    }
 
 
 def plot_runs(runs: list[dict], path: Path) -> None:
@@ -100,17 +119,22 @@ def main(argv: list[str] | None = None) -> int:
     if 0 not in args.k:
         parser.error("--k must include 0: speed-ups are against the synchronous run")
     rows, runs = [], []
-    print(f"{'seed':>4} {'k':>2} {'steps/s':>8} {'final reward':>12} {'reached@':>8} {'staleness max':>13} "
-          f"{'wall s':>7} {'load':>5}", flush=True)
+    print(
+        f"{'seed':>4} {'k':>2} {'steps/s':>8} {'final reward':>12} {'reached@':>8} {'staleness max':>13} "
+        f"{'wall s':>7} {'load':>5}",
+        flush=True,
+    )
     for seed in args.seeds:
         for k in args.k:
             run = run_one(args.config, Path(args.out) / f"seed{seed}_k{k}", seed, k, args.nproc, overrides)
             runs.append(run)
             row = summarize(run, args.last, args.target)
             rows.append(row)
-            print(f"{seed:>4} {k:>2} {row['steps_per_s']:>8.3f} {row['final_reward']:>12.3f} "
-                  f"{str(row['reached']):>8} {row['staleness_max']:>13.0f} {row['wall_s']:>7.1f} {row['load']:>5.1f}",
-                  flush=True)
+            print(
+                f"{seed:>4} {k:>2} {row['steps_per_s']:>8.3f} {row['final_reward']:>12.3f} "
+                f"{str(row['reached']):>8} {row['staleness_max']:>13.0f} {row['wall_s']:>7.1f} {row['load']:>5.1f}",
+                flush=True,
+            )
     print("\nper k, mean over seeds (speed-up = steps/s over the same seed's k = 0):")
     base = {r["seed"]: r["steps_per_s"] for r in rows if r["k"] == 0}
     for k in args.k:
@@ -118,8 +142,10 @@ def main(argv: list[str] | None = None) -> int:
         speedup = mean(r["steps_per_s"] / base[r["seed"]] for r in mine)
         finals = [r["final_reward"] for r in mine]
         per_seed = ", ".join(f"{x:.3f}" for x in finals)
-        print(f"  k={k}: speed-up {speedup:.2f}x, final reward {mean(finals):.3f} (per seed {per_seed}), "
-              f"staleness max {max(r['staleness_max'] for r in mine):.0f}")
+        print(
+            f"  k={k}: speed-up {speedup:.2f}x, final reward {mean(finals):.3f} (per seed {per_seed}), "
+            f"staleness max {max(r['staleness_max'] for r in mine):.0f}"
+        )
     if args.plot:
         plot_runs(runs, Path(args.plot))
         print(f"wrote {args.plot}")

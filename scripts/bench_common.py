@@ -11,21 +11,40 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 
-def make_qwen3(folder: str, hidden: int, layers: int, vocab: int, *, heads: int = 8, kv_heads: int = 4,
-               head_dim: int | None = None, intermediate: int | None = None, tie: bool = False,
-               max_positions: int = 8192, seed: int = 0) -> None:
+def make_qwen3(
+    folder: str,
+    hidden: int,
+    layers: int,
+    vocab: int,
+    *,
+    heads: int = 8,
+    kv_heads: int = 4,
+    head_dim: int | None = None,
+    intermediate: int | None = None,
+    tie: bool = False,
+    max_positions: int = 8192,
+    seed: int = 0,
+) -> None:
     """Write a random Qwen3 (config.json + safetensors) built from a config; nothing is downloaded."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(
-        "qwen3", vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or hidden * 3,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        head_dim=head_dim or hidden // heads, max_position_embeddings=max_positions, tie_word_embeddings=tie)
+        "qwen3",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate or hidden * 3,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim or hidden // heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=tie,
+    )
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
 
@@ -35,8 +54,9 @@ CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 machine, CPU time with one torch thread counts the work done, not the wait for a core."""
 
 
-def interleaved(fns: dict[str, Callable[[], None]], reps: int, sync: Callable[[], None] = lambda: None,
-                clock: str = "wall") -> dict[str, list[float]]:
+def interleaved(
+    fns: dict[str, Callable[[], None]], reps: int, sync: Callable[[], None] = lambda: None, clock: str = "wall"
+) -> dict[str, list[float]]:
     """Seconds of ``reps`` calls of every function, in an order that rotates each repetition."""
     now = CLOCKS[clock]
     names = list(fns)
@@ -57,8 +77,9 @@ def median_ratio(numerator: Sequence[float], denominator: Sequence[float]) -> fl
     return statistics.median(a / b for a, b in zip(numerator, denominator))
 
 
-def matmul_flops_per_s(dtype: torch.dtype, device: str = "cpu", n: int = 2048, iters: int = 2,
-                       clock: str = "wall") -> float:
+def matmul_flops_per_s(
+    dtype: torch.dtype, device: str = "cpu", n: int = 2048, iters: int = 2, clock: str = "wall"
+) -> float:
     """This machine's matmul peak right now, in FLOP/s: the best of ``iters`` ``n x n x n`` products.
 
     On CPU both kernels PyTorch can use count: its BLAS (``torch.mm``; MKL in the official
@@ -87,11 +108,15 @@ def matmul_flops_per_s(dtype: torch.dtype, device: str = "cpu", n: int = 2048, i
 def machine_note(clock: str = "wall") -> str:
     """Threads, cores, the load average and the clock, to print with every table."""
     load = os.getloadavg()
-    note = (f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores, "
-            f"load average {', '.join(f'{x:.1f}' for x in load)}, {'wall' if clock == 'wall' else 'CPU'} time")
+    note = (
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores, "
+        f"load average {', '.join(f'{x:.1f}' for x in load)}, {'wall' if clock == 'wall' else 'CPU'} time"
+    )
     if clock == "wall" and load[0] > (os.cpu_count() or 1):
-        note += ("\nWARNING: the machine is busier than its cores; wall times (and multi-threaded kernels) "
-                 "are unreliable here: rerun with --threads 1 --clock cpu")
+        note += (
+            "\nWARNING: the machine is busier than its cores; wall times (and multi-threaded kernels) "
+            "are unreliable here: rerun with --threads 1 --clock cpu"
+        )
     return note
 
 

@@ -19,7 +19,6 @@ import statistics
 import tempfile
 
 import torch
-
 from bench_common import interleaved, machine_note, make_qwen3, markdown_table, median_ratio
 
 
@@ -46,8 +45,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights of both sides")
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 7, quick 3)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                        help="wall time, or CPU time of the process (with --threads 1 on a loaded machine)")
+    parser.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="wall time, or CPU time of the process (with --threads 1 on a loaded machine)",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -68,18 +71,27 @@ def main() -> None:
         params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
         with Generator.from_hf(folder, dtype=dtype, max_running_requests=max(map(int, args.batches.split(",")))) as gen:
             for batch in map(int, args.batches.split(",")):
-                prompts = torch.randint(0, args.vocab, (batch, args.prompt_len), generator=torch.Generator().manual_seed(batch))
+                prompts = torch.randint(
+                    0, args.vocab, (batch, args.prompt_len), generator=torch.Generator().manual_seed(batch)
+                )
                 outputs: dict[str, list[list[int]]] = {}
 
                 def archon() -> None:
-                    results = gen.generate([GenerationRequest(p.tolist(), params, return_logprob=True) for p in prompts])
+                    results = gen.generate(
+                        [GenerationRequest(p.tolist(), params, return_logprob=True) for p in prompts]
+                    )
                     outputs["archon"] = [r.output_ids for r in results]
 
                 def transformers() -> None:
                     with torch.inference_mode():
-                        out = hf.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
-                                          max_new_tokens=args.new_tokens, pad_token_id=0)
-                    outputs["hf"] = out[:, args.prompt_len:].tolist()
+                        out = hf.generate(
+                            prompts,
+                            attention_mask=torch.ones_like(prompts),
+                            do_sample=False,
+                            max_new_tokens=args.new_tokens,
+                            pad_token_id=0,
+                        )
+                    outputs["hf"] = out[:, args.prompt_len :].tolist()
 
                 archon(), transformers()  # warm-up
                 times = interleaved({"archon": archon, "hf": transformers}, reps, clock=args.clock)
@@ -87,14 +99,21 @@ def main() -> None:
                 all_same &= same
                 agree = _agreement(outputs["archon"], outputs["hf"])
                 tokens = batch * args.new_tokens
-                rows.append([str(batch), f"{tokens / statistics.median(times['hf']):,.0f}",
-                             f"{tokens / statistics.median(times['archon']):,.0f}",
-                             f"{median_ratio(times['hf'], times['archon']):.2f}x",
-                             "yes" if same else f"no ({agree:.0%} of tokens before the first difference)"])
+                rows.append(
+                    [
+                        str(batch),
+                        f"{tokens / statistics.median(times['hf']):,.0f}",
+                        f"{tokens / statistics.median(times['archon']):,.0f}",
+                        f"{median_ratio(times['hf'], times['archon']):.2f}x",
+                        "yes" if same else f"no ({agree:.0%} of tokens before the first difference)",
+                    ]
+                )
 
-    print(f"greedy decode, Archon built-in engine vs transformers generate; qwen3 hidden {args.hidden}, "
-          f"{args.layers} layers, {args.dtype}, prompt {args.prompt_len} + {args.new_tokens} new tokens; "
-          f"{machine_note(args.clock)}")
+    print(
+        f"greedy decode, Archon built-in engine vs transformers generate; qwen3 hidden {args.hidden}, "
+        f"{args.layers} layers, {args.dtype}, prompt {args.prompt_len} + {args.new_tokens} new tokens; "
+        f"{machine_note(args.clock)}"
+    )
     print(markdown_table(["batch", "HF new tok/s", "Archon new tok/s", "Archon/HF", "greedy identical"], rows))
     if not all_same:
         if dtype == torch.float32:

@@ -30,7 +30,6 @@ import tempfile
 from pathlib import Path
 
 import torch
-
 from bench_common import CLOCKS, machine_note, markdown_table, median_ratio
 
 
@@ -49,12 +48,23 @@ def _make_assets(root: Path, vocab: int, hidden: int, layers: int, n_rows: int, 
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
-                                        eos_token="<eos>", model_max_length=4096)
-    config = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,
-                         head_dim=hidden // 8, max_position_embeddings=4096, tie_word_embeddings=True,
-                         eos_token_id=1, pad_token_id=0, bos_token_id=None)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>", model_max_length=4096
+    )
+    config = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=hidden // 8,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        eos_token_id=1,
+        pad_token_id=0,
+        bos_token_id=None,
+    )
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(config)
     model.generation_config.eos_token_id, model.generation_config.pad_token_id = 1, 0
@@ -101,17 +111,35 @@ def _archon_trainer(root: Path, model: Path, args):
     from archon.rl.trainer import RLTrainer
 
     overrides = {
-        "experiment_name": "bench", "trial_name": "grpo", "output_dir": str(root / "archon"), "seed": 1,
-        "total_train_steps": 10_000, "device": "cpu", "cluster.n_gpus_per_node": 2,
-        "rollout.backend": "local:d1", "actor.backend": "archon:d1", "actor.path": str(model),
-        "actor.dtype": "float32", "actor.adv_estimator": "grpo", "actor.ppo_n_minibatches": 1,
-        "actor.loss_agg_mode": "token-mean", "actor.optimizer.lr": 1e-5, "actor.optimizer.max_grad_norm": 1.0,
-        "actor.archon.enable_compile": False, "actor.archon.ac_mode": "none",
-        "gconfig.n_samples": args.samples, "gconfig.max_new_tokens": args.new_tokens, "gconfig.temperature": 1.0,
-        "gconfig.ignore_eos": True, "train_dataset.path": str(root / "train.jsonl"),
-        "train_dataset.batch_size": args.prompts, "train_dataset.max_length": 4096,
-        "reward.fn": "bench_grpo:diversity_reward", "reward.n_workers": 0,
-        "saver.freq_steps": 0, "saver.export_hf": False,
+        "experiment_name": "bench",
+        "trial_name": "grpo",
+        "output_dir": str(root / "archon"),
+        "seed": 1,
+        "total_train_steps": 10_000,
+        "device": "cpu",
+        "cluster.n_gpus_per_node": 2,
+        "rollout.backend": "local:d1",
+        "actor.backend": "archon:d1",
+        "actor.path": str(model),
+        "actor.dtype": "float32",
+        "actor.adv_estimator": "grpo",
+        "actor.ppo_n_minibatches": 1,
+        "actor.loss_agg_mode": "token-mean",
+        "actor.optimizer.lr": 1e-5,
+        "actor.optimizer.max_grad_norm": 1.0,
+        "actor.archon.enable_compile": False,
+        "actor.archon.ac_mode": "none",
+        "gconfig.n_samples": args.samples,
+        "gconfig.max_new_tokens": args.new_tokens,
+        "gconfig.temperature": 1.0,
+        "gconfig.ignore_eos": True,
+        "train_dataset.path": str(root / "train.jsonl"),
+        "train_dataset.batch_size": args.prompts,
+        "train_dataset.max_length": 4096,
+        "reward.fn": "bench_grpo:diversity_reward",
+        "reward.n_workers": 0,
+        "saver.freq_steps": 0,
+        "saver.export_hf": False,
     }
     cfg = load_config(None, [f"{k}={json.dumps(v)}" for k, v in overrides.items()])
     trainer = RLTrainer(cfg)
@@ -130,18 +158,38 @@ def _trl_trainer(root: Path, model_folder: Path, args, callback):
         return [diversity_reward(p, c) for p, c in zip(prompts, completions)]
 
     config = GRPOConfig(
-        output_dir=str(root / "trl"), per_device_train_batch_size=args.prompts * args.samples,
-        num_generations=args.samples, max_completion_length=args.new_tokens, gradient_accumulation_steps=1,
-        num_iterations=1, beta=0.0, loss_type="dapo", learning_rate=1e-5, max_grad_norm=1.0, temperature=1.0,
-        max_steps=args.reps + 1, logging_steps=10_000, report_to="none", save_strategy="no", use_cpu=True,
-        bf16=False, disable_tqdm=True, dataloader_num_workers=0, seed=1,
+        output_dir=str(root / "trl"),
+        per_device_train_batch_size=args.prompts * args.samples,
+        num_generations=args.samples,
+        max_completion_length=args.new_tokens,
+        gradient_accumulation_steps=1,
+        num_iterations=1,
+        beta=0.0,
+        loss_type="dapo",
+        learning_rate=1e-5,
+        max_grad_norm=1.0,
+        temperature=1.0,
+        max_steps=args.reps + 1,
+        logging_steps=10_000,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=1,
         # Exactly max_completion_length tokens, as Archon's ignore_eos.
         generation_kwargs={"eos_token_id": None},
     )
     model = AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32)
-    return GRPOTrainer(model=model, reward_funcs=[reward], args=config,
-                       train_dataset=Dataset.from_list([{"prompt": r["prompt"]} for r in rows]),
-                       processing_class=AutoTokenizer.from_pretrained(model_folder), callbacks=[callback])
+    return GRPOTrainer(
+        model=model,
+        reward_funcs=[reward],
+        args=config,
+        train_dataset=Dataset.from_list([{"prompt": r["prompt"]} for r in rows]),
+        processing_class=AutoTokenizer.from_pretrained(model_folder),
+        callbacks=[callback],
+    )
 
 
 def main() -> None:
@@ -155,10 +203,15 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4, help="decoder blocks")
     parser.add_argument("--vocab", type=int, default=4096, help="vocabulary size")
     parser.add_argument("--reps", type=int, default=None, help="timed steps per side (default 7, quick 3)")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads, also for the rollout server "
-                                                               "(0: torch's default)")
-    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                        help="wall time, or CPU time of the process tree (with --threads 1 on a loaded machine)")
+    parser.add_argument(
+        "--threads", type=int, default=0, help="torch threads, also for the rollout server (0: torch's default)"
+    )
+    parser.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="wall time, or CPU time of the process tree (with --threads 1 on a loaded machine)",
+    )
     args = parser.parse_args()
     args.reps = args.reps or (3 if args.quick else 7)
     if args.threads:
@@ -177,8 +230,14 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        folder = _make_assets(root, args.vocab, args.hidden, args.layers, n_rows=args.prompts * (args.reps + 4),
-                              prompt_len=args.prompt_len)
+        folder = _make_assets(
+            root,
+            args.vocab,
+            args.hidden,
+            args.layers,
+            n_rows=args.prompts * (args.reps + 4),
+            prompt_len=args.prompt_len,
+        )
         archon = _archon_trainer(root, folder, args)
         try:
             archon.step(state["step"])  # warm-up
@@ -206,16 +265,30 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
     parts = {k: statistics.median(r[k] for r in archon_parts) for k in ("rollout_time_s", "train_time_s")}
     sync_key = next((k for k in archon_parts[0] if "sync" in k and k.endswith("_s")), None)
-    print(f"GRPO step, Archon RLTrainer (archon:d1 + local:d1 server) vs TRL {trl.__version__} GRPOTrainer; "
-          f"qwen3 hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, float32; {args.prompts} prompts x "
-          f"{args.samples} completions x {args.new_tokens} tokens (prompt {args.prompt_len}), one update; "
-          f"{machine_note(args.clock)}")
-    print(markdown_table(
-        ["", "TRL s/step", "Archon s/step", "Archon / TRL time"],
-        [["GRPO step", f"{med['trl']:.3f}", f"{med['archon']:.3f}", f"{median_ratio(times['archon'], times['trl']):.2f}"]]))
+    print(
+        f"GRPO step, Archon RLTrainer (archon:d1 + local:d1 server) vs TRL {trl.__version__} GRPOTrainer; "
+        f"qwen3 hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, float32; {args.prompts} prompts x "
+        f"{args.samples} completions x {args.new_tokens} tokens (prompt {args.prompt_len}), one update; "
+        f"{machine_note(args.clock)}"
+    )
+    print(
+        markdown_table(
+            ["", "TRL s/step", "Archon s/step", "Archon / TRL time"],
+            [
+                [
+                    "GRPO step",
+                    f"{med['trl']:.3f}",
+                    f"{med['archon']:.3f}",
+                    f"{median_ratio(times['archon'], times['trl']):.2f}",
+                ]
+            ],
+        )
+    )
     extra = f", weight sync {statistics.median(r[sync_key] for r in archon_parts):.3f} s" if sync_key else ""
-    print(f"Archon's own split (wall, medians): rollout {parts['rollout_time_s']:.3f} s, "
-          f"train {parts['train_time_s']:.3f} s{extra}")
+    print(
+        f"Archon's own split (wall, medians): rollout {parts['rollout_time_s']:.3f} s, "
+        f"train {parts['train_time_s']:.3f} s{extra}"
+    )
 
 
 if __name__ == "__main__":

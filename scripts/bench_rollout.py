@@ -20,9 +20,18 @@ import torch
 def _make_model(folder: str, hidden: int, layers: int) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model("qwen3", vocab_size=4096, hidden_size=hidden, intermediate_size=hidden * 3,
-                                  num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,
-                                  head_dim=hidden // 8, max_position_embeddings=2048, tie_word_embeddings=True)
+    config = AutoConfig.for_model(
+        "qwen3",
+        vocab_size=4096,
+        hidden_size=hidden,
+        intermediate_size=hidden * 3,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=hidden // 8,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
 
@@ -40,8 +49,10 @@ def main() -> None:
     from archon.rollout.sampling import SamplingParams
 
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 4096, (int(n),), generator=g).tolist()
-               for n in torch.randint(16, 128, (args.requests,), generator=g)]
+    prompts = [
+        torch.randint(0, 4096, (int(n),), generator=g).tolist()
+        for n in torch.randint(16, 128, (args.requests,), generator=g)
+    ]
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0, ignore_eos=True)
 
     def requests() -> list[GenerationRequest]:
@@ -60,8 +71,10 @@ def main() -> None:
             t_batch = time.perf_counter() - t0
     tokens = args.requests * args.max_new_tokens
     same = all(a.output_ids == b.output_ids for a, b in zip(sequential, batched))
-    print(f"model: qwen3 hidden {args.hidden}, {args.layers} layers, {args.dtype}; "
-          f"{args.requests} requests x {args.max_new_tokens} new tokens, torch threads {torch.get_num_threads()}")
+    print(
+        f"model: qwen3 hidden {args.hidden}, {args.layers} layers, {args.dtype}; "
+        f"{args.requests} requests x {args.max_new_tokens} new tokens, torch threads {torch.get_num_threads()}"
+    )
     print(f"one at a time (baseline): {tokens / t_seq:9.1f} tokens/s  ({t_seq:.2f} s)")
     print(f"continuous batching:      {tokens / t_batch:9.1f} tokens/s  ({t_batch:.2f} s)")
     print(f"ratio: {t_seq / t_batch:.2f}x; greedy outputs identical: {same}")

@@ -25,10 +25,21 @@ def _make_model(folder: str, args: argparse.Namespace) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(
-        "qwen3_moe", vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 3,
-        moe_intermediate_size=args.hidden, num_experts=args.experts, num_experts_per_tok=args.top_k,
-        norm_topk_prob=True, num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=args.hidden // 4, max_position_embeddings=4096, tie_word_embeddings=False)
+        "qwen3_moe",
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 3,
+        moe_intermediate_size=args.hidden,
+        num_experts=args.experts,
+        num_experts_per_tok=args.top_k,
+        norm_topk_prob=True,
+        num_hidden_layers=args.layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=args.hidden // 4,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
@@ -44,20 +55,25 @@ def _rollout(folder: str, args: argparse.Namespace):
     from archon.rollout.sampling import SamplingParams
 
     g = torch.Generator().manual_seed(args.seed)
-    prompts = [torch.randint(0, args.vocab, (int(torch.randint(8, 32, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(args.samples)]
+    prompts = [
+        torch.randint(0, args.vocab, (int(torch.randint(8, 32, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(args.samples)
+    ]
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, ignore_eos=True)
     with Generator.from_hf(folder, dtype=torch.bfloat16, random_seed=args.seed, max_running_requests=16) as gen:
-        results = gen.generate([GenerationRequest(p, params, return_logprob=True, return_routed_experts=True)
-                                for p in prompts])
+        results = gen.generate(
+            [GenerationRequest(p, params, return_logprob=True, return_routed_experts=True) for p in prompts]
+        )
     return prompts, results
 
 
 def _batch(prompts, results):
     from archon.rl.rollout_batch import Completion, build_rollout_batch
 
-    completions = [Completion(p, r.output_ids, r.output_logprobs, "length", r.routed_experts.numpy())
-                   for p, r in zip(prompts, results)]
+    completions = [
+        Completion(p, r.output_ids, r.output_logprobs, "length", r.routed_experts.numpy())
+        for p, r in zip(prompts, results)
+    ]
     return build_rollout_batch(completions, [0.0] * len(completions))
 
 
@@ -65,8 +81,14 @@ def _trainer(folder: str):
     from archon.config import ActorConfig, ArchonEngineConfig, MicroBatchSpec
     from archon.engine.engine import ArchonEngine
 
-    cfg = ActorConfig(backend="archon:d1", path=folder, dtype="bfloat16", moe_routing_replay=True,
-                      archon=ArchonEngineConfig(enable_compile=False), mb_spec=MicroBatchSpec(n_mbs=1))
+    cfg = ActorConfig(
+        backend="archon:d1",
+        path=folder,
+        dtype="bfloat16",
+        moe_routing_replay=True,
+        archon=ArchonEngineConfig(enable_compile=False),
+        mb_spec=MicroBatchSpec(n_mbs=1),
+    )
     return ArchonEngine(cfg, trainable=False, device="cpu").initialize()
 
 
@@ -83,7 +105,7 @@ def _own_choices(engine, batch) -> torch.Tensor:
     lens = batch["attention_mask"].sum(1).tolist()
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         for row, n in enumerate(lens):
-            engine.model(batch["input_ids"][row: row + 1, :n])
+            engine.model(batch["input_ids"][row : row + 1, :n])
             for i, moe in layers:
                 out[row, :n, i] = moe.selected_experts[0]
     return out
@@ -121,10 +143,11 @@ def main() -> None:
         differ = (own.sort(-1).values != served.sort(-1).values).any(-1) & known
         flip_frac = float(differ.sum() / known.sum())
 
-    print(f"tiny Qwen3-MoE: {args.layers} layers x {args.experts} experts (top-{args.top_k}), hidden {args.hidden}, "
-          f"bfloat16; {int(mask.sum())} sampled tokens from {args.samples} completions")
-    print(f"routing decisions (token, layer) where the trainer's own choice differs from the server's: "
-          f"{flip_frac:.2%}")
+    print(
+        f"tiny Qwen3-MoE: {args.layers} layers x {args.experts} experts (top-{args.top_k}), hidden {args.hidden}, "
+        f"bfloat16; {int(mask.sum())} sampled tokens from {args.samples} completions"
+    )
+    print(f"routing decisions (token, layer) where the trainer's own choice differs from the server's: {flip_frac:.2%}")
     print(f"{'routing replay':<16}{'mean |dlogp|':>14}{'max |dlogp|':>14}")
     for name, (mean, top) in rows.items():
         print(f"{name:<16}{mean:>14.4g}{top:>14.4g}")

@@ -30,7 +30,6 @@ import tempfile
 from dataclasses import dataclass
 
 import torch
-
 from bench_common import interleaved, machine_note, make_qwen3, markdown_table, matmul_flops_per_s, median_ratio
 
 # Dense bf16 tensor-core peaks (FLOP/s) from the vendors' spec sheets.
@@ -57,8 +56,9 @@ class Shape:
 
 _PRESETS = {
     # Qwen3-0.6B's architecture (config.json of Qwen/Qwen3-0.6B), random weights.
-    "qwen3-0.6b": Shape(hidden=1024, layers=28, heads=16, kv_heads=8, head_dim=128, intermediate=3072,
-                        vocab=151936, tie=True),
+    "qwen3-0.6b": Shape(
+        hidden=1024, layers=28, heads=16, kv_heads=8, head_dim=128, intermediate=3072, vocab=151936, tie=True
+    )
 }
 
 
@@ -101,11 +101,15 @@ class ArchonSide:
         from archon.config import ArchonEngineConfig, MicroBatchSpec, OptimizerConfig, TrainEngineConfig
         from archon.engine.engine import ArchonEngine
 
-        cfg = TrainEngineConfig(backend="archon:d1", path=folder, dtype=dtype,
-                                archon=ArchonEngineConfig(enable_compile=compile_),
-                                optimizer=OptimizerConfig(lr=1e-5),
-                                # Under compile rows are padded to one length (one graph).
-                                mb_spec=MicroBatchSpec(max_tokens_per_mb=max_tokens if compile_ else 0))
+        cfg = TrainEngineConfig(
+            backend="archon:d1",
+            path=folder,
+            dtype=dtype,
+            archon=ArchonEngineConfig(enable_compile=compile_),
+            optimizer=OptimizerConfig(lr=1e-5),
+            # Under compile rows are padded to one length (one graph).
+            mb_spec=MicroBatchSpec(max_tokens_per_mb=max_tokens if compile_ else 0),
+        )
         self.engine = ArchonEngine(cfg, device=device, total_steps=1000).initialize()
 
     def step(self, batch: dict[str, torch.Tensor]) -> float:
@@ -122,8 +126,9 @@ class HFSide:
         from archon.engine.optimizer import build_optimizer
 
         self.attn = _best_hf_attention(device)
-        self.model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation=self.attn,
-                                                          dtype=torch.float32).to(device)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            folder, attn_implementation=self.attn, dtype=torch.float32
+        ).to(device)
         self.model.train()
         if compile_:
             self.model.compile()
@@ -188,6 +193,7 @@ def run_case(folder: str, shape: Shape, dtype: str, kinds: list[str], args, comp
                 side.step(batch)
                 if cuda:
                     peak_mem[name] = max(peak_mem.get(name, 0.0), torch.cuda.max_memory_allocated(device) / 2**30)
+
             return fn
 
         fns = {"archon": timed(archon, "archon"), "hf": timed(hf, "hf")}
@@ -202,13 +208,23 @@ def run_case(folder: str, shape: Shape, dtype: str, kinds: list[str], args, comp
             mfu = {s: flops / statistics.median(times[s]) / peak for s in ("archon", "hf")}
         else:
             mfu = {s: statistics.median(flops / t / p for t, p in zip(times[s], peaks)) for s in ("archon", "hf")}
-        rows.append({
-            "shape": shape.name, "dtype": dtype, "batch": f"{kind} {len(lens)}x{args.seq_len}", "compile": compile_,
-            "hf": tokens / statistics.median(times["hf"]), "archon": tokens / statistics.median(times["archon"]),
-            "ratio": median_ratio(times["hf"], times["archon"]), "mfu_archon": mfu["archon"], "mfu_hf": mfu["hf"],
-            "loss_diff": abs(loss_a - loss_h), "mem": peak_mem, "attn": hf.attn,
-            "peak": statistics.median(peaks) if not cuda else None,
-        })
+        rows.append(
+            {
+                "shape": shape.name,
+                "dtype": dtype,
+                "batch": f"{kind} {len(lens)}x{args.seq_len}",
+                "compile": compile_,
+                "hf": tokens / statistics.median(times["hf"]),
+                "archon": tokens / statistics.median(times["archon"]),
+                "ratio": median_ratio(times["hf"], times["archon"]),
+                "mfu_archon": mfu["archon"],
+                "mfu_hf": mfu["hf"],
+                "loss_diff": abs(loss_a - loss_h),
+                "mem": peak_mem,
+                "attn": hf.attn,
+                "peak": statistics.median(peaks) if not cuda else None,
+            }
+        )
     del archon, hf
     gc.collect()
     if cuda:
@@ -221,20 +237,31 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="hidden 256/4 layers only, 3 repetitions")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--preset", choices=sorted(_PRESETS), help="a named model shape instead of the CPU ones")
-    parser.add_argument("--dtypes", default=None, help="comma list of float32,bfloat16 (default: both on CPU, "
-                                                       "bfloat16 on CUDA)")
+    parser.add_argument(
+        "--dtypes", default=None, help="comma list of float32,bfloat16 (default: both on CPU, bfloat16 on CUDA)"
+    )
     parser.add_argument("--batches", default="full,mixed", help="comma list of full,mixed")
     parser.add_argument("--seqs", type=int, default=None, help="sequences per step (default 8 on CPU, 4 on CUDA)")
-    parser.add_argument("--seq-len", type=int, default=None, help="tokens per full-length sequence "
-                                                                  "(default 256 on CPU, 2048 on CUDA)")
+    parser.add_argument(
+        "--seq-len", type=int, default=None, help="tokens per full-length sequence (default 256 on CPU, 2048 on CUDA)"
+    )
     parser.add_argument("--reps", type=int, default=None, help="timed steps per side and batch (default 5, quick 3)")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed steps per side first (default 1; "
-                                                                 "3 under compile)")
-    parser.add_argument("--compile", choices=["off", "on", "both"], default="off",
-                        help="torch.compile both sides (Archon: per block; HF: the model)")
+    parser.add_argument(
+        "--warmup", type=int, default=None, help="untimed steps per side first (default 1; 3 under compile)"
+    )
+    parser.add_argument(
+        "--compile",
+        choices=["off", "on", "both"],
+        default="off",
+        help="torch.compile both sides (Archon: per block; HF: the model)",
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                        help="wall time, or CPU time of the process (with --threads 1 on a loaded machine)")
+    parser.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="wall time, or CPU time of the process (with --threads 1 on a loaded machine)",
+    )
     parser.add_argument("--peak-n", type=int, default=2048, help="matmul size of the CPU peak measurement")
     args = parser.parse_args()
     if args.threads:
@@ -257,23 +284,45 @@ def main() -> None:
     rows = []
     for shape in shapes:
         with tempfile.TemporaryDirectory() as folder:
-            make_qwen3(folder, shape.hidden, shape.layers, shape.vocab, heads=shape.heads, kv_heads=shape.kv_heads,
-                       head_dim=shape.head_dim, intermediate=shape.intermediate, tie=shape.tie,
-                       max_positions=max(8192, args.seq_len))
+            make_qwen3(
+                folder,
+                shape.hidden,
+                shape.layers,
+                shape.vocab,
+                heads=shape.heads,
+                kv_heads=shape.kv_heads,
+                head_dim=shape.head_dim,
+                intermediate=shape.intermediate,
+                tie=shape.tie,
+                max_positions=max(8192, args.seq_len),
+            )
             for compile_ in compiles:
                 for dtype in dtypes:
                     rows.extend(run_case(folder, shape, dtype, kinds, args, compile_))
 
-    print(f"training step (forward + backward + clip + AdamW), Archon archon:d1 vs HF transformers; {machine_note(args.clock)}")
+    print(
+        f"training step (forward + backward + clip + AdamW), Archon archon:d1 vs HF transformers; {machine_note(args.clock)}"
+    )
     if cuda:
         print(f"device: {_gpu_peak(args.device)[1]}; HF attention: {rows[0]['attn']}")
-    headers = ["model", "dtype", "batch"] + (["compile"] if args.compile != "off" else []) + \
-        ["HF tok/s", "Archon tok/s", "Archon/HF", "Archon MFU", "HF MFU"] + (["peak mem GiB (Archon/HF)"] if cuda else [])
+    headers = (
+        ["model", "dtype", "batch"]
+        + (["compile"] if args.compile != "off" else [])
+        + ["HF tok/s", "Archon tok/s", "Archon/HF", "Archon MFU", "HF MFU"]
+        + (["peak mem GiB (Archon/HF)"] if cuda else [])
+    )
     table = []
     for r in rows:
-        cells = [r["shape"], r["dtype"], r["batch"]] + (["on" if r["compile"] else "off"] if args.compile != "off" else [])
-        cells += [f"{r['hf']:,.0f}", f"{r['archon']:,.0f}", f"{r['ratio']:.2f}x", f"{r['mfu_archon']:.2f}",
-                  f"{r['mfu_hf']:.2f}"]
+        cells = [r["shape"], r["dtype"], r["batch"]] + (
+            ["on" if r["compile"] else "off"] if args.compile != "off" else []
+        )
+        cells += [
+            f"{r['hf']:,.0f}",
+            f"{r['archon']:,.0f}",
+            f"{r['ratio']:.2f}x",
+            f"{r['mfu_archon']:.2f}",
+            f"{r['mfu_hf']:.2f}",
+        ]
         if cuda:
             cells.append(f"{r['mem'].get('archon', 0):.1f} / {r['mem'].get('hf', 0):.1f}")
         table.append(cells)
@@ -281,17 +330,24 @@ def main() -> None:
     if not cuda:
         for dtype in dtypes:
             peaks = [r["peak"] for r in rows if r["dtype"] == dtype]
-            print(f"measured {dtype} matmul peak ({args.peak_n}^3, best of BLAS and oneDNN): "
-                  f"{statistics.median(peaks) / 1e9:,.0f} GFLOP/s (median; MFU uses the one measured beside each step)")
+            print(
+                f"measured {dtype} matmul peak ({args.peak_n}^3, best of BLAS and oneDNN): "
+                f"{statistics.median(peaks) / 1e9:,.0f} GFLOP/s (median; MFU uses the one measured beside each step)"
+            )
     for shape in shapes:
         for kind in kinds:
-            pick = {r["dtype"]: r["archon"] for r in rows if r["shape"] == shape.name and r["batch"].startswith(kind)
-                    and not r["compile"]}
+            pick = {
+                r["dtype"]: r["archon"]
+                for r in rows
+                if r["shape"] == shape.name and r["batch"].startswith(kind) and not r["compile"]
+            }
             if "float32" in pick and "bfloat16" in pick:
                 print(f"Archon bf16 / fp32 tokens/s, {shape.name}, {kind}: {pick['bfloat16'] / pick['float32']:.2f}x")
     worst = {dtype: max(r["loss_diff"] for r in rows if r["dtype"] == dtype) for dtype in dtypes}
-    print("first-step loss |Archon - HF| (the same function on the same weights and tokens): "
-          + ", ".join(f"{dtype} at most {diff:.1e}" for dtype, diff in worst.items()))
+    print(
+        "first-step loss |Archon - HF| (the same function on the same weights and tokens): "
+        + ", ".join(f"{dtype} at most {diff:.1e}" for dtype, diff in worst.items())
+    )
 
 
 if __name__ == "__main__":

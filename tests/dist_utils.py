@@ -15,8 +15,9 @@ import pickle
 import socket
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 
 def find_free_port() -> int:
@@ -29,20 +30,34 @@ class DistributedTestError(RuntimeError):
     """A rank raised, died, or did not finish in time."""
 
 
-def _child(conn, rank: int, world_size: int, port: int, threads: int, backend: str,
-           timeout: float, env: dict[str, str], fn: Callable, args: tuple, kwargs: dict) -> None:
+def _child(
+    conn,
+    rank: int,
+    world_size: int,
+    port: int,
+    threads: int,
+    backend: str,
+    timeout: float,
+    env: dict[str, str],
+    fn: Callable,
+    args: tuple,
+    kwargs: dict,
+) -> None:
     import torch
     import torch.distributed as dist
 
     os.environ.update(env)
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-        LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
     )
     torch.set_num_threads(threads)
     try:
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout))
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
         result = fn(*args, **kwargs)
         # Plain pickle, not multiprocessing's: torch would share tensors through file
         # descriptors that vanish when this rank exits right after sending.
@@ -59,10 +74,16 @@ def _child(conn, rank: int, world_size: int, port: int, threads: int, backend: s
         os._exit(0)
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
-                    timeout: float = 300.0, backend: str = "gloo",
-                    threads: int | None = None, env: dict[str, str] | None = None,
-                    **kwargs: Any) -> list[Any]:
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 300.0,
+    backend: str = "gloo",
+    threads: int | None = None,
+    env: dict[str, str] | None = None,
+    **kwargs: Any,
+) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` forked gloo ranks; return per-rank results.
 
     ``fn`` reads its rank from ``torch.distributed.get_rank()``.  Results must pickle.
@@ -77,8 +98,10 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
     procs, conns = [], []
     for rank in range(world_size):
         parent_conn, child_conn = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_child, args=(child_conn, rank, world_size, port, threads,
-                                             backend, timeout, env or {}, fn, args, kwargs))
+        p = ctx.Process(
+            target=_child,
+            args=(child_conn, rank, world_size, port, threads, backend, timeout, env or {}, fn, args, kwargs),
+        )
         p.start()
         child_conn.close()
         procs.append(p)
@@ -99,7 +122,8 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
                 except EOFError:
                     procs[rank].join(1)
                     raise DistributedTestError(
-                        f"rank {rank} died without reporting (exit code {procs[rank].exitcode})") from None
+                        f"rank {rank} died without reporting (exit code {procs[rank].exitcode})"
+                    ) from None
                 if status == "err":
                     raise DistributedTestError(f"rank {rank} failed:\n{payload}")
                 results[rank] = payload

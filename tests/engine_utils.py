@@ -14,8 +14,15 @@ def engine_config(path: str, backend: str = "archon:d1", **kw) -> TrainEngineCon
     opt.update(kw.pop("optimizer", {}))
     mb = dict(n_mbs=1)
     mb.update(kw.pop("mb_spec", {}))
-    return TrainEngineConfig(backend=backend, path=path, dtype="float32", archon=ArchonEngineConfig(**archon),
-                             optimizer=OptimizerConfig(**opt), mb_spec=MicroBatchSpec(**mb), **kw)
+    return TrainEngineConfig(
+        backend=backend,
+        path=path,
+        dtype="float32",
+        archon=ArchonEngineConfig(**archon),
+        optimizer=OptimizerConfig(**opt),
+        mb_spec=MicroBatchSpec(**mb),
+        **kw,
+    )
 
 
 def make_batch(step: int, n: int = 6, vocab: int = 128, min_len: int = 5, max_len: int = 17) -> dict[str, torch.Tensor]:
@@ -29,7 +36,7 @@ def make_batch(step: int, n: int = 6, vocab: int = 128, min_len: int = 5, max_le
     for b, length in enumerate(lens):
         ids[b, :length] = torch.randint(1, vocab, (length,), generator=g)
         attn[b, :length] = 1
-        loss_mask[b, length // 2: length] = 1.0
+        loss_mask[b, length // 2 : length] = 1.0
     return {"input_ids": ids, "attention_mask": attn, "loss_mask": loss_mask}
 
 

@@ -47,8 +47,9 @@ import random
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -58,11 +59,24 @@ if TYPE_CHECKING:
 VOCAB = 1000
 _SAMPLING_EPS = 1e-6
 _DETERMINISTIC_DEFAULT_SEED = 42  # SGLang's seed for requests without sampling_seed
-KNOBS = ("fail_next", "hang", "delay_s", "die_after", "fail_weight_update", "fail_after_buckets", "join_group",
-         "health_delay_s")
+KNOBS = (
+    "fail_next",
+    "hang",
+    "delay_s",
+    "die_after",
+    "fail_weight_update",
+    "fail_after_buckets",
+    "join_group",
+    "health_delay_s",
+)
 # SGLang's get_context_length: the first of these keys in config.json, times a rope scaling factor.
-_CONTEXT_LENGTH_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length",
-                        "max_position_embeddings")
+_CONTEXT_LENGTH_KEYS = (
+    "max_sequence_length",
+    "seq_length",
+    "max_seq_len",
+    "model_max_length",
+    "max_position_embeddings",
+)
 
 
 def fake_logits(context: Sequence[int], n_updates: int = 0) -> torch.Tensor:
@@ -102,9 +116,15 @@ def sglang_sample(logits: torch.Tensor, params: dict[str, Any], uniform: float) 
     return tok, float(torch.log(probs[tok]))  # before filtering
 
 
-def fake_completion(input_ids: list[int], params: dict[str, Any], n_updates: int = 0, *,
-                    seed: int = _DETERMINISTIC_DEFAULT_SEED, eos_token_ids: Sequence[int] = (),
-                    tokenizer: bool = False) -> tuple[list[int], list[float], dict[str, Any]]:
+def fake_completion(
+    input_ids: list[int],
+    params: dict[str, Any],
+    n_updates: int = 0,
+    *,
+    seed: int = _DETERMINISTIC_DEFAULT_SEED,
+    eos_token_ids: Sequence[int] = (),
+    tokenizer: bool = False,
+) -> tuple[list[int], list[float], dict[str, Any]]:
     """(output ids, logprobs, finish_reason) for a prompt whose draws come from ``seed``.
 
     Greedy requests (temperature 0 or top_k 1) do not depend on the seed.  ``tokenizer``: a
@@ -150,10 +170,20 @@ def model_context_length(model_path: str) -> int | None:
 class FakeSGLang:
     """State and handlers of one fake server."""
 
-    def __init__(self, *, host: str = "127.0.0.1", port: int = 0, delay_s: float = 0.0,
-                 context_length: int = 4096, model_path: str = "fake-model", health_delay_s: float = 1.0,
-                 skip_tokenizer_init: bool = True, deterministic: bool = False, random_seed: int = 0,
-                 eos_token_ids: Sequence[int] = ()):
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        delay_s: float = 0.0,
+        context_length: int = 4096,
+        model_path: str = "fake-model",
+        health_delay_s: float = 1.0,
+        skip_tokenizer_init: bool = True,
+        deterministic: bool = False,
+        random_seed: int = 0,
+        eos_token_ids: Sequence[int] = (),
+    ):
         self.host = host
         self.port = port
         self.context_length = context_length
@@ -196,21 +226,23 @@ class FakeSGLang:
     # ------------------------------------------------------------------ app
     def app(self) -> web.Application:
         app = web.Application(client_max_size=1 << 30)
-        app.add_routes([
-            web.get("/health", self.health),
-            web.get("/get_model_info", self.model_info),
-            web.post("/generate", self.generate),
-            web.post("/flush_cache", self.flush_cache),
-            web.post("/pause_generation", self.pause),
-            web.post("/continue_generation", self.resume),
-            web.post("/abort_request", self.abort),
-            web.post("/update_weights_from_disk", self.update_from_disk),
-            web.post("/init_weights_update_group", self.init_group),
-            web.post("/update_weights_from_distributed", self.update_from_distributed),
-            web.post("/fake/config", self.configure),
-            web.get("/fake/state", self.state),
-            web.get("/fake/weights", self.dump_weights),
-        ])
+        app.add_routes(
+            [
+                web.get("/health", self.health),
+                web.get("/get_model_info", self.model_info),
+                web.post("/generate", self.generate),
+                web.post("/flush_cache", self.flush_cache),
+                web.post("/pause_generation", self.pause),
+                web.post("/continue_generation", self.resume),
+                web.post("/abort_request", self.abort),
+                web.post("/update_weights_from_disk", self.update_from_disk),
+                web.post("/init_weights_update_group", self.init_group),
+                web.post("/update_weights_from_distributed", self.update_from_distributed),
+                web.post("/fake/config", self.configure),
+                web.get("/fake/state", self.state),
+                web.get("/fake/weights", self.dump_weights),
+            ]
+        )
         return app
 
     async def health(self, request: web.Request) -> web.Response:
@@ -219,8 +251,7 @@ class FakeSGLang:
         return web.Response(text="ok")
 
     async def model_info(self, request: web.Request) -> web.Response:
-        return web.json_response({"model_path": self.model_path, "is_generation": True,
-                                  "weight_version": self.version})
+        return web.json_response({"model_path": self.model_path, "is_generation": True, "weight_version": self.version})
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -239,13 +270,16 @@ class FakeSGLang:
         params = body.get("sampling_params") or {}
         min_new = int(params.get("min_new_tokens") or 0)
         if min_new > 0 and self.skip_tokenizer_init:
-            msg = (f"min_new_tokens={min_new} is unavailable when skip_tokenizer_init=True (requires tokenizer "
-                   "for eos_token_id).")
+            msg = (
+                f"min_new_tokens={min_new} is unavailable when skip_tokenizer_init=True (requires tokenizer "
+                "for eos_token_id)."
+            )
             return web.json_response({"error": {"message": msg}}, status=400)
         for p in prompts:
             if len(p) + int(params.get("max_new_tokens", 128)) > self.context_length:
-                msg = (f"Requested token count exceeds the model's maximum context length of "
-                       f"{self.context_length} tokens")
+                msg = (
+                    f"Requested token count exceeds the model's maximum context length of {self.context_length} tokens"
+                )
                 return web.json_response({"error": {"message": msg}}, status=400)
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
@@ -267,11 +301,21 @@ class FakeSGLang:
                 seed = _DETERMINISTIC_DEFAULT_SEED if seed is None else int(seed)
             else:
                 seed = self._rng.randrange(2**63)  # sampling_seed is ignored, as in SGLang
-            ids, lps, finish = fake_completion(p, params, self.n_updates, seed=seed, eos_token_ids=self.eos_token_ids,
-                                               tokenizer=not self.skip_tokenizer_init)
-            meta: dict[str, Any] = {"id": body.get("rid") or "x", "finish_reason": finish,
-                                    "prompt_tokens": len(p), "completion_tokens": len(ids),
-                                    "weight_version": self.version}
+            ids, lps, finish = fake_completion(
+                p,
+                params,
+                self.n_updates,
+                seed=seed,
+                eos_token_ids=self.eos_token_ids,
+                tokenizer=not self.skip_tokenizer_init,
+            )
+            meta: dict[str, Any] = {
+                "id": body.get("rid") or "x",
+                "finish_reason": finish,
+                "prompt_tokens": len(p),
+                "completion_tokens": len(ids),
+                "weight_version": self.version,
+            }
             if body.get("return_logprob"):
                 meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, ids)]
             outs.append({"text": "", "output_ids": ids, "meta_info": meta})
@@ -327,9 +371,17 @@ class FakeSGLang:
             from archon.rollout.weight_group import init_weight_update_group
 
             self._groups[body["group_name"]] = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: init_weight_update_group(body["master_address"], body["master_port"],
-                                                       body["rank_offset"], body["world_size"],
-                                                       body["group_name"], body.get("backend", "gloo"), 60.0))
+                None,
+                lambda: init_weight_update_group(
+                    body["master_address"],
+                    body["master_port"],
+                    body["rank_offset"],
+                    body["world_size"],
+                    body["group_name"],
+                    body.get("backend", "gloo"),
+                    60.0,
+                ),
+            )
         return web.json_response({"success": True, "message": "joined"})
 
     async def update_from_distributed(self, request: web.Request) -> web.Response:
@@ -380,12 +432,21 @@ class FakeSGLang:
         return web.json_response({"success": True})
 
     async def state(self, request: web.Request) -> web.Response:
-        return web.json_response({
-            "version": self.version, "n_updates": self.n_updates, "generate_count": self.generate_count,
-            "served": self.served, "max_in_flight": self.max_in_flight, "update_calls": self.update_calls,
-            "versions_after_update": self.versions_after_update,
-            "group_requests": self.group_requests, "disk_loads": self.disk_loads, "flushes": self.flushes,
-            "weight_names": sorted(self.weights)})
+        return web.json_response(
+            {
+                "version": self.version,
+                "n_updates": self.n_updates,
+                "generate_count": self.generate_count,
+                "served": self.served,
+                "max_in_flight": self.max_in_flight,
+                "update_calls": self.update_calls,
+                "versions_after_update": self.versions_after_update,
+                "group_requests": self.group_requests,
+                "disk_loads": self.disk_loads,
+                "flushes": self.flushes,
+                "weight_names": sorted(self.weights),
+            }
+        )
 
     async def dump_weights(self, request: web.Request) -> web.Response:
         from safetensors.torch import save
@@ -405,7 +466,7 @@ class FakeSGLang:
     def addr(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def start(self) -> "FakeSGLang":
+    def start(self) -> FakeSGLang:
         self._loop = asyncio.new_event_loop()
         started = threading.Event()
 
@@ -503,20 +564,30 @@ def main(argv: list[str] | None = None) -> int:
     context = args.context_length or derived or 4096
     if derived is not None and args.context_length is not None and args.context_length > derived:
         # SGLang's ModelConfig._derive_context_length refuses this unless an environment variable allows it.
-        print(f"ValueError: User-specified context_length ({args.context_length}) is greater than the derived "
-              f"context_length ({derived}). To allow overriding this maximum, set the env var "
-              "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1", flush=True)
+        print(
+            f"ValueError: User-specified context_length ({args.context_length}) is greater than the derived "
+            f"context_length ({derived}). To allow overriding this maximum, set the env var "
+            "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1",
+            flush=True,
+        )
         return 1
     eos: list[int] = []
     config = Path(args.model_path) / "config.json"
     if config.is_file():
         value = json.loads(config.read_text()).get("eos_token_id")
         eos = [value] if isinstance(value, int) else list(value or [])
-    server = FakeSGLang(host=args.host, port=args.port, delay_s=args.delay_s, context_length=context,
-                        model_path=args.model_path, health_delay_s=args.health_delay_s,
-                        skip_tokenizer_init=args.skip_tokenizer_init,
-                        deterministic=args.enable_deterministic_inference, random_seed=args.random_seed,
-                        eos_token_ids=eos)
+    server = FakeSGLang(
+        host=args.host,
+        port=args.port,
+        delay_s=args.delay_s,
+        context_length=context,
+        model_path=args.model_path,
+        health_delay_s=args.health_delay_s,
+        skip_tokenizer_init=args.skip_tokenizer_init,
+        deterministic=args.enable_deterministic_inference,
+        random_seed=args.random_seed,
+        eos_token_ids=eos,
+    )
     web.run_app(server.app(), host=args.host, port=args.port, shutdown_timeout=0.5, print=None, access_log=None)
     return 0
 
@@ -544,8 +615,12 @@ def configure(addr: str, **knobs: Any) -> None:
     """Set knobs of a fake server through ``POST /fake/config``."""
     import urllib.request
 
-    req = urllib.request.Request(f"http://{addr}/fake/config", data=json.dumps(knobs).encode(),
-                                 headers={"Content-Type": "application/json"}, method="POST")
+    req = urllib.request.Request(
+        f"http://{addr}/fake/config",
+        data=json.dumps(knobs).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
     with urllib.request.urlopen(req, timeout=10):
         pass
 

@@ -52,8 +52,9 @@ _SAMPLING_EPS = 1e-5  # vllm.sampling_params._SAMPLING_EPS
 KNOBS = ("fail_reload", "delay_s")
 
 
-def vllm_sample(raw: torch.Tensor, params: dict[str, Any], masked: set[int], uniform: float,
-                mode: str) -> tuple[int, float]:
+def vllm_sample(
+    raw: torch.Tensor, params: dict[str, Any], masked: set[int], uniform: float, mode: str
+) -> tuple[int, float]:
     """One token and the logprob vLLM reports under ``mode`` (vllm/v1/sample/sampler.py)."""
     import torch  # lazily: a launched fake answers /health without paying for it
 
@@ -88,14 +89,17 @@ def vllm_sample(raw: torch.Tensor, params: dict[str, Any], masked: set[int], uni
     return tok, float(reported[tok])
 
 
-def vllm_completion(prompt: list[int], body: dict[str, Any], n_updates: int = 0, *, seed: int, eos: int | None,
-                    mode: str) -> tuple[list[int], list[float], str, int | None]:
+def vllm_completion(
+    prompt: list[int], body: dict[str, Any], n_updates: int = 0, *, seed: int, eos: int | None, mode: str
+) -> tuple[list[int], list[float], str, int | None]:
     """(token ids, logprobs, finish_reason, stop_reason) of a completions request."""
     import torch
 
     # vLLM's neutral defaults (the launcher passes --generation-config vllm).
-    params = {key: default if body.get(key) is None else body[key]
-              for key, default in (("temperature", 1.0), ("top_k", 0), ("top_p", 1.0), ("min_p", 0.0))}
+    params = {
+        key: default if body.get(key) is None else body[key]
+        for key, default in (("temperature", 1.0), ("top_k", 0), ("top_p", 1.0), ("min_p", 0.0))
+    }
     stop_ids = set(body.get("stop_token_ids") or [])
     eos_id = None if body.get("ignore_eos") else eos
     all_stops = stop_ids | ({eos} if eos is not None else set())  # the min-tokens processor masks EOS always
@@ -105,8 +109,9 @@ def vllm_completion(prompt: list[int], body: dict[str, Any], n_updates: int = 0,
     logprobs: list[float] = []
     for _ in range(int(body["max_tokens"])):
         masked = all_stops if len(ids) < min_tokens else set()
-        tok, lp = vllm_sample(fake_logits(prompt + ids, n_updates), params, masked,
-                              float(torch.rand(1, generator=draws)), mode)
+        tok, lp = vllm_sample(
+            fake_logits(prompt + ids, n_updates), params, masked, float(torch.rand(1, generator=draws)), mode
+        )
         ids.append(tok)
         logprobs.append(lp)
         if tok == eos_id:  # check_stop: EOS, then stop tokens, then the length budget
@@ -117,15 +122,24 @@ def vllm_completion(prompt: list[int], body: dict[str, Any], n_updates: int = 0,
 
 
 def _error(message: str, status: int = 400, kind: str = "BadRequestError") -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": status}},
-                             status=status)
+    return web.json_response(
+        {"error": {"message": message, "type": kind, "param": None, "code": status}}, status=status
+    )
 
 
 class FakeVLLM:
     """State and handlers of one fake vLLM server."""
 
-    def __init__(self, model: str, *, max_model_len: int, logprobs_mode: str = "raw_logprobs", seed: int = 0,
-                 dev_mode: bool = False, eos: int | None = None):
+    def __init__(
+        self,
+        model: str,
+        *,
+        max_model_len: int,
+        logprobs_mode: str = "raw_logprobs",
+        seed: int = 0,
+        dev_mode: bool = False,
+        eos: int | None = None,
+    ):
         self.model = model
         self.max_model_len = max_model_len
         self.logprobs_mode = logprobs_mode
@@ -146,15 +160,24 @@ class FakeVLLM:
     def app(self) -> web.Application:
         app = web.Application(client_max_size=1 << 30)
         app.on_startup.append(self._on_startup)
-        routes = [web.get("/health", self.health), web.get("/v1/models", self.models),
-                  web.post("/v1/completions", self.complete), web.post("/fake/config", self.configure),
-                  web.get("/fake/state", self.state), web.get("/fake/weights", self.dump_weights)]
+        routes = [
+            web.get("/health", self.health),
+            web.get("/v1/models", self.models),
+            web.post("/v1/completions", self.complete),
+            web.post("/fake/config", self.configure),
+            web.get("/fake/state", self.state),
+            web.get("/fake/weights", self.dump_weights),
+        ]
         if self.dev_mode:  # vLLM registers these routers only with VLLM_SERVER_DEV_MODE=1
-            routes += [web.post("/pause", self.pause), web.post("/resume", self.resume),
-                       web.get("/is_paused", self.is_paused), web.post("/collective_rpc", self.collective_rpc),
-                       web.post("/reset_prefix_cache", self.reset_prefix_cache),
-                       web.post("/update_weight_version", self.update_weight_version),
-                       web.get("/weight_info", self.weight_info)]
+            routes += [
+                web.post("/pause", self.pause),
+                web.post("/resume", self.resume),
+                web.get("/is_paused", self.is_paused),
+                web.post("/collective_rpc", self.collective_rpc),
+                web.post("/reset_prefix_cache", self.reset_prefix_cache),
+                web.post("/update_weight_version", self.update_weight_version),
+                web.get("/weight_info", self.weight_info),
+            ]
         app.add_routes(routes)
         return app
 
@@ -166,8 +189,9 @@ class FakeVLLM:
         return web.Response()
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model",
-                                                              "max_model_len": self.max_model_len}]})
+        return web.json_response(
+            {"object": "list", "data": [{"id": self.model, "object": "model", "max_model_len": self.max_model_len}]}
+        )
 
     async def complete(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -181,9 +205,11 @@ class FakeVLLM:
         if body["max_tokens"] is None:
             body["max_tokens"] = 16
         if len(prompt) + int(body["max_tokens"]) > self.max_model_len:
-            return _error(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                          f"requested {len(prompt) + int(body['max_tokens'])} tokens ({len(prompt)} in the "
-                          f"messages, {body['max_tokens']} in the completion). Please reduce the length.")
+            return _error(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {len(prompt) + int(body['max_tokens'])} tokens ({len(prompt)} in the "
+                f"messages, {body['max_tokens']} in the completion). Please reduce the length."
+            )
         top_k = body.get("top_k")
         if top_k is not None and top_k < -1:
             return _error(f"top_k must be 0 (disable), or at least 1, got {top_k}.")
@@ -192,25 +218,44 @@ class FakeVLLM:
             await asyncio.sleep(self.delay_s)
         seed = body.get("seed")
         seed = self._rng.randrange(2**63) if seed is None else int(seed)
-        ids, lps, finish, stop_reason = vllm_completion(prompt, body, self.n_updates, seed=seed, eos=self.eos,
-                                                        mode=self.logprobs_mode)
+        ids, lps, finish, stop_reason = vllm_completion(
+            prompt, body, self.n_updates, seed=seed, eos=self.eos, mode=self.logprobs_mode
+        )
         self.completions += 1
-        choice: dict[str, Any] = {"index": 0, "text": "".join(f"<{t}>" for t in ids), "finish_reason": finish,
-                                  "stop_reason": stop_reason, "logprobs": None}
+        choice: dict[str, Any] = {
+            "index": 0,
+            "text": "".join(f"<{t}>" for t in ids),
+            "finish_reason": finish,
+            "stop_reason": stop_reason,
+            "logprobs": None,
+        }
         if body.get("logprobs") is not None:
             tokens = [f"token_id:{t}" if body.get("return_tokens_as_token_ids") else f"<{t}>" for t in ids]
-            choice["logprobs"] = {"text_offset": [], "token_logprobs": [max(lp, -9999.0) for lp in lps],
-                                  "tokens": tokens, "top_logprobs": [{tok: lp} for tok, lp in zip(tokens, lps)]}
+            choice["logprobs"] = {
+                "text_offset": [],
+                "token_logprobs": [max(lp, -9999.0) for lp in lps],
+                "tokens": tokens,
+                "top_logprobs": [{tok: lp} for tok, lp in zip(tokens, lps)],
+            }
         if body.get("return_token_ids"):
             choice["token_ids"] = ids
             choice["prompt_token_ids"] = prompt
         if body.get("return_weight_versions"):
             choice["weight_versions"] = [{"version": self.version, "start": 0, "end": len(ids)}]
-        return web.json_response({
-            "id": f"cmpl-{body.get('request_id', 'x')}", "object": "text_completion", "created": int(time.time()),
-            "model": self.model, "choices": [choice],
-            "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids),
-                      "total_tokens": len(prompt) + len(ids)}})
+        return web.json_response(
+            {
+                "id": f"cmpl-{body.get('request_id', 'x')}",
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": self.model,
+                "choices": [choice],
+                "usage": {
+                    "prompt_tokens": len(prompt),
+                    "completion_tokens": len(ids),
+                    "total_tokens": len(prompt) + len(ids),
+                },
+            }
+        )
 
     async def pause(self, request: web.Request) -> web.Response:
         mode = request.query.get("mode", "abort")
@@ -238,8 +283,9 @@ class FakeVLLM:
         if method != "reload_weights":
             return web.json_response({"results": [None]})
         if self.fail_reload:
-            return web.json_response({"error": {"message": self.fail_reload, "type": "InternalServerError",
-                                                "code": 500}}, status=500)
+            return web.json_response(
+                {"error": {"message": self.fail_reload, "type": "InternalServerError", "code": 500}}, status=500
+            )
         from safetensors.torch import load_file
 
         path = Path(kwargs.get("weights_path") or self.model)
@@ -274,10 +320,19 @@ class FakeVLLM:
         return web.json_response({"success": True})
 
     async def state(self, request: web.Request) -> web.Response:
-        return web.json_response({"model": self.model, "version": self.version, "n_updates": self.n_updates,
-                                  "events": self.events, "paused": self.paused, "completions": self.completions,
-                                  "logprobs_mode": self.logprobs_mode, "max_model_len": self.max_model_len,
-                                  "last_request": self.requests[-1] if self.requests else None})
+        return web.json_response(
+            {
+                "model": self.model,
+                "version": self.version,
+                "n_updates": self.n_updates,
+                "events": self.events,
+                "paused": self.paused,
+                "completions": self.completions,
+                "logprobs_mode": self.logprobs_mode,
+                "max_model_len": self.max_model_len,
+                "last_request": self.requests[-1] if self.requests else None,
+            }
+        )
 
     async def dump_weights(self, request: web.Request) -> web.Response:
         from safetensors.torch import save
@@ -327,29 +382,44 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--logprobs-mode", default="raw_logprobs",
-                        choices=["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"])
+    parser.add_argument(
+        "--logprobs-mode",
+        default="raw_logprobs",
+        choices=["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"],
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--crash-on-start", default="")
     args, ignored = parser.parse_known_args(argv)
-    print(f"fake vllm starting on {args.host}:{args.port} (ignored args: {ignored}; "
-          f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')})", flush=True)
+    print(
+        f"fake vllm starting on {args.host}:{args.port} (ignored args: {ignored}; "
+        f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')})",
+        flush=True,
+    )
     if args.crash_on_start:
         print(args.crash_on_start, flush=True)
         return 3
     derived = model_context_length(args.model) or 4096
     if args.max_model_len is not None and args.max_model_len > derived:
-        print(f"ValueError: User-specified max_model_len ({args.max_model_len}) is greater than the derived "
-              f"max_model_len (max_position_embeddings={derived} in model's config.json). To allow overriding "
-              "this maximum, set the env var VLLM_ALLOW_LONG_MAX_MODEL_LEN=1.", flush=True)
+        print(
+            f"ValueError: User-specified max_model_len ({args.max_model_len}) is greater than the derived "
+            f"max_model_len (max_position_embeddings={derived} in model's config.json). To allow overriding "
+            "this maximum, set the env var VLLM_ALLOW_LONG_MAX_MODEL_LEN=1.",
+            flush=True,
+        )
         return 1
     eos = None
     config = Path(args.model) / "config.json"
     if config.is_file():
         value = json.loads(config.read_text()).get("eos_token_id")
         eos = value[0] if isinstance(value, list) and value else value
-    server = FakeVLLM(args.model, max_model_len=args.max_model_len or derived, logprobs_mode=args.logprobs_mode,
-                      seed=args.seed, dev_mode=os.environ.get("VLLM_SERVER_DEV_MODE") == "1", eos=eos)
+    server = FakeVLLM(
+        args.model,
+        max_model_len=args.max_model_len or derived,
+        logprobs_mode=args.logprobs_mode,
+        seed=args.seed,
+        dev_mode=os.environ.get("VLLM_SERVER_DEV_MODE") == "1",
+        eos=eos,
+    )
     web.run_app(server.app(), host=args.host, port=args.port, shutdown_timeout=0.5, print=None, access_log=None)
     return 0
 

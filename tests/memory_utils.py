@@ -72,7 +72,7 @@ class LiveTensorBytes(TorchDispatchMode):
                     self._add(st)
         return out
 
-    def __enter__(self) -> "LiveTensorBytes":
+    def __enter__(self) -> LiveTensorBytes:
         mode = self
         orig = self._orig_resize
 

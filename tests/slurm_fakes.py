@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-SRUN = r'''
+SRUN = r"""
 import json, os, signal, subprocess, sys, time
 
 args = sys.argv[1:]
@@ -45,15 +45,15 @@ while any(p.poll() is None for p in procs):
     time.sleep(0.05)
 codes = [p.returncode if p.returncode >= 0 else 128 - p.returncode for p in procs]
 sys.exit(max(codes))
-'''
+"""
 
-SCONTROL = r'''
+SCONTROL = r"""
 import sys
 
 if sys.argv[1:3] != ["show", "hostnames"]:
     sys.exit(f"fake scontrol only answers 'show hostnames', not {sys.argv[1:]}")
 print("\n".join(h for h in sys.argv[3].split(",") if h))
-'''
+"""
 
 
 def install(bin_dir: Path) -> Path:

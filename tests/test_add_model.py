@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from dist_utils import run_distributed
 from engine_utils import engine_config, export_after_one_step, make_batch, sft_loss, sft_weight
 from hf_fixtures import save_tiny_hf
@@ -28,16 +27,36 @@ STEPS = 3
 
 def _script(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, str(REPO / "scripts" / "add_model.py"), *args], capture_output=True,
-                          text=True, env=env, timeout=300, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "add_model.py"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=cwd,
+    )
 
 
 def _parity(tests_dir: Path, models_dir: Path, name: str) -> subprocess.CompletedProcess:
     """Run a generated parity test in its own pytest process (so its package registers only there)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "ARCHON_MODELS_PATH": str(models_dir)}
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider",
-                           str(tests_dir / f"test_{name}_parity.py")], capture_output=True, text=True, env=env,
-                          timeout=600, cwd=tests_dir)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-rf",
+            "-p",
+            "no:cacheprovider",
+            str(tests_dir / f"test_{name}_parity.py"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        cwd=tests_dir,
+    )
 
 
 @contextmanager
@@ -72,8 +91,14 @@ def generated(tmp_path_factory) -> Path:
 
 def test_package_has_the_layout_of_every_model_package(generated):
     package = generated / "models" / "mistral"
-    for rel in ("__init__.py", "spec.py", "model/args.py", "model/model.py", "model/state_dict_adapter.py",
-                "infra/parallelize.py"):
+    for rel in (
+        "__init__.py",
+        "spec.py",
+        "model/args.py",
+        "model/model.py",
+        "model/state_dict_adapter.py",
+        "infra/parallelize.py",
+    ):
         assert (package / rel).is_file(), rel
     args = (package / "model" / "args.py").read_text()
     # Mistral's sliding window is a config value the shared attention lacks: refused, not silently ignored.
@@ -99,8 +124,15 @@ def _train(path: str, backend: str) -> dict | None:
     engine = build_engine(engine_config(path, backend, archon={"pp_schedule": "1F1B"}), total_steps=STEPS)
     engine.initialize()
     stats = [engine.train_batch(make_batch(s), sft_loss, sft_weight) for s in range(STEPS)]
-    return {"loss": [s["loss"] for s in stats], "grad_norm": [s["grad_norm"] for s in stats],
-            "model": type(engine.model).__name__} if dist.get_rank() == 0 else None
+    return (
+        {
+            "loss": [s["loss"] for s in stats],
+            "grad_norm": [s["grad_norm"] for s in stats],
+            "model": type(engine.model).__name__,
+        }
+        if dist.get_rank() == 0
+        else None
+    )
 
 
 @pytest.mark.parametrize("model_type", ["llama", "mistral"])
@@ -141,8 +173,11 @@ EXPECTED = {
             "mlp:model.layers.0.mlp": "activation 'gelu_pytorch_tanh'",
         },
         "refused": {"attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"},
-        "report": ["sliding-window layers (layer_types with 'sliding_attention')", "soft-capping of attention logits",
-                   "soft-capping of the final logits"],
+        "report": [
+            "sliding-window layers (layer_types with 'sliding_attention')",
+            "soft-capping of attention logits",
+            "soft-capping of the final logits",
+        ],
     },
     "olmo2": {
         "differences": {
@@ -185,11 +220,15 @@ def test_report_names_each_difference_and_the_parity_test_fails_on_exactly_those
     assert all(f"[{point}]" in model_py for point in expected["differences"])  # the report heads model.py
 
     out = _parity(tests_dir, models_dir, model_type)
-    failed = {line.split("[", 1)[1].rsplit("]", 1)[0] for line in out.stdout.splitlines()
-              if line.startswith("FAILED") and "test_difference_is_implemented[" in line}
+    failed = {
+        line.split("[", 1)[1].rsplit("]", 1)[0]
+        for line in out.stdout.splitlines()
+        if line.startswith("FAILED") and "test_difference_is_implemented[" in line
+    }
     assert failed == set(expected["differences"]), out.stdout[-3000:]
-    assert "test_refuses_unsupported_settings" not in "".join(l for l in out.stdout.splitlines()
-                                                               if l.startswith("FAILED"))
+    assert "test_refuses_unsupported_settings" not in "".join(
+        l for l in out.stdout.splitlines() if l.startswith("FAILED")
+    )
 
 
 def test_refusals(tmp_path):

@@ -2,13 +2,7 @@
 
 import pytest
 
-from archon.alloc import (
-    AllocationError,
-    AllocationMode,
-    ModelAllocation,
-    ParallelStrategy,
-    allocation_rows,
-)
+from archon.alloc import AllocationError, AllocationMode, ModelAllocation, ParallelStrategy, allocation_rows
 
 # (string, world size, expected strategy fields) - every single-component example in the seeds.
 SEED_COMPONENTS = [
@@ -30,7 +24,11 @@ SEED_COMPONENTS = [
     ("archon:d4p2t2", 16, dict(dp_size=4, pp_size=2, tp_size=2)),
     ("archon:d2p2", 4, dict(dp_size=2, pp_size=2)),
     ("vllm:d2t4", 8, dict(dp_size=2, tp_size=4)),
-    ("megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)", 32, dict(dp_size=4, pp_size=2, tp_size=2, cp_size=2, ep_size=2, etp_size=4)),
+    (
+        "megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)",
+        32,
+        dict(dp_size=4, pp_size=2, tp_size=2, cp_size=2, ep_size=2, etp_size=4),
+    ),
     ("megatron:(attn:d1p4t2c2|ffn:d1p4t1e4)", 16, dict(pp_size=4, tp_size=2, cp_size=2, ep_size=4, etp_size=1)),
     ("archon:(attn:d1p4t2c2|ffn:d1p4t1e4)", 16, dict(pp_size=4, tp_size=2, cp_size=2, ep_size=4, etp_size=1)),
 ]
@@ -70,7 +68,12 @@ def test_seed_memory_appendix_example_is_rejected_with_the_fix():
 def test_seed_hybrid_table():
     # The seeds' table for megatron:(attn:d4p2t2c2|ffn:d2p2t4e2).
     alloc = ModelAllocation.from_str("megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)")
-    assert (alloc.parallel.dp_size, alloc.parallel.pp_size, alloc.parallel.tp_size, alloc.parallel.cp_size) == (4, 2, 2, 2)
+    assert (alloc.parallel.dp_size, alloc.parallel.pp_size, alloc.parallel.tp_size, alloc.parallel.cp_size) == (
+        4,
+        2,
+        2,
+        2,
+    )
     assert (alloc.ffn.dp_size, alloc.ffn.pp_size, alloc.ffn.tp_size, alloc.ffn.ep_size) == (2, 2, 4, 2)
     assert alloc.world_size == 32 and alloc.is_hybrid
 
@@ -83,19 +86,22 @@ def test_seed_chains(text, world, gen, train):
     assert AllocationMode.from_str(str(mode)) == mode
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("archon:t2d4", "archon:d4t2"),  # any order
-    ("archon:c2e2d2", "archon:d2c2e2"),
-    (" archon : d2 t2 ", "archon:d2t2"),  # whitespace
-    ("archon:d1", "archon:d1"),
-    ("local:d3", "local:d3"),
-    ("vllm:d1t2p2", "vllm:d1p2t2"),
-    ("fsdp:c2t2", "fsdp:d1t2c2"),
-    ("archon:(attn:d2t2|ffn:e4)", "archon:(attn:d2p1t2|ffn:d1p1t1e4)"),  # ffn d derived: 4 / (1*1*4)
-    ("archon:(attn:p2d2t2|ffn:t2e2)", "archon:(attn:d2p2t2|ffn:d1p2t2e2)"),  # ffn inherits p
-    ("archon:( attn : d1p4t2c2 | ffn : d1p4t1e4 )", "archon:(attn:d1p4t2c2|ffn:d1p4t1e4)"),
-    ("archon[actor]:d4", "archon[actor]:d4"),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("archon:t2d4", "archon:d4t2"),  # any order
+        ("archon:c2e2d2", "archon:d2c2e2"),
+        (" archon : d2 t2 ", "archon:d2t2"),  # whitespace
+        ("archon:d1", "archon:d1"),
+        ("local:d3", "local:d3"),
+        ("vllm:d1t2p2", "vllm:d1p2t2"),
+        ("fsdp:c2t2", "fsdp:d1t2c2"),
+        ("archon:(attn:d2t2|ffn:e4)", "archon:(attn:d2p1t2|ffn:d1p1t1e4)"),  # ffn d derived: 4 / (1*1*4)
+        ("archon:(attn:p2d2t2|ffn:t2e2)", "archon:(attn:d2p2t2|ffn:d1p2t2e2)"),  # ffn inherits p
+        ("archon:( attn : d1p4t2c2 | ffn : d1p4t1e4 )", "archon:(attn:d1p4t2c2|ffn:d1p4t1e4)"),
+        ("archon[actor]:d4", "archon[actor]:d4"),
+    ],
+)
 def test_good_strings_canonicalise(text, expected):
     assert str(ModelAllocation.from_str(text)) == expected
 

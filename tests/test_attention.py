@@ -17,7 +17,7 @@ def _reference(q, k, v, lengths, scale):
     k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
     outs, start = [], 0
     for n in lengths:
-        qs, ks, vs = (t[0, start:start + n].double().transpose(0, 1) for t in (q, k, v))  # [h, n, d]
+        qs, ks, vs = (t[0, start : start + n].double().transpose(0, 1) for t in (q, k, v))  # [h, n, d]
         scores = qs @ ks.transpose(1, 2) * scale
         scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), -math.inf)
         outs.append((scores.softmax(-1) @ vs).transpose(0, 1))
@@ -33,12 +33,15 @@ def test_segment_lengths_and_runs():
     assert equal_length_runs([]) == []
 
 
-@pytest.mark.parametrize("cu, total", [
-    ([0, 6, 12, 18], 18),             # equal lengths: one batched call
-    ([0, 5, 14, 15, 21], 24),         # mixed lengths and trailing padding
-    ([0, 4, 8, 8, 8, 11], 11),        # empty sequences (pipeline padding of cu_seqlens)
-    ([0, 3, 6, 13, 16, 19], 19),      # runs of equal lengths around a longer one
-])
+@pytest.mark.parametrize(
+    "cu, total",
+    [
+        ([0, 6, 12, 18], 18),  # equal lengths: one batched call
+        ([0, 5, 14, 15, 21], 24),  # mixed lengths and trailing padding
+        ([0, 4, 8, 8, 8, 11], 11),  # empty sequences (pipeline padding of cu_seqlens)
+        ([0, 3, 6, 13, 16, 19], 19),  # runs of equal lengths around a longer one
+    ],
+)
 def test_packed_attention_matches_per_sequence_reference(cu, total):
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, total, 4, 8, generator=g, requires_grad=True)

@@ -14,11 +14,13 @@ import json
 import shutil
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
+from hf_fixtures import make_tiny_tokenizer, random_tokens, save_tiny_hf
 from safetensors.torch import load_file, save_file
 
 import models
@@ -28,7 +30,6 @@ from archon.data.rl_dataset import RLPromptDataset
 from archon.errors import user_error_types
 from archon.rollout.generator import Generator
 from archon.rollout.server import serve_in_thread
-from hf_fixtures import make_tiny_tokenizer, random_tokens, save_tiny_hf
 
 
 def assert_one_sentence(exc: BaseException, needles: tuple[str, ...]) -> None:
@@ -110,6 +111,7 @@ def test_bad_config_files(tmp_path):
 
 # ---- data files ------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     return make_tiny_tokenizer(tmp_path_factory.mktemp("tok"))
@@ -119,14 +121,20 @@ DATASETS = [
     ("missing", None, ("missing.jsonl", "does not exist", "set train_dataset.path")),
     ("empty", "", ("empty.jsonl", "has no rows", "one JSON object per line")),
     ("blank_lines", "\n\n  \n", ("blank_lines.jsonl", "has no rows")),
-    ("malformed", '{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer"\n',
-     ("malformed.jsonl:2", "not valid JSON")),
+    (
+        "malformed",
+        '{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer"\n',
+        ("malformed.jsonl:2", "not valid JSON"),
+    ),
     ("not_object", '["a", "1"]\n', ("not_object.jsonl:1", "holds a list", "one object per line")),
     ("no_prompt", '{"text": "a", "answer": "1"}\n', ("no_prompt.jsonl row 1", "neither 'prompt' nor 'question'")),
     ("no_answer", '{"prompt": "a"}\n', ("no_answer.jsonl row 1", "no 'answer'")),
     ("prompt_not_text", '{"prompt": 5, "answer": "1"}\n', ("prompt_not_text.jsonl row 1", "must be a string")),
-    ("too_long", '{"prompt": "a a a a a a a a a a a a", "answer": "1"}\n',
-     ("too_long.jsonl", "longer than max_prompt_length=4", "raise train_dataset.max_length")),
+    (
+        "too_long",
+        '{"prompt": "a a a a a a a a a a a a", "answer": "1"}\n',
+        ("too_long.jsonl", "longer than max_prompt_length=4", "raise train_dataset.max_length"),
+    ),
 ]
 
 
@@ -151,11 +159,13 @@ def test_some_prompts_longer_than_max_length_are_dropped_with_one_warning(tmp_pa
 
 # ---- model folders ---------------------------------------------------------------------------
 
+
 def _edit_tensors(edit: Callable[[dict], None]) -> Callable[[Path], None]:
     def apply(folder: Path) -> None:
         sd = load_file(folder / "model.safetensors")
         edit(sd)
         save_file(sd, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
     return apply
 
 
@@ -164,6 +174,7 @@ def _edit_config(**changes: Any) -> Callable[[Path], None]:
         cfg = json.loads((folder / "config.json").read_text())
         cfg.update(changes)
         (folder / "config.json").write_text(json.dumps(cfg))
+
     return apply
 
 
@@ -171,6 +182,7 @@ def _truncate(keep: slice) -> Callable[[Path], None]:
     def apply(folder: Path) -> None:
         path = folder / "model.safetensors"
         path.write_bytes(path.read_bytes()[keep])
+
     return apply
 
 
@@ -181,17 +193,36 @@ def _pickle_only(folder: Path) -> None:
 
 FOLDERS = [
     ("no_config", lambda f: (f / "config.json").unlink(), ("config.json does not exist", "next to its safetensors")),
-    ("unsupported_type", _edit_config(model_type="llama"),
-     ("model_type 'llama' has no Archon model spec", "qwen3", "add_model.py", "'fsdp:'")),
-    ("unknown_type", _edit_config(model_type="foobar"), ("model_type 'foobar' has no Archon model spec", "add_model.py")),
-    ("missing_tensor", _edit_tensors(lambda sd: sd.pop("model.layers.1.mlp.up_proj.weight")),
-     ("lacks 1 tensor", "'model.layers.1.mlp.up_proj.weight'", "check that the checkpoint is complete")),
-    ("extra_tensor", _edit_tensors(lambda sd: sd.update({"model.layers.0.mlp.extra.weight": torch.zeros(2)})),
-     ("does not use", "'model.layers.0.mlp.extra.weight'", "use the config.json that came with these weights")),
-    ("misshaped_tensor", _edit_tensors(lambda sd: sd.update({"model.norm.weight": torch.ones(3)})),
-     ("'model.norm.weight'", "has shape (3,)", "expects (64,)", "use the config.json")),
-    ("truncated_header", _truncate(slice(0, 5000)), ("model.safetensors is not a readable safetensors file",
-                                                     "truncated or corrupt", "copy or export it again")),
+    (
+        "unsupported_type",
+        _edit_config(model_type="llama"),
+        ("model_type 'llama' has no Archon model spec", "qwen3", "add_model.py", "'fsdp:'"),
+    ),
+    (
+        "unknown_type",
+        _edit_config(model_type="foobar"),
+        ("model_type 'foobar' has no Archon model spec", "add_model.py"),
+    ),
+    (
+        "missing_tensor",
+        _edit_tensors(lambda sd: sd.pop("model.layers.1.mlp.up_proj.weight")),
+        ("lacks 1 tensor", "'model.layers.1.mlp.up_proj.weight'", "check that the checkpoint is complete"),
+    ),
+    (
+        "extra_tensor",
+        _edit_tensors(lambda sd: sd.update({"model.layers.0.mlp.extra.weight": torch.zeros(2)})),
+        ("does not use", "'model.layers.0.mlp.extra.weight'", "use the config.json that came with these weights"),
+    ),
+    (
+        "misshaped_tensor",
+        _edit_tensors(lambda sd: sd.update({"model.norm.weight": torch.ones(3)})),
+        ("'model.norm.weight'", "has shape (3,)", "expects (64,)", "use the config.json"),
+    ),
+    (
+        "truncated_header",
+        _truncate(slice(0, 5000)),
+        ("model.safetensors is not a readable safetensors file", "truncated or corrupt", "copy or export it again"),
+    ),
     ("truncated_tail", _truncate(slice(0, -64)), ("model.safetensors is not a readable", "truncated")),
     ("pickle_bin_only", _pickle_only, ("no model.safetensors", "never unpickles", "convert them to safetensors")),
 ]
@@ -214,9 +245,12 @@ def test_bad_model_folders(tmp_path, good_folder, name, damage, needles):
 
 # ---- HTTP requests to the built-in server ----------------------------------------------------
 
+
 def _good() -> dict:
-    return {"input_ids": random_tokens(4, 7), "sampling_params": {"max_new_tokens": 5, "temperature": 0,
-                                                                  "ignore_eos": True}}
+    return {
+        "input_ids": random_tokens(4, 7),
+        "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True},
+    }
 
 
 def _http(url: str, method: str, path: str, body: Any = None) -> tuple[int, Any]:
@@ -246,10 +280,20 @@ G = "/generate"
 REQUESTS = [
     # (method, path, body, status, words of the one sentence)
     ("POST", G, b"{not json", 400, ("not valid JSON",)),
-    ("POST", G, b'{"input_ids": [1, 2], "sampling_params": {"temperature": NaN}}', 400,
-     ("sampling_params.temperature", "finite number", "got nan")),
-    ("POST", G, b'{"input_ids": [1, 2], "sampling_params": {"top_p": Infinity}}', 400,
-     ("sampling_params.top_p", "finite number")),
+    (
+        "POST",
+        G,
+        b'{"input_ids": [1, 2], "sampling_params": {"temperature": NaN}}',
+        400,
+        ("sampling_params.temperature", "finite number", "got nan"),
+    ),
+    (
+        "POST",
+        G,
+        b'{"input_ids": [1, 2], "sampling_params": {"top_p": Infinity}}',
+        400,
+        ("sampling_params.top_p", "finite number"),
+    ),
     ("POST", G, "just a string", 400, ("JSON object with input_ids",)),
     ("POST", G, {"input_ids": "1 2 3"}, 400, ("input_ids must be a non-empty list of token ids",)),
     ("POST", G, {"input_ids": {"a": 1}}, 400, ("input_ids must be a non-empty list",)),
@@ -259,30 +303,65 @@ REQUESTS = [
     ("POST", G, {"input_ids": [5, 128]}, 400, ("input_ids[1] = 128", "outside the vocabulary [0, 128)")),
     ("POST", G, {"input_ids": [10**30]}, 400, ("input_ids[0]", "outside the vocabulary")),
     ("POST", G, {"input_ids": [5], "sampling_params": "greedy"}, 400, ("sampling_params must be a JSON object",)),
-    ("POST", G, {"input_ids": [5], "sampling_params": {"max_new_tokens": 10**30}}, 400,
-     ("max_new_tokens", "below 2**63")),
-    ("POST", G, {"input_ids": [5], "sampling_params": {"max_new_tokens": 10**6}}, 400,
-     ("max_new_tokens (1000000)", "context length 256", "lower max_new_tokens")),
+    (
+        "POST",
+        G,
+        {"input_ids": [5], "sampling_params": {"max_new_tokens": 10**30}},
+        400,
+        ("max_new_tokens", "below 2**63"),
+    ),
+    (
+        "POST",
+        G,
+        {"input_ids": [5], "sampling_params": {"max_new_tokens": 10**6}},
+        400,
+        ("max_new_tokens (1000000)", "context length 256", "lower max_new_tokens"),
+    ),
     ("POST", G, {"input_ids": [5], "sampling_params": {"top_k": 10**30}}, 400, ("top_k", "below 2**63")),
     ("POST", G, {"input_ids": [5], "sampling_params": {"top_k": 0}}, 400, ("top_k must be -1 (off) or >= 1",)),
     ("POST", G, {"input_ids": [5], "sampling_params": {"temperature": -0.5}}, 400, ("temperature must be >= 0",)),
-    ("POST", G, {"input_ids": [5], "sampling_params": {"stop_token_ids": [1, "x"]}}, 400,
-     ("stop_token_ids must be a list of integers",)),
+    (
+        "POST",
+        G,
+        {"input_ids": [5], "sampling_params": {"stop_token_ids": [1, "x"]}},
+        400,
+        ("stop_token_ids must be a list of integers",),
+    ),
     ("POST", G, {"input_ids": [5], "sampling_params": {"n": 3}}, 400, ("sampling_params.n = 3", "remove it")),
-    ("POST", G, {"input_ids": [5], "sampling_params": {"temprature": 0}}, 400,
-     ("unknown field 'temprature'", "remove it")),
+    (
+        "POST",
+        G,
+        {"input_ids": [5], "sampling_params": {"temprature": 0}},
+        400,
+        ("unknown field 'temprature'", "remove it"),
+    ),
     ("POST", G, {"input_ids": [5], "return_logprob": "yes"}, 400, ("return_logprob must be true or false",)),
     ("POST", G, {"input_ids": [5], "rid": 7}, 400, ("rid must be a string",)),
     ("POST", G, {"input_ids": [5] * 10000}, 413, ("/generate", "more than the server's limit", "--max-request-mb")),
     ("POST", "/update_weights_from_disk", {"model_path": 5}, 400, ("model_path must be str",)),
     ("POST", "/update_weights_from_disk", {}, 400, ("needs the field 'model_path'",)),
-    ("POST", "/update_weights_from_disk", {"model_path": "/no/such/folder"}, 400,
-     ("/no/such/folder", "is not a directory")),
-    ("POST", "/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 0,
-                                            "world_size": 2}, 400, ("rank_offset 0", "rank 0 is the trainer")),
+    (
+        "POST",
+        "/update_weights_from_disk",
+        {"model_path": "/no/such/folder"},
+        400,
+        ("/no/such/folder", "is not a directory"),
+    ),
+    (
+        "POST",
+        "/init_weights_update_group",
+        {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 0, "world_size": 2},
+        400,
+        ("rank_offset 0", "rank 0 is the trainer"),
+    ),
     ("POST", "/init_weights_update_group", {"master_address": "127.0.0.1"}, 400, ("needs the field 'master_port'",)),
-    ("POST", "/update_weights_from_distributed", {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]],
-                                                  "group_name": "nope"}, 400, ("no weight update group named 'nope'",)),
+    (
+        "POST",
+        "/update_weights_from_distributed",
+        {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "nope"},
+        400,
+        ("no weight update group named 'nope'",),
+    ),
     ("POST", "/abort_request", {"rid": 5}, 400, ("rid must be a string or a list of strings",)),
     ("POST", "/pause_generation", {"mode": "in_place"}, 400, ("mode 'in_place' is not supported",)),
     ("POST", "/pause_generation", b"[", 400, ("not valid JSON",)),
@@ -297,20 +376,22 @@ def server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("served")
     save_tiny_hf(folder, "qwen3", seed=71)
     model = models.load_hf_model(folder)
-    srv = serve_in_thread(Generator(models.load_hf_model(folder), random_seed=0), model_path=str(folder),
-                          max_request_mb=0.02)
+    srv = serve_in_thread(
+        Generator(models.load_hf_model(folder), random_seed=0), model_path=str(folder), max_request_mb=0.02
+    )
     good = _good()
     tokens = list(good["input_ids"])
     with torch.no_grad():
         for _ in range(good["sampling_params"]["max_new_tokens"]):
             tokens.append(int(model(torch.tensor([tokens]))[0, -1].argmax()))
-    yield srv, good, tokens[len(good["input_ids"]):]
+    yield srv, good, tokens[len(good["input_ids"]) :]
     srv.stop()
 
 
 @pytest.mark.usefixtures("one_torch_thread")
-@pytest.mark.parametrize("method, path, body, status, needles", REQUESTS,
-                         ids=[f"{r[0]} {r[1]} {i}" for i, r in enumerate(REQUESTS)])
+@pytest.mark.parametrize(
+    "method, path, body, status, needles", REQUESTS, ids=[f"{r[0]} {r[1]} {i}" for i, r in enumerate(REQUESTS)]
+)
 def test_bad_requests_get_one_sentence_and_the_server_keeps_serving(server, method, path, body, status, needles):
     srv, good, expected = server
     got_status, answer = _http(srv.url, method, path, body)
@@ -324,8 +405,9 @@ def test_bad_requests_get_one_sentence_and_the_server_keeps_serving(server, meth
 
 
 def _engine_error(path: str, backend: str, engine_kw: dict) -> tuple[str, str, bool]:
-    from archon.engine.engine import ArchonEngine
     from engine_utils import engine_config
+
+    from archon.engine.engine import ArchonEngine
 
     try:
         ArchonEngine(engine_config(path, backend, **engine_kw)).initialize()

@@ -15,7 +15,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from dist_utils import run_distributed
 from engine_utils import engine_config, make_batch, sft_loss, sft_weight
 from hf_fixtures import save_tiny_hf
@@ -74,8 +73,12 @@ def _resume(path: str, run_dir: str) -> dict:
     engine = _engine(path)
     ckpt = CheckpointManager(run_dir, keep_last=2)
     extra = ckpt.load({"actor": engine})
-    out = {"extra": extra, "step": engine.step, "loaded": ckpt.loaded.name if ckpt.loaded else None,
-           "warnings": warnings.messages}
+    out = {
+        "extra": extra,
+        "step": engine.step,
+        "loaded": ckpt.loaded.name if ckpt.loaded else None,
+        "warnings": warnings.messages,
+    }
     if extra is not None:
         out["next_loss"] = _step(engine, engine.step + 1)
         # The rerun goes on and checkpoints again: the intact older folder must survive that.
@@ -108,8 +111,13 @@ def test_saves_are_complete_and_pruned_only_after_the_new_one(saved_run):
         assert marker["step"] == step
         files = marker["files"]
         # Every file of the checkpoint is listed with its size: both ranks' shards, the DCP index, the state.
-        assert {"actor/dcp/__0_0.distcp", "actor/dcp/__1_0.distcp", "actor/dcp/.metadata",
-                "actor/engine_state.json", "actor/rng_state.safetensors"} <= set(files)
+        assert {
+            "actor/dcp/__0_0.distcp",
+            "actor/dcp/__1_0.distcp",
+            "actor/dcp/.metadata",
+            "actor/engine_state.json",
+            "actor/rng_state.safetensors",
+        } <= set(files)
         for name, size in files.items():
             assert (root / f"step_{step}" / name).stat().st_size == size
 
@@ -142,8 +150,9 @@ def _damage_newest(run_dir: Path, how: str) -> str:
     return newest.name
 
 
-@pytest.mark.parametrize("how", ["delete_folder", "delete_shard", "truncate_shard", "no_marker", "garbage_shard",
-                                 "garbage_state"])
+@pytest.mark.parametrize(
+    "how", ["delete_folder", "delete_shard", "truncate_shard", "no_marker", "garbage_shard", "garbage_state"]
+)
 def test_damaged_newest_checkpoint_is_skipped_for_the_previous_one(model_path, saved_run, tmp_path, how):
     losses, run_dir = _copy_run(saved_run, tmp_path)
     damaged = _damage_newest(run_dir, how)
@@ -178,6 +187,7 @@ def test_no_complete_checkpoint_starts_from_scratch(model_path, saved_run, tmp_p
 
 
 # ---- disk full mid-write ------------------------------------------------------------------------
+
 
 def _disk_full_during_save(path: str, run_dir: str, where: str) -> dict:
     """Save steps 1 and 2, then step 3 with the disk filling up on one rank; resume afterwards."""
@@ -239,6 +249,7 @@ def test_disk_full_mid_save_leaves_the_previous_checkpoint(model_path, tmp_path,
 
 
 # ---- before training ------------------------------------------------------------------------------
+
 
 def _preflight(path: str, run_dir: str, free_bytes: int | None) -> str:
     import shutil as shutil_module
@@ -318,9 +329,17 @@ def _run_job(kind: str, out: str) -> str:
     from archon.config import ConfigError, load_config
 
     # Nothing else is read before the check: the model and data paths need not exist.
-    cfg = load_config(None, ["actor.path=/nonexistent/model", "train_dataset.path=/nonexistent/data.jsonl",
-                             f"output_dir={out}", "cluster.n_gpus_per_node=8", "actor.backend=archon:d1",
-                             "gconfig.n_samples=2"])
+    cfg = load_config(
+        None,
+        [
+            "actor.path=/nonexistent/model",
+            "train_dataset.path=/nonexistent/data.jsonl",
+            f"output_dir={out}",
+            "cluster.n_gpus_per_node=8",
+            "actor.backend=archon:d1",
+            "gconfig.n_samples=2",
+        ],
+    )
     try:
         if kind == "rl":
             from archon.rl.trainer import RLTrainer

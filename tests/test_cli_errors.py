@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from dist_utils import find_free_port
 from hf_fixtures import make_tiny_tokenizer, save_tiny_hf
 
@@ -32,25 +31,47 @@ def rl_assets(tmp_path_factory):
 
 
 def _torchrun(args: list[str]) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={find_free_port()}",
-           str(REPO / "scripts" / "train_rl.py"), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={find_free_port()}",
+        str(REPO / "scripts" / "train_rl.py"),
+        *args,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
 
 
 def _args(model: Path, data: Path, out: Path, **extra: object) -> list[str]:
-    base = {"actor.backend": "archon:d2", "actor.path": model, "actor.dtype": "float32",
-            "actor.archon.enable_compile": "false", "train_dataset.path": data, "train_dataset.batch_size": 2,
-            "gconfig.n_samples": 2, "gconfig.max_new_tokens": 3, "total_train_steps": 2, "output_dir": out,
-            "reward.n_workers": 0, "cluster.n_gpus_per_node": 4, "saver.freq_steps": 1, "saver.export_hf": "false"}
+    base = {
+        "actor.backend": "archon:d2",
+        "actor.path": model,
+        "actor.dtype": "float32",
+        "actor.archon.enable_compile": "false",
+        "train_dataset.path": data,
+        "train_dataset.batch_size": 2,
+        "gconfig.n_samples": 2,
+        "gconfig.max_new_tokens": 3,
+        "total_train_steps": 2,
+        "output_dir": out,
+        "reward.n_workers": 0,
+        "cluster.n_gpus_per_node": 4,
+        "saver.freq_steps": 1,
+        "saver.export_hf": "false",
+    }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
 
 
 def _archon_frames(stderr: str) -> list[str]:
     """Traceback frames in Archon's own files (torchrun's summary of a failed worker is not Archon's)."""
-    return [line for line in stderr.splitlines()
-            if re.match(r'\s*File ".*/(archon|models|parallel|pipeline|scripts)/', line)]
+    return [
+        line
+        for line in stderr.splitlines()
+        if re.match(r'\s*File ".*/(archon|models|parallel|pipeline|scripts)/', line)
+    ]
 
 
 @pytest.mark.parametrize("case", ["config", "data", "reward"])

@@ -6,15 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from archon.config import (
-    Config,
-    ConfigError,
-    describe_section,
-    field_docs,
-    load_config,
-    parse_override,
-    to_toml,
-)
+from archon.config import Config, ConfigError, describe_section, field_docs, load_config, parse_override, to_toml
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").glob("*.toml"))
@@ -38,12 +30,15 @@ def test_defaults_load_and_validate():
 
 
 def test_precedence_override_beats_toml_beats_default(tmp_path):
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
 seed = 7
 [actor.optimizer]
 lr = 0.5
 weight_decay = 0.25
-""")
+""",
+    )
     cfg = load_config(path, ["actor.optimizer.lr=1e-3"])
     assert cfg.actor.optimizer.lr == 1e-3  # override
     assert cfg.actor.optimizer.weight_decay == 0.25  # toml
@@ -51,22 +46,33 @@ weight_decay = 0.25
     assert cfg.seed == 7
 
 
-@pytest.mark.parametrize("arg, key, value", [
-    ("+actor.archon.enable_compile=False", "actor.archon.enable_compile", False),
-    ("actor.archon.enable_compile=true", "actor.archon.enable_compile", True),
-    ("actor.optimizer.lr=1e-3", "actor.optimizer.lr", 1e-3),
-    ('actor.backend="archon:d4"', "actor.backend", "archon:d4"),
-    ("actor.backend=archon:(attn:d1p2t2|ffn:d1p2t1e4)", "actor.backend", "archon:(attn:d1p2t2|ffn:d1p2t1e4)"),
-    ("actor.optimizer.betas=[0.9, 0.95]", "actor.optimizer.betas", [0.9, 0.95]),
-    ("seed = 3", "seed", 3),
-])
+@pytest.mark.parametrize(
+    "arg, key, value",
+    [
+        ("+actor.archon.enable_compile=False", "actor.archon.enable_compile", False),
+        ("actor.archon.enable_compile=true", "actor.archon.enable_compile", True),
+        ("actor.optimizer.lr=1e-3", "actor.optimizer.lr", 1e-3),
+        ('actor.backend="archon:d4"', "actor.backend", "archon:d4"),
+        ("actor.backend=archon:(attn:d1p2t2|ffn:d1p2t1e4)", "actor.backend", "archon:(attn:d1p2t2|ffn:d1p2t1e4)"),
+        ("actor.optimizer.betas=[0.9, 0.95]", "actor.optimizer.betas", [0.9, 0.95]),
+        ("seed = 3", "seed", 3),
+    ],
+)
 def test_parse_override(arg, key, value):
     assert parse_override(arg) == (key, value)
 
 
 def test_overrides_apply_typed_values():
-    cfg = load_config(None, ["+actor.archon.enable_compile=False", "actor.optimizer.betas=[0.9, 0.95]",
-                             "actor.backend=archon:d2", "cluster.n_gpus_per_node=8", "actor.optimizer.lr=1"])
+    cfg = load_config(
+        None,
+        [
+            "+actor.archon.enable_compile=False",
+            "actor.optimizer.betas=[0.9, 0.95]",
+            "actor.backend=archon:d2",
+            "cluster.n_gpus_per_node=8",
+            "actor.optimizer.lr=1",
+        ],
+    )
     assert cfg.actor.archon.enable_compile is False
     assert cfg.actor.optimizer.betas == (0.9, 0.95)
     assert cfg.actor.optimizer.lr == 1.0 and isinstance(cfg.actor.optimizer.lr, float)
@@ -82,19 +88,25 @@ def test_unknown_key_in_file_names_key_file_and_suggestion(tmp_path):
 
 
 def test_unknown_override_key_suggests_closest():
-    with pytest.raises(ConfigError, match=r"unknown config key 'actor\.archon\.enable_compil'.*command line.*did you mean 'actor\.archon\.enable_compile'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown config key 'actor\.archon\.enable_compil'.*command line.*did you mean 'actor\.archon\.enable_compile'",
+    ):
         load_config(None, ["actor.archon.enable_compil=false"])
 
 
-@pytest.mark.parametrize("override, needle", [
-    ("seed=abc", "config key 'seed' (from the command line) must be an integer, got 'abc'"),
-    ("seed=true", "must be an integer, got True"),
-    ("actor.archon.enable_compile=1", "must be true or false, got 1"),
-    ("actor.archon.ac_mode=selectiv", "did you mean 'selective'"),
-    ("actor.optimizer.betas=[0.9]", "must have 2 elements"),
-    ("actor.optimizer=3", "is a section"),
-    ("actor.optimizer.lr", "has no '='"),
-])
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("seed=abc", "config key 'seed' (from the command line) must be an integer, got 'abc'"),
+        ("seed=true", "must be an integer, got True"),
+        ("actor.archon.enable_compile=1", "must be true or false, got 1"),
+        ("actor.archon.ac_mode=selectiv", "did you mean 'selective'"),
+        ("actor.optimizer.betas=[0.9]", "must have 2 elements"),
+        ("actor.optimizer=3", "is a section"),
+        ("actor.optimizer.lr", "has no '='"),
+    ],
+)
 def test_bad_values_are_one_clear_sentence(override, needle):
     with pytest.raises(ConfigError) as info:
         load_config(None, [override])
@@ -110,7 +122,9 @@ def test_toml_syntax_error_names_file(tmp_path):
 
 
 def test_ref_and_critic_inherit_actor_engine_fields(tmp_path):
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
 [actor]
 backend = "archon:d2t2"
 path = "/models/x"
@@ -124,7 +138,8 @@ ac_mode = "none"
 backend = "archon:d4"
 [cluster]
 n_gpus_per_node = 8
-""")
+""",
+    )
     cfg = load_config(path)
     assert cfg.ref.backend == "archon:d2t2" and cfg.ref.path == "/models/x" and cfg.ref.dtype == "float32"
     assert cfg.ref.archon.ac_mode == "none"  # set explicitly
@@ -149,19 +164,38 @@ def test_training_engine_needs_training_backend():
 
 def test_cluster_misfit_is_clear():
     with pytest.raises(ConfigError, match="cluster"):
-        load_config(None, ["rollout.backend=sglang:d4t2", "actor.backend=archon:d4p2t2",
-                           "cluster.n_nodes=2", "cluster.n_gpus_per_node=8"])
+        load_config(
+            None,
+            [
+                "rollout.backend=sglang:d4t2",
+                "actor.backend=archon:d4p2t2",
+                "cluster.n_nodes=2",
+                "cluster.n_gpus_per_node=8",
+            ],
+        )
 
 
 def test_memory_budget_requires_compile():
     with pytest.raises(ConfigError, match="needs torch.compile"):
-        load_config(None, ["actor.gradient_checkpointing=true", "actor.archon.ac_mode=memory_budget",
-                           "actor.archon.enable_compile=false"])
+        load_config(
+            None,
+            [
+                "actor.gradient_checkpointing=true",
+                "actor.archon.ac_mode=memory_budget",
+                "actor.archon.enable_compile=false",
+            ],
+        )
 
 
 def test_moe_options_are_checked():
-    cfg = load_config(None, ["actor.archon.moe_load_balance=aux_free", "actor.moe_routing_replay=true",
-                             "actor.archon.moe_router_dtype=float32"])
+    cfg = load_config(
+        None,
+        [
+            "actor.archon.moe_load_balance=aux_free",
+            "actor.moe_routing_replay=true",
+            "actor.archon.moe_router_dtype=float32",
+        ],
+    )
     assert cfg.actor.archon.moe_load_balance == "aux_free" and cfg.actor.moe_routing_replay
     assert cfg.ref.archon.moe_router_dtype == "float32"  # inherited like every engine field
     with pytest.raises(ConfigError, match="moe_load_balance"):
@@ -219,17 +253,20 @@ def test_ppo_with_a_critic_defaults_to_standard_ppo_normalisation():
     assert own.actor.adv_norm.mean_level == "batch"
 
 
-@pytest.mark.parametrize("override, needle", [
-    ("actor.behav_imp_weight_cap=5.0", "replaced by actor.rejection_sampling.upper"),
-    ("actor.behave_imp_weight_mode=token_mask", "actor.rejection_sampling.level and .action"),
-    ("actor.rejection_sampling.upper=1.0", "must be above 1 for metric 'ratio'"),
-    ("actor.rejection_sampling.lower=0.0", "must be positive for metric 'ratio'"),
-    ("actor.rejection_sampling.metric=kl_k3", "needs metric 'ratio'"),  # with action 'clamp', added below
-    ("actor.kl_ctl_type=adaptive", "set an initial actor.kl_ctl > 0"),
-    ("actor.ppo_epochs=0", "actor.ppo_epochs = 0"),
-    ("dynamic_filter.enable=true", "gconfig.n_samples = 1"),
-    ("dynamic_filter.max_num_gen_batches=-1", "must be 0 (no limit) or positive"),
-])
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("actor.behav_imp_weight_cap=5.0", "replaced by actor.rejection_sampling.upper"),
+        ("actor.behave_imp_weight_mode=token_mask", "actor.rejection_sampling.level and .action"),
+        ("actor.rejection_sampling.upper=1.0", "must be above 1 for metric 'ratio'"),
+        ("actor.rejection_sampling.lower=0.0", "must be positive for metric 'ratio'"),
+        ("actor.rejection_sampling.metric=kl_k3", "needs metric 'ratio'"),  # with action 'clamp', added below
+        ("actor.kl_ctl_type=adaptive", "set an initial actor.kl_ctl > 0"),
+        ("actor.ppo_epochs=0", "actor.ppo_epochs = 0"),
+        ("dynamic_filter.enable=true", "gconfig.n_samples = 1"),
+        ("dynamic_filter.max_num_gen_batches=-1", "must be 0 (no limit) or positive"),
+    ],
+)
 def test_rl_option_errors(override, needle):
     overrides = [override]
     if "metric=kl_k3" in override:
@@ -241,8 +278,17 @@ def test_rl_option_errors(override, needle):
 
 def test_describe_actor_documents_the_rl_options():
     text = describe_section("actor")
-    for key in ("kl_loss_type", "kl_ctl_type", "ppo_epochs", "shuffle", "overlong_filtering", "bootstrap_truncated",
-                "entropy_coef", "importance_sampling_level", "mask_no_eos_with_zero"):
+    for key in (
+        "kl_loss_type",
+        "kl_ctl_type",
+        "ppo_epochs",
+        "shuffle",
+        "overlong_filtering",
+        "bootstrap_truncated",
+        "entropy_coef",
+        "importance_sampling_level",
+        "mask_no_eos_with_zero",
+    ):
         assert f"actor.{key} =" in text, key
     assert "KL(ref||pi)" in text and "seq-mean-token-mean" in text and "AReaL" in text
     rs = describe_section("actor.rejection_sampling")
@@ -263,8 +309,13 @@ def test_every_shipped_config_loads(path):
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_cli_prints_allocation_table(path):
-    out = subprocess.run([sys.executable, "-m", "archon.config", "--config", str(path), "--job", _job(path)],
-                         capture_output=True, text=True, cwd=REPO, env={"COLUMNS": "200", "PATH": ""})
+    out = subprocess.run(
+        [sys.executable, "-m", "archon.config", "--config", str(path), "--job", _job(path)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={"COLUMNS": "200", "PATH": ""},
+    )
     assert out.returncode == 0, out.stderr
     assert "Allocation" in out.stdout and "world size" in out.stdout
     cfg = load_config(path, job=_job(path))
@@ -273,7 +324,12 @@ def test_cli_prints_allocation_table(path):
 
 
 def test_cli_error_is_one_sentence_without_traceback():
-    out = subprocess.run([sys.executable, "-m", "archon.config", "actor.backend=d4t2"],
-                         capture_output=True, text=True, cwd=REPO, env={"COLUMNS": "300", "PATH": ""})
+    out = subprocess.run(
+        [sys.executable, "-m", "archon.config", "actor.backend=d4t2"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={"COLUMNS": "300", "PATH": ""},
+    )
     assert out.returncode == 2
     assert "Traceback" not in out.stderr and "config error" in out.stderr and "d4t2" in out.stderr

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from dist_utils import DistributedTestError, run_distributed
 from engine_utils import (
     build_engine,
@@ -31,8 +30,10 @@ VARIANTS: dict[str, dict] = {
     "base": {},
     "ac_full": {"gradient_checkpointing": True},
     # Saves the all-to-alls' outputs instead of repeating the communication in backward.
-    "ac_selective_op": {"gradient_checkpointing": True,
-                        "archon": {"ac_mode": "selective", "selective_ac_option": "op"}},
+    "ac_selective_op": {
+        "gradient_checkpointing": True,
+        "archon": {"ac_mode": "selective", "selective_ac_option": "op"},
+    },
     "n_mbs_3": {"mb_spec": {"n_mbs": 3}},
     # d2 gives each data-parallel group 3 of the 6 samples: one microbatch is padding only.
     "n_mbs_4": {"mb_spec": {"n_mbs": 4}},
@@ -80,15 +81,18 @@ PACKED = [0, 5, 14, 17, 22]
 ALIGNED = [0, 6, 12, 20]
 
 
-@pytest.mark.parametrize("cp, n_heads, n_kv_heads, cu_seqlens, batch", [
-    (2, 4, 2, PACKED, 1),   # GQA, KV heads split like query heads
-    (2, 4, 1, PACKED, 1),   # one local KV head (t2c2 of a 2-KV-head model): repeated for each rank
-    (4, 4, 2, PACKED, 1),   # 2 KV heads over 4 ranks: each repeated twice
-    (2, 4, 4, PACKED, 1),   # plain multi-head attention
-    (4, 8, 2, PACKED, 1),   # 2 query heads and 1 repeated KV head per rank
-    (4, 4, 2, ALIGNED, 1),
-    (2, 4, 2, None, 2),     # unpacked causal rows, batch of 2
-])
+@pytest.mark.parametrize(
+    "cp, n_heads, n_kv_heads, cu_seqlens, batch",
+    [
+        (2, 4, 2, PACKED, 1),  # GQA, KV heads split like query heads
+        (2, 4, 1, PACKED, 1),  # one local KV head (t2c2 of a 2-KV-head model): repeated for each rank
+        (4, 4, 2, PACKED, 1),  # 2 KV heads over 4 ranks: each repeated twice
+        (2, 4, 4, PACKED, 1),  # plain multi-head attention
+        (4, 8, 2, PACKED, 1),  # 2 query heads and 1 repeated KV head per rank
+        (4, 4, 2, ALIGNED, 1),
+        (2, 4, 2, None, 2),  # unpacked causal rows, batch of 2
+    ],
+)
 def test_ulysses_attention_equals_plain_attention(cp, n_heads, n_kv_heads, cu_seqlens, batch):
     for errors in run_distributed(_ulysses_vs_plain, cp, n_heads, n_kv_heads, cu_seqlens, 24, batch):
         assert max(errors) < 1e-5, errors
@@ -118,8 +122,12 @@ def test_ulysses_attention_refuses_query_heads_that_do_not_split():
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, str]:
     out = {}
-    for name, model_type, kw in [("qwen3", "qwen3", {}), ("qwen2", "qwen2", {}), ("qwen3_moe", "qwen3_moe", {}),
-                                 ("qwen3_6_heads", "qwen3", {"num_attention_heads": 6})]:
+    for name, model_type, kw in [
+        ("qwen3", "qwen3", {}),
+        ("qwen2", "qwen2", {}),
+        ("qwen3_moe", "qwen3_moe", {}),
+        ("qwen3_6_heads", "qwen3", {"num_attention_heads": 6}),
+    ]:
         folder = tmp_path_factory.mktemp(name)
         save_tiny_hf(folder, model_type, seed=3, **kw)
         out[name] = str(folder)
@@ -149,16 +157,19 @@ def _reference(path: str) -> list[tuple[float, float]]:
     return _REFERENCE[path]
 
 
-@pytest.mark.parametrize("model, backend, world, names", [
-    ("qwen3", "archon:c2", 2, ["base", "ac_full", "ac_selective_op", "n_mbs_3"]),
-    ("qwen3", "archon:d2c2", 4, ["base", "n_mbs_4"]),
-    ("qwen3", "archon:t2c2", 4, ["base", "ac_full"]),  # 1 KV head per TP rank: repeated for CP
-    ("qwen3", "archon:c4", 4, ["base"]),               # 2 KV heads over 4 CP ranks
-    ("qwen2", "archon:c2", 2, ["base"]),               # biases in q/k/v
-    ("qwen2", "archon:t2c2", 4, ["base"]),
-    ("qwen3_moe", "archon:c2", 2, ["base"]),
-    ("qwen3_moe", "archon:t2c2", 4, ["base"]),
-])
+@pytest.mark.parametrize(
+    "model, backend, world, names",
+    [
+        ("qwen3", "archon:c2", 2, ["base", "ac_full", "ac_selective_op", "n_mbs_3"]),
+        ("qwen3", "archon:d2c2", 4, ["base", "n_mbs_4"]),
+        ("qwen3", "archon:t2c2", 4, ["base", "ac_full"]),  # 1 KV head per TP rank: repeated for CP
+        ("qwen3", "archon:c4", 4, ["base"]),  # 2 KV heads over 4 CP ranks
+        ("qwen2", "archon:c2", 2, ["base"]),  # biases in q/k/v
+        ("qwen2", "archon:t2c2", 4, ["base"]),
+        ("qwen3_moe", "archon:c2", 2, ["base"]),
+        ("qwen3_moe", "archon:t2c2", 4, ["base"]),
+    ],
+)
 def test_training_under_cp_equals_single_device(folders, model, backend, world, names):
     ref = _reference(folders[model])
     for name, steps in run_distributed(_train, world, folders[model], backend, names)[0].items():
@@ -171,8 +182,10 @@ def _sac_decisions(path: str) -> list[str]:
     from archon.engine.engine import ArchonEngine
 
     records = capture_log("archon.parallel.ac")
-    kw = {"gradient_checkpointing": True, "archon": {"ac_mode": "selective", "selective_ac_option": "op",
-                                                     "ac_debug": True}}
+    kw = {
+        "gradient_checkpointing": True,
+        "archon": {"ac_mode": "selective", "selective_ac_option": "op", "ac_debug": True},
+    }
     engine = ArchonEngine(engine_config(path, "archon:c2", **kw), total_steps=2).initialize()
     for step in range(2):  # a block logs its decisions when it is checkpointed again
         engine.train_batch(make_batch(step), sft_loss, sft_weight)
@@ -230,6 +243,9 @@ def test_export_hf_from_cp_equals_single_device(folders, tmp_path):
 
 def test_query_heads_must_split_over_tp_times_cp(folders):
     # 6 query heads and 2 KV heads: t2 alone is fine, t2 x c2 = 4 does not divide 6.
-    with pytest.raises(DistributedTestError, match=r"num_attention_heads=6 is not divisible by tensor x context "
-                                                   r"parallel t2 x c2 = 4"):
+    with pytest.raises(
+        DistributedTestError,
+        match=r"num_attention_heads=6 is not divisible by tensor x context "
+        r"parallel t2 x c2 = 4",
+    ):
         run_distributed(build_engine, 4, folders["qwen3_6_heads"], "archon:t2c2")

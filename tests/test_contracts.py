@@ -10,27 +10,43 @@ import random
 
 import pytest
 import torch
-
 from dist_utils import run_distributed
 
-
 # ---- parallelize options ---------------------------------------------------------------------------
+
 
 def test_parallelize_options_are_built_from_the_engine_config():
     from archon.config import ArchonEngineConfig, TrainEngineConfig
     from archon.engine.options import parallelize_options, pipeline_options
     from parallel.options import ParallelizeOptions
 
-    archon = ArchonEngineConfig(ac_mode="full", selective_ac_option="2", ac_memory_budget=0.3, ac_debug=True,
-                                enable_compile=False, offload_params=True, reshard_after_forward_policy="never",
-                                use_deterministic_algorithms=True, moe_router_dtype="float32",
-                                pp_schedule="ZBVZeroBubble", pp_layers_per_stage=3)
-    cfg = TrainEngineConfig(dtype="bfloat16", grad_reduce_dtype="bfloat16", gradient_checkpointing=True,
-                            archon=archon)
+    archon = ArchonEngineConfig(
+        ac_mode="full",
+        selective_ac_option="2",
+        ac_memory_budget=0.3,
+        ac_debug=True,
+        enable_compile=False,
+        offload_params=True,
+        reshard_after_forward_policy="never",
+        use_deterministic_algorithms=True,
+        moe_router_dtype="float32",
+        pp_schedule="ZBVZeroBubble",
+        pp_layers_per_stage=3,
+    )
+    cfg = TrainEngineConfig(dtype="bfloat16", grad_reduce_dtype="bfloat16", gradient_checkpointing=True, archon=archon)
     assert parallelize_options(cfg) == ParallelizeOptions(
-        param_dtype="bfloat16", reduce_dtype="bfloat16", ac_mode="full", selective_ac_option="2",
-        ac_memory_budget=0.3, ac_debug=True, enable_compile=False, cpu_offload=True,
-        reshard_after_forward_policy="never", deterministic=True, moe_router_dtype="float32")
+        param_dtype="bfloat16",
+        reduce_dtype="bfloat16",
+        ac_mode="full",
+        selective_ac_option="2",
+        ac_memory_budget=0.3,
+        ac_debug=True,
+        enable_compile=False,
+        cpu_offload=True,
+        reshard_after_forward_policy="never",
+        deterministic=True,
+        moe_router_dtype="float32",
+    )
     pipe = pipeline_options(cfg)
     assert (pipe.schedule, pipe.layers_per_stage) == ("ZBVZeroBubble", 3)
     # Without gradient_checkpointing the AC mode does not apply at all.
@@ -84,6 +100,7 @@ def test_layout_errors_are_their_own_class_and_user_errors():
 
 # ---- checkpoints hold states -----------------------------------------------------------------------
 
+
 def test_train_state_restores_step_and_every_generator():
     from archon.engine.state import TrainState
 
@@ -116,28 +133,44 @@ def _round_trip_plain_states(folder: str) -> dict:
     model(torch.ones(2, 4)).sum().backward()
     optimizer.step()
     scheduler.step()
-    save_checkpoint(engine_states(model, optimizer, scheduler, TrainState(step=1)), Path(folder), {"at": 1},
-                    name="probe", allocation="archon:d1")
+    save_checkpoint(
+        engine_states(model, optimizer, scheduler, TrainState(step=1)),
+        Path(folder),
+        {"at": 1},
+        name="probe",
+        allocation="archon:d1",
+    )
     fresh, fresh_opt, fresh_sched = parts(1)
     train = TrainState()
     extra = load_checkpoint(engine_states(fresh, fresh_opt, fresh_sched, train), Path(folder), name="probe")
     moments = [fresh_opt.state[p]["exp_avg"].clone() for p in fresh.parameters()]
-    return {"extra": extra, "step": train.step, "lr": fresh_opt.param_groups[0]["lr"],
-            "equal_weights": all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters())),
-            "equal_moments": all(torch.equal(a, optimizer.state[p]["exp_avg"])
-                                 for a, p in zip(moments, model.parameters()))}
+    return {
+        "extra": extra,
+        "step": train.step,
+        "lr": fresh_opt.param_groups[0]["lr"],
+        "equal_weights": all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters())),
+        "equal_moments": all(
+            torch.equal(a, optimizer.state[p]["exp_avg"]) for a, p in zip(moments, model.parameters())
+        ),
+    }
 
 
 def test_checkpoint_code_works_on_a_dict_of_states(tmp_path):
     out = run_distributed(_round_trip_plain_states, 1, str(tmp_path / "ckpt"), timeout=120)[0]
-    assert out == {"extra": {"at": 1}, "step": 1, "lr": pytest.approx(0.05), "equal_weights": True,
-                   "equal_moments": True}
+    assert out == {
+        "extra": {"at": 1},
+        "step": 1,
+        "lr": pytest.approx(0.05),
+        "equal_weights": True,
+        "equal_moments": True,
+    }
 
 
 def test_the_moe_routing_bias_is_part_of_the_model_state(tmp_path):
+    from hf_fixtures import save_tiny_hf
+
     import models
     from archon.engine.state import ModelState
-    from hf_fixtures import save_tiny_hf
 
     save_tiny_hf(tmp_path / "moe", "qwen3_moe", seed=3)
     model = models.load_hf_model(tmp_path / "moe")
@@ -162,11 +195,12 @@ def test_checkpoint_code_does_not_import_the_engine():
 
 # ---- generation defaults -----------------------------------------------------------------------------
 
+
 def test_request_sampling_derives_from_the_generation_config():
     from archon.config import SGLANG_DEFAULT_MAX_NEW_TOKENS, GenerationConfig
-    from archon.rollout.server_api import sampling_params
     from archon.rollout.protocol import parse_sampling_params
     from archon.rollout.sampling import SamplingParams
+    from archon.rollout.server_api import sampling_params
 
     g = GenerationConfig()
     # What the trainer sends is the config, field by field; the server's defaults never apply.
@@ -177,11 +211,13 @@ def test_request_sampling_derives_from_the_generation_config():
     # A request without max_new_tokens gets SGLang's default, named once in the config module.
     assert SamplingParams().max_new_tokens == parse_sampling_params({}).max_new_tokens == SGLANG_DEFAULT_MAX_NEW_TOKENS
     defaults = SamplingParams()
-    assert {k: getattr(defaults, k) for k in shared - {"max_new_tokens"}} == \
-        {k: getattr(g, k) for k in shared - {"max_new_tokens"}}
+    assert {k: getattr(defaults, k) for k in shared - {"max_new_tokens"}} == {
+        k: getattr(g, k) for k in shared - {"max_new_tokens"}
+    }
 
 
 # ---- which errors become one-line messages -----------------------------------------------------------
+
 
 def test_plan_cli_keeps_the_traceback_of_a_bug(monkeypatch, capsys):
     import archon.plan.layout

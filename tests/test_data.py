@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from hf_fixtures import make_tiny_tokenizer
 
 from archon.data import (
     EpochSampler,
@@ -20,7 +21,6 @@ from archon.data import (
     repeat_for_group,
 )
 from archon.errors import DataError
-from hf_fixtures import make_tiny_tokenizer
 
 GSM8K_ROWS = [
     {"question": "what is 2 + 2 ?", "answer": "2 + 2 = 4\n#### 4"},
@@ -90,8 +90,25 @@ def test_prompt_template_system_prompt_and_plain_tokenisation(tok, plain_tok):
     assert ds[0].input_ids == ids(plain_tok, ["what", "is", "2", "+", "2", "?"])
     assert ds[0].answer == "4" and ds[0].extra == {"level": 3}
     chat = RLPromptDataset(rows, tok, prompt_template="{prompt} =", system_prompt="the answer")
-    assert chat[0].input_ids == ids(tok, ["<|im_start|>", "system", "the", "answer", "<|im_end|>", "<|im_start|>",
-                                          "user", "2", "+", "2", "=", "<|im_end|>", "<|im_start|>", "assistant"])
+    assert chat[0].input_ids == ids(
+        tok,
+        [
+            "<|im_start|>",
+            "system",
+            "the",
+            "answer",
+            "<|im_end|>",
+            "<|im_start|>",
+            "user",
+            "2",
+            "+",
+            "2",
+            "=",
+            "<|im_end|>",
+            "<|im_start|>",
+            "assistant",
+        ],
+    )
     with pytest.raises(ValueError, match="placeholder"):
         RLPromptDataset(rows, tok, prompt_template="no placeholder")
 
@@ -200,9 +217,11 @@ def test_sft_first_token_never_trained(plain_tok):
 
 def test_sft_max_length_drop_and_truncate(plain_tok, caplog):
     caplog.set_level(logging.WARNING, logger="archon.data")
-    rows = [{"prompt": "what is", "completion": "4"},              # 2 + 1 + eos = 4 tokens
-            {"prompt": "what is 2 + 2", "completion": "is 4 4"},   # 5 + 3 + 1 = 9 tokens
-            {"prompt": "1 2 3 4 5 6", "completion": "7"}]          # prompt alone fills max_length
+    rows = [
+        {"prompt": "what is", "completion": "4"},  # 2 + 1 + eos = 4 tokens
+        {"prompt": "what is 2 + 2", "completion": "is 4 4"},  # 5 + 3 + 1 = 9 tokens
+        {"prompt": "1 2 3 4 5 6", "completion": "7"},
+    ]  # prompt alone fills max_length
     dropped = SFTDataset(rows, plain_tok, max_length=6)
     assert len(dropped) == 1 and dropped.n_dropped == 2 and dropped.n_truncated == 0
     cut = SFTDataset(rows, plain_tok, max_length=6, truncation="truncate")
@@ -219,10 +238,22 @@ def test_sft_max_length_drop_and_truncate(plain_tok, caplog):
 
 def test_collate_pads_per_token_fields_and_stacks_scalars():
     samples = [
-        {"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1], "logprobs": [0.0, -0.5, -1.5], "rewards": 1.0,
-         "seq_no_eos_mask": False, "prompt": "ignored"},
-        {"input_ids": [8, 9], "loss_mask": [0, 1], "logprobs": [0.0, -2.0], "rewards": 0,
-         "seq_no_eos_mask": True, "prompt": "ignored"},
+        {
+            "input_ids": [5, 6, 7],
+            "loss_mask": [0, 1, 1],
+            "logprobs": [0.0, -0.5, -1.5],
+            "rewards": 1.0,
+            "seq_no_eos_mask": False,
+            "prompt": "ignored",
+        },
+        {
+            "input_ids": [8, 9],
+            "loss_mask": [0, 1],
+            "logprobs": [0.0, -2.0],
+            "rewards": 0,
+            "seq_no_eos_mask": True,
+            "prompt": "ignored",
+        },
     ]
     b = collate(samples, pad_token_id=1, pad_to_multiple_of=4)
     assert set(b) == {"input_ids", "loss_mask", "logprobs", "rewards", "seq_no_eos_mask", "attention_mask"}

@@ -50,8 +50,15 @@ def _files(root: Path) -> dict[str, bytes]:
 def test_assets_are_deterministic_and_depend_on_the_seed(assets, tmp_path):
     again = make_assets(tmp_path / "again", TASK)
     first, second = _files(assets.root), _files(again.root)
-    assert set(first) >= {"model/config.json", "model/model.safetensors", "model/tokenizer.json",
-                          "tokenizer/tokenizer.json", "data/train.jsonl", "data/test.jsonl", "data/sft.jsonl"}
+    assert set(first) >= {
+        "model/config.json",
+        "model/model.safetensors",
+        "model/tokenizer.json",
+        "tokenizer/tokenizer.json",
+        "data/train.jsonl",
+        "data/test.jsonl",
+        "data/sft.jsonl",
+    }
     assert first == second
     other = make_assets(tmp_path / "other", DemoTask(n_train=96, n_test=24, n_sft=40, seed=1), TinyQwen3(seed=1))
     third = _files(other.root)

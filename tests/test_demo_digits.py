@@ -10,16 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import models
 from archon.data import RLPromptDataset, load_jsonl
-from archon.demo_digits import (
-    REWARD_FN,
-    DigitsTask,
-    answer_of,
-    digits_reward,
-    main,
-    make_assets,
-    make_rows,
-    vocabulary,
-)
+from archon.demo_digits import REWARD_FN, DigitsTask, answer_of, digits_reward, main, make_assets, make_rows, vocabulary
 from archon.rl.rewards import get_reward_fn
 
 TASK = DigitsTask(n_train=64, n_test=16)

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-
 from dist_utils import run_distributed
 from engine_utils import (
     capture_log,
@@ -29,7 +28,10 @@ STEPS = 3
 VARIANTS: dict[str, dict] = {
     "base": {},
     "ac_full": {"gradient_checkpointing": True},
-    "ac_selective_op": {"gradient_checkpointing": True, "archon": {"ac_mode": "selective", "selective_ac_option": "op"}},
+    "ac_selective_op": {
+        "gradient_checkpointing": True,
+        "archon": {"ac_mode": "selective", "selective_ac_option": "op"},
+    },
     "reshard_always": {"archon": {"reshard_after_forward_policy": "always"}},
     "reshard_never": {"archon": {"reshard_after_forward_policy": "never"}},
     "n_mbs_3": {"mb_spec": {"n_mbs": 3}},
@@ -86,13 +88,16 @@ def test_reference_first_loss_is_the_plain_model_nll(qwen3_path, reference_losse
     assert reference_losses[-1] < reference_losses[0]  # it trains
 
 
-@pytest.mark.parametrize("backend, world, names", [
-    ("archon:d1", 1, ["ac_full", "ac_selective_op", "n_mbs_3"]),
-    ("archon:d2", 2, list(VARIANTS)),
-    ("archon:t2", 2, ["base", "ac_full", "n_mbs_3"]),
-    ("archon:d2t2", 4, list(VARIANTS)),
-    ("archon:d4", 4, ["base", "ac_full", "reshard_always", "n_mbs_3"]),
-])
+@pytest.mark.parametrize(
+    "backend, world, names",
+    [
+        ("archon:d1", 1, ["ac_full", "ac_selective_op", "n_mbs_3"]),
+        ("archon:d2", 2, list(VARIANTS)),
+        ("archon:t2", 2, ["base", "ac_full", "n_mbs_3"]),
+        ("archon:d2t2", 4, list(VARIANTS)),
+        ("archon:d4", 4, ["base", "ac_full", "reshard_always", "n_mbs_3"]),
+    ],
+)
 def test_losses_do_not_depend_on_allocation(qwen3_path, reference_run, backend, world, names):
     result = run_distributed(_train_variants, world, qwen3_path, backend, names)[0]
     for name, run in result.items():
@@ -122,8 +127,9 @@ def test_resume_across_allocations_matches_uninterrupted(qwen3_path, tmp_path):
 
 
 def test_export_hf_from_sharded_equals_single_device(qwen3_path, tmp_path):
-    import models
     from transformers import AutoModelForCausalLM
+
+    import models
 
     run_distributed(export_after_one_step, 1, qwen3_path, "archon:d1", str(tmp_path / "d1"))
     run_distributed(export_after_one_step, 4, qwen3_path, "archon:d2t2", str(tmp_path / "d2t2"))
@@ -134,8 +140,9 @@ def test_export_hf_from_sharded_equals_single_device(qwen3_path, tmp_path):
         # One AdamW step moves weights by ~lr*sign(grad): rounding-level grad differences show at 1e-5.
         torch.testing.assert_close(a[key], b[key], atol=1e-4, rtol=1e-4)
     # The source folder's generation config (EOS ids, sampling defaults) travels with the export.
-    assert (tmp_path / "d2t2" / "generation_config.json").read_text() == \
-        (Path(qwen3_path) / "generation_config.json").read_text()
+    assert (tmp_path / "d2t2" / "generation_config.json").read_text() == (
+        Path(qwen3_path) / "generation_config.json"
+    ).read_text()
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "d2t2")
     ids = make_batch(1)["input_ids"][:1]
     ours = models.load_hf_model(tmp_path / "d2t2")(ids)

@@ -14,13 +14,17 @@ import math
 
 import pytest
 import torch
-
 from dist_utils import run_distributed
 from engine_utils import capture_log, engine_config, make_batch, sft_loss, sft_weight
 from hf_fixtures import save_tiny_hf
 
-LAYOUTS = [("archon:d2", "qwen3"), ("archon:t2", "qwen3"), ("archon:p2", "qwen3"), ("archon:c2", "qwen3"),
-           ("archon:d2e2", "qwen3_moe")]
+LAYOUTS = [
+    ("archon:d2", "qwen3"),
+    ("archon:t2", "qwen3"),
+    ("archon:p2", "qwen3"),
+    ("archon:c2", "qwen3"),
+    ("archon:d2e2", "qwen3_moe"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +49,9 @@ def _nan_gradient(outputs, mb):
 
 
 def _local_weights(engine) -> dict[str, torch.Tensor]:
-    return {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
-            for n, p in engine.model.named_parameters()}
+    return {
+        n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone() for n, p in engine.model.named_parameters()
+    }
 
 
 def _skip_steps(path: str, backend: str):
@@ -89,7 +94,8 @@ def references(paths) -> dict[str, list[dict[str, float]]]:
 def test_non_finite_loss_or_gradient_skips_the_step_on_every_rank(paths, references, backend, model_type):
     ref_batch1, ref_batch2 = references[model_type]
     for rank, (stats, after_nan_loss, after_nan_grad, after_step3, warnings) in enumerate(
-            run_distributed(_skip_steps, 2, paths[model_type], backend)):
+        run_distributed(_skip_steps, 2, paths[model_type], backend)
+    ):
         nan_loss, nan_grad, normal = stats
         where = f"{backend} rank {rank}"
         assert nan_loss["update_skipped"] == 1.0 and math.isnan(nan_loss["loss"]), where

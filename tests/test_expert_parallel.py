@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from dist_utils import DistributedTestError, run_distributed
 from engine_utils import (
     build_engine,
@@ -28,8 +27,10 @@ STEPS = 3
 VARIANTS: dict[str, dict] = {
     "base": {},
     "ac_full_n_mbs_3": {"gradient_checkpointing": True, "mb_spec": {"n_mbs": 3}},
-    "ac_selective_op": {"gradient_checkpointing": True,
-                        "archon": {"ac_mode": "selective", "selective_ac_option": "op"}},
+    "ac_selective_op": {
+        "gradient_checkpointing": True,
+        "archon": {"ac_mode": "selective", "selective_ac_option": "op"},
+    },
     "n_mbs_3": {"mb_spec": {"n_mbs": 3}},
     "hsdp": {"archon": {"dp_replicate": 2}},
     "reshard_never": {"archon": {"reshard_after_forward_policy": "never"}},
@@ -43,22 +44,42 @@ ETP_OVER_DP = "archon:(attn:d4|ffn:t2e2)"
 ETP_WIDER_THAN_TP = "archon:(attn:d2t2|ffn:t4)"
 """Expert TP 4 over attention TP 2 (two TP groups of different data pool their tokens), no EP."""
 JOBS: dict[int, list[tuple[str, str]]] = {
-    2: [("archon:d2e2", "base"), ("archon:d2e2", "ac_full_n_mbs_3"), ("archon:d2e2", "ac_selective_op"),
-        ("archon:d2e2", "reshard_never"), ("archon:t2e2", "base"), ("archon:t2e2", "ac_full_n_mbs_3"),
+    2: [
+        ("archon:d2e2", "base"),
+        ("archon:d2e2", "ac_full_n_mbs_3"),
+        ("archon:d2e2", "ac_selective_op"),
+        ("archon:d2e2", "reshard_never"),
+        ("archon:t2e2", "base"),
+        ("archon:t2e2", "ac_full_n_mbs_3"),
         # Context parallel beside EP: EP borrows the cp ranks, each routes its own chunk of the row.
         ("archon:c2e2", "base"),
         # Expert TP pooling the tokens of two data-parallel ranks.
-        ("archon:(attn:d2|ffn:t2)", "base")],
-    4: [("archon:d4e2", "base"), ("archon:d4e2", "hsdp"), ("archon:d4e4", "base"),
-        ("archon:d2t2e2", "base"), ("archon:d2t2e2", "ac_full_n_mbs_3"),
-        (HYBRID_ETP_TP, "base"), (HYBRID_ETP_TP, "ac_selective_op"), (HYBRID_ETP_TP, "n_mbs_3"),
-        (HYBRID_ETP_1, "base"), ("archon:(attn:d2c2|ffn:e4)", "base"), ("archon:(attn:t2c2|ffn:t1e4)", "base"),
-        (ETP_OVER_DP, "base"), (ETP_OVER_DP, "ac_full_n_mbs_3"), (ETP_WIDER_THAN_TP, "base"),
-        (ETP_WIDER_THAN_TP, "n_mbs_3"), ("archon:(attn:d2c2|ffn:t2e2)", "base")],
+        ("archon:(attn:d2|ffn:t2)", "base"),
+    ],
+    4: [
+        ("archon:d4e2", "base"),
+        ("archon:d4e2", "hsdp"),
+        ("archon:d4e4", "base"),
+        ("archon:d2t2e2", "base"),
+        ("archon:d2t2e2", "ac_full_n_mbs_3"),
+        (HYBRID_ETP_TP, "base"),
+        (HYBRID_ETP_TP, "ac_selective_op"),
+        (HYBRID_ETP_TP, "n_mbs_3"),
+        (HYBRID_ETP_1, "base"),
+        ("archon:(attn:d2c2|ffn:e4)", "base"),
+        ("archon:(attn:t2c2|ffn:t1e4)", "base"),
+        (ETP_OVER_DP, "base"),
+        (ETP_OVER_DP, "ac_full_n_mbs_3"),
+        (ETP_WIDER_THAN_TP, "base"),
+        (ETP_WIDER_THAN_TP, "n_mbs_3"),
+        ("archon:(attn:d2c2|ffn:t2e2)", "base"),
+    ],
 }
 """(allocation, variant) pairs trained per world size; the first of each allocation also checks gradients."""
-FORWARD_LAYOUTS = {2: ["archon:d2e2", "archon:(attn:d2|ffn:t2)"],
-                   4: ["archon:d2t2e2", HYBRID_ETP_TP, HYBRID_ETP_1, ETP_OVER_DP, ETP_WIDER_THAN_TP]}
+FORWARD_LAYOUTS = {
+    2: ["archon:d2e2", "archon:(attn:d2|ffn:t2)"],
+    4: ["archon:d2t2e2", HYBRID_ETP_TP, HYBRID_ETP_1, ETP_OVER_DP, ETP_WIDER_THAN_TP],
+}
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +102,11 @@ def _full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
     from parallel.fqn import clean_fqn
 
-    return {clean_fqn(n): (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
-            for n, p in model.named_parameters() if p.grad is not None}
+    return {
+        clean_fqn(n): (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
+        for n, p in model.named_parameters()
+        if p.grad is not None
+    }
 
 
 def _train(path: str, backend: str, variant: str, with_grads: bool) -> dict:
@@ -100,8 +124,12 @@ def _train(path: str, backend: str, variant: str, with_grads: bool) -> dict:
     if with_grads:
         engine.optimizer.register_step_pre_hook(keep_first_grads)
     stats = [engine.train_batch(make_batch(s), sft_loss, sft_weight) for s in range(STEPS)]
-    return {"losses": [s["loss"] for s in stats], "grad_norms": [s["grad_norm"] for s in stats], "grads": grads,
-            "with_grads": with_grads}
+    return {
+        "losses": [s["loss"] for s in stats],
+        "grad_norms": [s["grad_norm"] for s in stats],
+        "grads": grads,
+        "with_grads": with_grads,
+    }
 
 
 def _run_jobs(path: str, jobs: list[tuple[str, str]], forward_layouts: list[str]):
@@ -131,8 +159,9 @@ def _assert_matches(got: dict, ref: dict, what: str) -> None:
         assert got["grads"], f"{what}: no first-step gradients were recorded"
         assert got["grads"].keys() == ref["grads"].keys(), what
         for name, grad in got["grads"].items():
-            torch.testing.assert_close(grad, ref["grads"][name], atol=1e-5, rtol=1e-4,
-                                       msg=lambda m: f"{what}: gradient of {name}: {m}")
+            torch.testing.assert_close(
+                grad, ref["grads"][name], atol=1e-5, rtol=1e-4, msg=lambda m: f"{what}: gradient of {name}: {m}"
+            )
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -149,8 +178,13 @@ def test_layouts_match_single_device(moe_path, reference, world):
     mask = make_batch(7, n=5)["attention_mask"].bool()
     for backend, got in zip(FORWARD_LAYOUTS[world], forwards):
         for key in ("logprobs", "entropy"):
-            torch.testing.assert_close(got[key][mask], ref_forward[key][mask], atol=1e-5, rtol=1e-5,
-                                       msg=lambda m: f"{backend} forward {key}: {m}")
+            torch.testing.assert_close(
+                got[key][mask],
+                ref_forward[key][mask],
+                atol=1e-5,
+                rtol=1e-5,
+                msg=lambda m: f"{backend} forward {key}: {m}",
+            )
 
 
 def test_uneven_expert_shards_match_single_device(six_experts_path):
@@ -190,8 +224,11 @@ def _dispatch_combine(etp: int, alignment: int | None, compiled: bool) -> list[s
     full.init_weights(0.3)
     sharded = GroupedExperts(dim, hidden, n_experts)
     sharded.load_state_dict(full.state_dict())
-    mesh = init_device_mesh("cpu", (2, etp), mesh_dim_names=("ep", "etp")) if etp > 1 else \
-        init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
+    mesh = (
+        init_device_mesh("cpu", (2, etp), mesh_dim_names=("ep", "etp"))
+        if etp > 1
+        else init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
+    )
     ExpertParallel(token_group_alignment=alignment)._apply(sharded, mesh)
 
     counts = torch.tensor(_COUNTS[ep_rank])
@@ -224,15 +261,17 @@ def _dispatch_combine(etp: int, alignment: int | None, compiled: bool) -> list[s
     if not torch.allclose(x_grad, x_ref.grad, atol=1e-5):
         failures.append(f"rank {rank}: token gradients differ by {(x_grad - x_ref.grad).abs().max():.2e}")
     for name, p in sharded.named_parameters():
-        ref_grad = distribute_tensor(getattr(full, name).grad, p.device_mesh, p.placements,
-                                                 src_data_rank=None).to_local()
+        ref_grad = distribute_tensor(
+            getattr(full, name).grad, p.device_mesh, p.placements, src_data_rank=None
+        ).to_local()
         if p.grad is None or not torch.allclose(p.grad.to_local(), ref_grad, atol=1e-5):
             failures.append(f"rank {rank}: gradient of {name} differs")
     return failures
 
 
-@pytest.mark.parametrize("etp, alignment, compiled", [(1, None, False), (1, 8, False), (2, None, False),
-                                                     (1, None, True)])
+@pytest.mark.parametrize(
+    "etp, alignment, compiled", [(1, None, False), (1, 8, False), (2, None, False), (1, None, True)]
+)
 def test_dispatch_and_combine_match_unsharded_experts(etp, alignment, compiled):
     """Uneven counts, a rank sending nothing to another, experts without tokens; padding; ETP; compile."""
     for failures in run_distributed(_dispatch_combine, 2 * etp, etp, alignment, compiled):
@@ -256,6 +295,7 @@ def test_local_expert_order_regroups_and_pads():
 
 
 # ---- weights in and out ----------------------------------------------------------------------
+
 
 def _hf_reads(path: str, backend: str) -> dict[str, set[int]]:
     """Which experts of layer 0 this rank read from the HF checkpoint, per projection."""
@@ -299,8 +339,9 @@ def test_hf_load_reads_only_local_experts(moe_path, six_experts_path, layout, n_
     for rank, read in enumerate(run_distributed(_hf_reads, 4, path, layout)):
         assert set(read) == {"gate_proj", "up_proj", "down_proj"}
         for proj, experts in read.items():
-            assert experts == _LOCAL_EXPERTS[layout, n_experts][rank], \
+            assert experts == _LOCAL_EXPERTS[layout, n_experts][rank], (
                 f"{layout} ({n_experts} experts) rank {rank} read {proj} of experts {experts}"
+            )
 
 
 def _resume(path: str, ckpt: str, phase: str, backends: list[str]) -> list[list[float]]:
@@ -348,6 +389,7 @@ def test_export_hf_from_ep_equals_single_device(moe_path, tmp_path):
 
 
 # ---- what is refused -----------------------------------------------------------------------
+
 
 def test_unsupported_expert_layouts_are_refused_clearly(six_experts_path, tmp_path):
     with pytest.raises(DistributedTestError, match="num_experts=6 is not divisible by the expert-parallel size e4"):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from dist_utils import run_distributed
 from engine_utils import (
     build_engine,
@@ -27,8 +26,14 @@ from engine_utils import (
 from hf_fixtures import save_tiny_hf
 
 STEPS = 3
-GEMMA2 = dict(tie=True, head_dim=16, sliding_window=6, query_pre_attn_scalar=16, attn_logit_softcapping=5.0,
-              final_logit_softcapping=3.0)
+GEMMA2 = dict(
+    tie=True,
+    head_dim=16,
+    sliding_window=6,
+    query_pre_attn_scalar=16,
+    attn_logit_softcapping=5.0,
+    final_logit_softcapping=3.0,
+)
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +65,11 @@ def _train(path: str, backend: str, engine_kw: dict | None = None, padded: bool 
         engine._packing_works = lambda: False
     engine.initialize()
     stats = [engine.train_batch(make_batch(s), sft_loss, sft_weight) for s in range(STEPS)]
-    result = {"loss": [s["loss"] for s in stats], "grad_norm": [s["grad_norm"] for s in stats],
-              "packed": getattr(engine, "packed", True)}
+    result = {
+        "loss": [s["loss"] for s in stats],
+        "grad_norm": [s["grad_norm"] for s in stats],
+        "packed": getattr(engine, "packed", True),
+    }
     return result if dist.get_rank() == 0 else None
 
 
@@ -105,14 +113,18 @@ def test_reference_run_is_transformers_own_model(gemma2_path, gemma2_reference):
     assert gemma2_reference["loss"][-1] < gemma2_reference["loss"][0]
 
 
-@pytest.mark.parametrize("backend, world, engine_kw", [
-    ("fsdp:d2", 2, {}),
-    ("fsdp:d2", 2, {"gradient_checkpointing": True, "mb_spec": {"n_mbs": 2}}),
-    ("fsdp:t2", 2, {}),
-    ("fsdp:c2", 2, {"gradient_checkpointing": True, "archon": {"ac_mode": "selective"}}),
-])
-def test_a_model_without_archon_spec_trains_alike_on_every_layout(gemma2_path, gemma2_reference, backend, world,
-                                                                  engine_kw):
+@pytest.mark.parametrize(
+    "backend, world, engine_kw",
+    [
+        ("fsdp:d2", 2, {}),
+        ("fsdp:d2", 2, {"gradient_checkpointing": True, "mb_spec": {"n_mbs": 2}}),
+        ("fsdp:t2", 2, {}),
+        ("fsdp:c2", 2, {"gradient_checkpointing": True, "archon": {"ac_mode": "selective"}}),
+    ],
+)
+def test_a_model_without_archon_spec_trains_alike_on_every_layout(
+    gemma2_path, gemma2_reference, backend, world, engine_kw
+):
     _assert_same(run_distributed(_train, world, gemma2_path, backend, engine_kw)[0], gemma2_reference, backend)
 
 
@@ -170,11 +182,17 @@ def test_fsdp_refuses_pipeline_and_expert_parallel_and_megatron_is_not_bundled()
     from archon.engine import EngineError, engine_class
 
     for bad, dim in (("fsdp:d2p2", "pipeline"), ("fsdp:d2e2", "expert")):
-        with pytest.raises(ConfigError, match=f"{dim} parallel '.' is not supported by backend 'fsdp'; fsdp accepts "
-                                              "d, t, c; use 'archon:' for pipeline or expert parallel"):
+        with pytest.raises(
+            ConfigError,
+            match=f"{dim} parallel '.' is not supported by backend 'fsdp'; fsdp accepts "
+            "d, t, c; use 'archon:' for pipeline or expert parallel",
+        ):
             load_config(None, [f"actor.backend={bad}", "cluster.n_gpus_per_node=8"])
-    with pytest.raises(ConfigError, match="ref.backend = 'megatron:d2p2t2' asks for Megatron-Core, which Archon "
-                                          "does not bundle; write 'archon:d2p2t2'.*'fsdp:'"):
+    with pytest.raises(
+        ConfigError,
+        match="ref.backend = 'megatron:d2p2t2' asks for Megatron-Core, which Archon "
+        "does not bundle; write 'archon:d2p2t2'.*'fsdp:'",
+    ):
         load_config(None, ["ref.backend=megatron:d2t2p2", "cluster.n_gpus_per_node=8"])
     with pytest.raises(EngineError, match="Megatron-Core"):
         engine_class("megatron:d2")
@@ -186,8 +204,9 @@ def test_fsdp_refuses_what_the_model_cannot_split(gemma2_path):
     from dist_utils import DistributedTestError
 
     # The tiny model has 2 KV heads: tensor parallel over 4 ranks would split a head.
-    with pytest.raises(DistributedTestError, match="num_key_value_heads=2 is not divisible by the tensor-parallel "
-                                                   "size t4"):
+    with pytest.raises(
+        DistributedTestError, match="num_key_value_heads=2 is not divisible by the tensor-parallel size t4"
+    ):
         run_distributed(build_engine, 4, gemma2_path, "fsdp:t4")
 
 
@@ -197,10 +216,22 @@ def _sft(model: str, data: str, out: str, backend: str) -> list[float] | None:
     from archon.config import load_config
     from archon.sft import run_sft
 
-    cfg = load_config(None, [f"actor.backend={backend}", f"actor.path={model}", "actor.dtype=float32",
-                             "actor.archon.enable_compile=false", "actor.optimizer.lr=1e-2",
-                             f"train_dataset.path={data}", "train_dataset.batch_size=8", "total_train_steps=3",
-                             f"output_dir={out}", "cluster.n_gpus_per_node=3", "seed=7"])
+    cfg = load_config(
+        None,
+        [
+            f"actor.backend={backend}",
+            f"actor.path={model}",
+            "actor.dtype=float32",
+            "actor.archon.enable_compile=false",
+            "actor.optimizer.lr=1e-2",
+            f"train_dataset.path={data}",
+            "train_dataset.batch_size=8",
+            "total_train_steps=3",
+            f"output_dir={out}",
+            "cluster.n_gpus_per_node=3",
+            "seed=7",
+        ],
+    )
     history = run_sft(cfg)
     return [h["loss"] for h in history] if dist.get_rank() == 0 else None
 
@@ -208,14 +239,20 @@ def _sft(model: str, data: str, out: str, backend: str) -> list[float] | None:
 def test_sft_trains_a_llama_on_the_fsdp_engine(tmp_path):
     import json
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from hf_fixtures import make_tiny_tokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = tmp_path / "llama"
     tok = make_tiny_tokenizer(model)
-    save_tiny_hf(model, "llama", seed=4, vocab_size=len(tok), bos_token_id=None, eos_token_id=tok.eos_token_id,
-                 pad_token_id=tok.pad_token_id)
+    save_tiny_hf(
+        model,
+        "llama",
+        seed=4,
+        vocab_size=len(tok),
+        bos_token_id=None,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     rows = [{"prompt": f"what is {a} + {b} ?", "completion": f"{a + b}"} for a in range(6) for b in range(4)]
     data = tmp_path / "sft.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))

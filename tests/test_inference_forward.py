@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+from hf_fixtures import MODEL_TYPES, save_tiny_hf
 
 import models
 from archon.rollout.kv_cache import BatchedKVCache
-from hf_fixtures import MODEL_TYPES, save_tiny_hf
 from models.common.inference import InferenceForward
 
 
@@ -45,6 +45,7 @@ def _reference(model):
     def forward(tokens, cache, last):
         logits = model(tokens, positions=cache.positions(), cache=cache)
         return logits[:, -1] if last is None else logits[torch.arange(len(tokens)), last]
+
     return forward
 
 
@@ -79,13 +80,15 @@ def test_fused_weights_follow_updates(folders):
         # In place, as weight updates do: the fused buffer follows.
         block.attention.wk.weight.copy_(other.attention.wk.weight)
         block.feed_forward.w3.weight.copy_(other.feed_forward.w3.weight)
-    torch.testing.assert_close(_run(_lean(model), model, torch.float32),
-                               _run(_reference(model), model, torch.float32), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        _run(_lean(model), model, torch.float32), _run(_reference(model), model, torch.float32), atol=1e-5, rtol=1e-5
+    )
     # A replaced Parameter is picked up by refresh().
     block.attention.wv.weight = nn.Parameter(other.attention.wv.weight.detach().clone(), requires_grad=False)
     lean.refresh()
-    torch.testing.assert_close(_run(_lean(model), model, torch.float32),
-                               _run(_reference(model), model, torch.float32), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        _run(_lean(model), model, torch.float32), _run(_reference(model), model, torch.float32), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_models_it_cannot_run_are_left_to_their_forward(folders):

@@ -27,9 +27,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from dist_utils import find_free_port, pid_alive, pids_mentioning, wait_until
 
 from archon.drill import FILE_ENV, PAUSE_ENV
-from dist_utils import find_free_port, pid_alive, pids_mentioning, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "cpu_demo.toml"
@@ -38,8 +38,12 @@ COMPARED = ("actor/loss", "reward_mean", "response_len_mean", "actor/grad_norm",
 
 
 def _env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]),
-            **extra}
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]),
+        **extra,
+    }
 
 
 # ---------------------------------------------------------------------------------- launcher death
@@ -59,10 +63,18 @@ _RANK_SCRIPT = textwrap.dedent("""
 def test_training_ranks_exit_when_the_launcher_is_killed(tmp_path):
     script = tmp_path / "rank.py"
     script.write_text(_RANK_SCRIPT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={find_free_port()}",
-           str(script), str(tmp_path)]
-    proc = subprocess.Popen(cmd, env=_env(), cwd=REPO, start_new_session=True, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={find_free_port()}",
+        str(script),
+        str(tmp_path),
+    ]
+    proc = subprocess.Popen(
+        cmd, env=_env(), cwd=REPO, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     pid_files = [tmp_path / "rank0.pid", tmp_path / "rank1.pid"]
     try:
         wait_until(lambda: all(p.is_file() for p in pid_files) or proc.poll() is not None, "both ranks to start")
@@ -82,21 +94,34 @@ def test_training_ranks_exit_when_the_launcher_is_killed(tmp_path):
 
 # ---------------------------------------------------------------------------------- RL drills
 
+
 @pytest.fixture(scope="module")
 def demo_assets(tmp_path_factory):
     from archon.demo import DemoTask, TinyQwen3, make_assets
 
     # Untied embeddings: pipeline parallel puts the embeddings and the LM head on different stages.
-    return make_assets(tmp_path_factory.mktemp("drill") / "assets", DemoTask(n_train=64, n_test=8, n_sft=8),
-                       TinyQwen3(tie_word_embeddings=False))
+    return make_assets(
+        tmp_path_factory.mktemp("drill") / "assets",
+        DemoTask(n_train=64, n_test=8, n_sft=8),
+        TinyQwen3(tie_word_embeddings=False),
+    )
 
 
 def _overrides(assets, out: Path, backend: str) -> list[str]:
-    return [f"actor.path={assets.model}", f"train_dataset.path={assets.train}", f"output_dir={out}",
-            f"actor.backend={backend}", "actor.archon.pp_schedule=1F1B", f"total_train_steps={STEPS}",
-            "saver.freq_steps=1", "saver.export_hf=false", "train_dataset.batch_size=4", "reward.n_workers=0",
-            # Several buckets per weight sync, so a kill can land between two of them.
-            "rollout.weight_chunk_mb=1"]
+    return [
+        f"actor.path={assets.model}",
+        f"train_dataset.path={assets.train}",
+        f"output_dir={out}",
+        f"actor.backend={backend}",
+        "actor.archon.pp_schedule=1F1B",
+        f"total_train_steps={STEPS}",
+        "saver.freq_steps=1",
+        "saver.export_hf=false",
+        "train_dataset.batch_size=4",
+        "reward.n_workers=0",
+        # Several buckets per weight sync, so a kill can land between two of them.
+        "rollout.weight_chunk_mb=1",
+    ]
 
 
 class Drill:
@@ -105,8 +130,14 @@ class Drill:
     def __init__(self, root: Path, out: Path, script: str, args: list[str], seed: int = 0):
         self.out = out
         self.root = root
-        self.cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                    str(REPO / "scripts" / script), *args]
+        self.cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            str(REPO / "scripts" / script),
+            *args,
+        ]
         self.rng = random.Random(seed)
         self.launches = 0
 
@@ -126,16 +157,19 @@ class Drill:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         servers = [int(p) for p in re.findall(r"started rollout server \d+ \(pid (\d+)\)", log.read_text())]
-        wait_until(lambda: not pids_mentioning(str(self.out)) and not any(pid_alive(p) for p in servers),
-                   f"every trainer rank and rollout server of launch {self.launches} to exit")
+        wait_until(
+            lambda: not pids_mentioning(str(self.out)) and not any(pid_alive(p) for p in servers),
+            f"every trainer rank and rollout server of launch {self.launches} to exit",
+        )
 
     def kill_at(self, phase: str, n: int) -> str:
         """Run until a process reaches ``phase`` for the n-th time, kill there; returns the launch's log."""
         proc, log = self._start(f"{phase}:{n}")
         marker = self.root / "drill.json"
         wait_until(lambda: marker.is_file() or proc.poll() is not None, f"the run to reach {phase} #{n}", timeout=600)
-        assert marker.is_file(), f"launch {self.launches} ended (code {proc.poll()}) before {phase} #{n}:\n" \
-                                 f"{log.read_text()[-3000:]}"
+        assert marker.is_file(), (
+            f"launch {self.launches} ended (code {proc.poll()}) before {phase} #{n}:\n{log.read_text()[-3000:]}"
+        )
         assert json.loads(marker.read_text())["phase"] == phase
         self._kill(proc, log)
         return log.read_text()
@@ -147,8 +181,11 @@ class Drill:
         """
         proc, log = self._start(f"checkpoint:{STEPS - resume_from}")
         done = re.compile(rf"^step {after_step}/{STEPS}\b", re.MULTILINE)  # printed by this launch's rank 0
-        wait_until(lambda: done.search(log.read_text()) is not None or proc.poll() is not None,
-                   f"launch {self.launches} to finish step {after_step}", timeout=600)
+        wait_until(
+            lambda: done.search(log.read_text()) is not None or proc.poll() is not None,
+            f"launch {self.launches} to finish step {after_step}",
+            timeout=600,
+        )
         assert proc.poll() is None, log.read_text()[-3000:]
         time.sleep(self.rng.uniform(0.0, 1.0))  # not a wait for a state: this picks the moment of the kill
         self._kill(proc, log)
@@ -161,8 +198,13 @@ class Drill:
 
     def complete_checkpoints(self) -> list[int]:
         root = self.out / "checkpoints"
-        return sorted(int(p.name.split("_")[1]) for p in root.glob("step_*")
-                      if p.is_dir() and (p / "complete.json").is_file()) if root.is_dir() else []
+        return (
+            sorted(
+                int(p.name.split("_")[1]) for p in root.glob("step_*") if p.is_dir() and (p / "complete.json").is_file()
+            )
+            if root.is_dir()
+            else []
+        )
 
 
 def _resumed_from(log: str) -> int | None:
@@ -198,11 +240,14 @@ def _assert_same_metrics(drill: Drill, reference: list[dict], keys: tuple[str, .
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend,plan", [
-    ("archon:d2", [("rollout", 2), ("checkpoint", 2), ("random", 3)]),
-    # The resumed run's first weight sync has two 1 MiB buckets: the kill lands between them.
-    ("archon:p2", [("optimizer_step", 2), ("weight_sync", 2)]),
-])
+@pytest.mark.parametrize(
+    "backend,plan",
+    [
+        ("archon:d2", [("rollout", 2), ("checkpoint", 2), ("random", 3)]),
+        # The resumed run's first weight sync has two 1 MiB buckets: the kill lands between them.
+        ("archon:p2", [("optimizer_step", 2), ("weight_sync", 2)]),
+    ],
+)
 def test_rl_run_killed_anywhere_resumes_to_the_uninterrupted_metrics(demo_assets, tmp_path, backend, plan):
     def args_for(out: Path) -> list[str]:
         return ["--config", str(CONFIG), *_overrides(demo_assets, out, backend)]
@@ -228,11 +273,21 @@ def test_rl_run_killed_anywhere_resumes_to_the_uninterrupted_metrics(demo_assets
 
 # ---------------------------------------------------------------------------------- SFT drill
 
+
 def _sft_overrides(assets, out: Path) -> list[str]:
-    return [f"actor.path={assets.model}", "actor.backend=archon:d2", "actor.dtype=float32",
-            "actor.archon.enable_compile=false", f"train_dataset.path={assets.sft}", "train_dataset.batch_size=8",
-            f"total_train_steps={STEPS}", "saver.freq_steps=1", "saver.export_hf=false", f"output_dir={out}",
-            "cluster.n_gpus_per_node=4"]
+    return [
+        f"actor.path={assets.model}",
+        "actor.backend=archon:d2",
+        "actor.dtype=float32",
+        "actor.archon.enable_compile=false",
+        f"train_dataset.path={assets.sft}",
+        "train_dataset.batch_size=8",
+        f"total_train_steps={STEPS}",
+        "saver.freq_steps=1",
+        "saver.export_hf=false",
+        f"output_dir={out}",
+        "cluster.n_gpus_per_node=4",
+    ]
 
 
 @pytest.mark.slow

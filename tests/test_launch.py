@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from dist_utils import find_free_port, pid_alive, pids_mentioning
 
 from archon.config import load_config
 from archon.launch.cli import main
@@ -33,7 +34,6 @@ from archon.rollout.discovery import (
     server_source,
 )
 from archon.rollout.launcher import RolloutLauncher, RolloutLaunchError
-from dist_utils import find_free_port, pid_alive, pids_mentioning
 
 REPO = Path(__file__).resolve().parents[1]
 DENSE = REPO / "configs" / "qwen3_8b_dense.toml"
@@ -42,8 +42,9 @@ DEMO = REPO / "configs" / "cpu_demo.toml"
 
 
 def _record(index: int, launch: str = "job-1", **kw) -> ServerRecord:
-    return ServerRecord(index=index, node=0, host="n0", log_path=f"/run/rollout/server_{index}.log", launch_id=launch,
-                        **kw)
+    return ServerRecord(
+        index=index, node=0, host="n0", log_path=f"/run/rollout/server_{index}.log", launch_id=launch, **kw
+    )
 
 
 # ---------------------------------------------------------------------- published addresses
@@ -101,8 +102,7 @@ def test_a_server_that_failed_to_start_stops_the_wait_at_once(tmp_path):
 def test_server_source_launches_waits_or_uses_the_given_addresses(tmp_path):
     cfg = load_config(DEMO, [f"output_dir={tmp_path}"])
     assert isinstance(server_source(cfg, env={}), RolloutLauncher)
-    env = {REGISTRY_ENV: f"file:{tmp_path / 'rollout' / 'servers'}", LAUNCH_ID_ENV: "job-1",
-           "ARCHON_API_KEY": "secret"}
+    env = {REGISTRY_ENV: f"file:{tmp_path / 'rollout' / 'servers'}", LAUNCH_ID_ENV: "job-1", "ARCHON_API_KEY": "secret"}
     source = server_source(cfg, env=env)
     assert isinstance(source, PublishedServers) and source.api_key == "secret"
     assert [s.index for s in source.servers] == [0]
@@ -124,10 +124,13 @@ def _job(config: Path, *overrides: str):
     return build_job(cfg, plan_for_config(cfg), str(config), list(overrides))
 
 
-@pytest.mark.parametrize("config,rollout_nodes,train_nodes,server_gpus", [
-    (DENSE, [0], [1, 2], ["0,1", "2,3", "4,5", "6,7"]),
-    (MOE, [0, 1], [2, 3], ["0,1,2,3", "4,5,6,7", "0,1,2,3", "4,5,6,7"]),
-])
+@pytest.mark.parametrize(
+    "config,rollout_nodes,train_nodes,server_gpus",
+    [
+        (DENSE, [0], [1, 2], ["0,1", "2,3", "4,5", "6,7"]),
+        (MOE, [0, 1], [2, 3], ["0,1,2,3", "4,5,6,7", "0,1,2,3", "4,5,6,7"]),
+    ],
+)
 def test_recipe_scripts_follow_the_plan(config, rollout_nodes, train_nodes, server_gpus, tmp_path, capsys):
     job = _job(config)
     script = render_script(job)
@@ -142,7 +145,7 @@ def test_recipe_scripts_follow_the_plan(config, rollout_nodes, train_nodes, serv
     assert f'--nodes=2 --ntasks=2 --ntasks-per-node=1 --nodelist="{hosts}"' in srun[-1]
     serve = re.findall(r"archon.launch serve-node --node (\d+) --config (\S+)", script)
     assert [int(n) for n, _ in serve] == rollout_nodes and {c for _, c in serve} == {str(config)}
-    train = script[script.index(srun[-1]):]
+    train = script[script.index(srun[-1]) :]
     assert "env CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7 " in train
     assert "--nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d" in train
     assert f'"--rdzv_endpoint=${{NODES[{train_nodes[0]}]}}:29500"' in train
@@ -155,8 +158,11 @@ def test_recipe_scripts_follow_the_plan(config, rollout_nodes, train_nodes, serv
     assert main(["slurm", "--config", str(config), "--dry-run"]) == 0
     shown = capsys.readouterr().out
     for i, gpus in enumerate(server_gpus):  # each server's own command and GPUs, on its node
-        assert re.search(rf"server {i} \(log \S+server_{i}\.log\): CUDA_VISIBLE_DEVICES={gpus} \S+ -m "
-                         r"sglang\.launch_server .*--port <port> --tp-size", shown), shown
+        assert re.search(
+            rf"server {i} \(log \S+server_{i}\.log\): CUDA_VISIBLE_DEVICES={gpus} \S+ -m "
+            r"sglang\.launch_server .*--port <port> --tp-size",
+            shown,
+        ), shown
     for node in train_nodes:
         assert f"node {node} (${{NODES[{node}]}}): training ranks" in shown
     assert "<api key>" in shown
@@ -167,42 +173,58 @@ def test_one_node_job_runs_its_servers_and_training_side_by_side():
     script = render_script(job)
     srun = [line for line in script.splitlines() if line.startswith("srun ")]
     assert len(srun) == 2 and all('--nodelist="${NODES[0]}"' in line and "--overlap" in line for line in srun)
-    train = script[script.index(srun[1]):]
+    train = script[script.index(srun[1]) :]
     assert "env CUDA_VISIBLE_DEVICES=4,5,6,7 " in train and "--nnodes=1 --nproc_per_node=4" in train
 
 
 def test_submit_hands_the_written_script_to_sbatch(tmp_path, monkeypatch, capsys):
-    args = ["slurm", "--config", str(DENSE), "--script", str(tmp_path / "job.sbatch"), "--submit",
-            "--sbatch-arg=--partition=gpu", f"output_dir={tmp_path / 'run'}"]
+    args = [
+        "slurm",
+        "--config",
+        str(DENSE),
+        "--script",
+        str(tmp_path / "job.sbatch"),
+        "--submit",
+        "--sbatch-arg=--partition=gpu",
+        f"output_dir={tmp_path / 'run'}",
+    ]
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     assert main(args) == 2
     assert "sbatch is not on PATH" in capsys.readouterr().err
     fake = tmp_path / "bin" / "sbatch"
     fake.parent.mkdir()
-    fake.write_text(f"#!{sys.executable}\nimport sys\nopen({str(tmp_path / 'argv')!r}, 'w').write(sys.argv[1])\n"
-                    "print('Submitted batch job 31337')\n")
+    fake.write_text(
+        f"#!{sys.executable}\nimport sys\nopen({str(tmp_path / 'argv')!r}, 'w').write(sys.argv[1])\n"
+        "print('Submitted batch job 31337')\n"
+    )
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", str(fake.parent))
     assert main(args) == 0
     assert "Submitted batch job 31337" in capsys.readouterr().out
     assert (tmp_path / "argv").read_text() == str(tmp_path / "job.sbatch")
     script = (tmp_path / "job.sbatch").read_text()
-    assert "#SBATCH --partition=gpu\n" in script and f"#SBATCH --output={tmp_path / 'run'}/launch/slurm-%j.log" in script
+    assert (
+        "#SBATCH --partition=gpu\n" in script and f"#SBATCH --output={tmp_path / 'run'}/launch/slurm-%j.log" in script
+    )
 
 
 def test_training_nodes_with_different_gpus_are_refused_for_torchrun():
     # 2 nodes of 8: four 1-GPU servers and 12 ranks share node 0 (ranks on GPUs 4-7) and fill node 1.
-    cfg = load_config(DEMO, ["cluster.n_nodes=2", "cluster.n_gpus_per_node=8", "rollout.backend=local:d4",
-                             "actor.backend=archon:d12"])
+    cfg = load_config(
+        DEMO, ["cluster.n_nodes=2", "cluster.n_gpus_per_node=8", "rollout.backend=local:d4", "actor.backend=archon:d12"]
+    )
     with pytest.raises(Exception, match=r"node 0: GPUs 4-7, node 1: GPUs 0-7.*launch with Ray") as info:
         check_torchrun_layout(plan_for_config(cfg))
     assert "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["cluster.n_nodes=1", "cluster.n_gpus_per_node=2"], r"together 3, but cluster.n_nodes=1 x "),
-    (["rollout.backend=sglang:d1t16", "cluster.n_gpus_per_node=8"], r"16 GPUs \(t\*p\), more than a node's"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["cluster.n_nodes=1", "cluster.n_gpus_per_node=2"], r"together 3, but cluster.n_nodes=1 x "),
+        (["rollout.backend=sglang:d1t16", "cluster.n_gpus_per_node=8"], r"16 GPUs \(t\*p\), more than a node's"),
+    ],
+)
 @pytest.mark.parametrize("launcher", ["slurm", "ray"])
 def test_a_layout_that_does_not_fit_is_one_sentence(launcher, overrides, message, capsys):
     extra = ["--address", "127.0.0.1:1"] if launcher == "ray" else []
@@ -240,13 +262,23 @@ def demo_assets(tmp_path_factory):
 
 
 def _demo_overrides(assets, out: Path, steps: int) -> list[str]:
-    return [f"actor.path={assets.model}", f"train_dataset.path={assets.train}", f"output_dir={out}",
-            f"total_train_steps={steps}", "saver.export_hf=false", "reward.n_workers=0"]
+    return [
+        f"actor.path={assets.model}",
+        f"train_dataset.path={assets.train}",
+        f"output_dir={out}",
+        f"total_train_steps={steps}",
+        "saver.export_hf=false",
+        "reward.n_workers=0",
+    ]
 
 
 def _env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]),
-            **extra}
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]),
+        **extra,
+    }
 
 
 @pytest.mark.slow
@@ -258,21 +290,26 @@ def test_slurm_job_runs_the_demo_on_two_simulated_nodes(demo_assets, tmp_path):
     overrides = ["cluster.n_nodes=2", "cluster.n_gpus_per_node=2", *_demo_overrides(demo_assets, out, 3)]
     script = tmp_path / "job.sbatch"
     port = find_free_port()
-    assert main(["slurm", "--config", str(DEMO), "--script", str(script), "--rdzv-port", str(port),
-                 *overrides]) == 0
+    assert main(["slurm", "--config", str(DEMO), "--script", str(script), "--rdzv-port", str(port), *overrides]) == 0
     bin_dir = install(tmp_path / "bin")
     srun_log = tmp_path / "srun.jsonl"
-    env = _env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SLURM_JOB_ID="4242",
-               SLURM_JOB_NODELIST="localhost,127.0.0.1", SLURM_NNODES="2", SLURM_CPUS_ON_NODE="2",
-               FAKE_SRUN_LOG=str(srun_log))
+    env = _env(
+        PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        SLURM_JOB_ID="4242",
+        SLURM_JOB_NODELIST="localhost,127.0.0.1",
+        SLURM_NNODES="2",
+        SLURM_CPUS_ON_NODE="2",
+        FAKE_SRUN_LOG=str(srun_log),
+    )
     done = subprocess.run(["bash", str(script)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stderr[-4000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
 
     # The server step runs in the background: the two steps may log in either order.
-    steps = sorted((json.loads(line) for line in srun_log.read_text().splitlines()),
-                   key=lambda s: "serve-node" not in s["command"])
+    steps = sorted(
+        (json.loads(line) for line in srun_log.read_text().splitlines()), key=lambda s: "serve-node" not in s["command"]
+    )
     assert [s["hosts"] for s in steps] == [["localhost"], ["127.0.0.1"]]
     assert steps[0]["command"][1:5] == ["-m", "archon.launch", "serve-node", "--node"]
     assert f"--rdzv_endpoint=127.0.0.1:{port}" in steps[1]["command"] and "--nproc_per_node=2" in steps[1]["command"]
@@ -295,8 +332,13 @@ def test_serve_node_reports_a_server_that_dies_with_its_log(demo_assets, tmp_pat
     assert subprocess.run([sys.executable, "-m", "archon.launch", "prepare", *args], env=env).returncode == 0
     log = tmp_path / "serve-node.log"
     with open(log, "w") as fh:
-        proc = subprocess.Popen([sys.executable, "-m", "archon.launch", "serve-node", "--node", "0", *args], env=env,
-                                stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "archon.launch", "serve-node", "--node", "0", *args],
+            env=env,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         registry = FileRegistry(out / "rollout" / "servers", "slurm-7")
         deadline = time.monotonic() + 180
@@ -325,15 +367,24 @@ def test_a_cancelled_slurm_job_stops_every_step(demo_assets, tmp_path):
     out = tmp_path / "run"
     overrides = ["cluster.n_nodes=2", "cluster.n_gpus_per_node=2", *_demo_overrides(demo_assets, out, 200)]
     script = tmp_path / "job.sbatch"
-    assert main(["slurm", "--config", str(DEMO), "--script", str(script), "--rdzv-port", str(find_free_port()),
-                 *overrides]) == 0
+    assert (
+        main(
+            ["slurm", "--config", str(DEMO), "--script", str(script), "--rdzv-port", str(find_free_port()), *overrides]
+        )
+        == 0
+    )
     bin_dir = install(tmp_path / "bin")
-    env = _env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SLURM_JOB_ID="77",
-               SLURM_JOB_NODELIST="localhost,127.0.0.1", SLURM_CPUS_ON_NODE="2")
+    env = _env(
+        PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        SLURM_JOB_ID="77",
+        SLURM_JOB_NODELIST="localhost,127.0.0.1",
+        SLURM_CPUS_ON_NODE="2",
+    )
     log = tmp_path / "job.log"
     with open(log, "w") as fh:
-        proc = subprocess.Popen(["bash", str(script)], env=env, cwd=tmp_path, stdout=fh, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            ["bash", str(script)], env=env, cwd=tmp_path, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
+        )
     metrics = out / "metrics.jsonl"
     try:
         deadline = time.monotonic() + 300

@@ -13,10 +13,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from dist_utils import pid_alive
 
 from archon.config import load_config
 from archon.plan import plan_for_config
-from dist_utils import pid_alive
 
 ray = pytest.importorskip("ray")
 
@@ -44,15 +44,32 @@ def demo_assets(tmp_path_factory):
 
 
 def _overrides(assets, out: Path, steps: int, *extra: str) -> list[str]:
-    return ["cluster.n_nodes=2", "cluster.n_gpus_per_node=2", f"actor.path={assets.model}",
-            f"train_dataset.path={assets.train}", f"output_dir={out}", f"total_train_steps={steps}",
-            "saver.export_hf=false", "reward.n_workers=0", *extra]
+    return [
+        "cluster.n_nodes=2",
+        "cluster.n_gpus_per_node=2",
+        f"actor.path={assets.model}",
+        f"train_dataset.path={assets.train}",
+        f"output_dir={out}",
+        f"total_train_steps={steps}",
+        "saver.export_hf=false",
+        "reward.n_workers=0",
+        *extra,
+    ]
 
 
 def _launch(cluster, overrides: list[str], timeout: float = 420) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
-    cmd = [sys.executable, "-m", "archon.launch", "ray", "--address", cluster.address, "--config", str(DEMO),
-           *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "archon.launch",
+        "ray",
+        "--address",
+        cluster.address,
+        "--config",
+        str(DEMO),
+        *overrides,
+    ]
     return subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
@@ -88,8 +105,10 @@ def test_demo_runs_with_its_server_on_one_node_and_training_on_the_other(cluster
 
 def _nodes(cluster) -> list[dict]:
     """The cluster's alive nodes, asked through a short-lived driver (the test process is not one)."""
-    code = ("import json, ray; ray.init(address=%r, log_to_driver=False); "
-            "print(json.dumps([{'NodeID': n['NodeID']} for n in ray.nodes() if n['Alive']]))" % cluster.address)
+    code = (
+        "import json, ray; ray.init(address=%r, log_to_driver=False); "
+        "print(json.dumps([{'NodeID': n['NodeID']} for n in ray.nodes() if n['Alive']]))" % cluster.address
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -37,7 +37,7 @@ FORBIDDEN_INSIDE_ARCHON: dict[str, tuple[str, ...]] = {
 
 ALLOWED_BY_DESIGN: dict[str, set[str]] = {
     # DESIGN.md: "add_model.py (its logic lives in models/, next to the packages it writes)".
-    "scripts/add_model.py": {"models"},
+    "scripts/add_model.py": {"models"}
 }
 """Single files the design itself lets import more than their layer."""
 
@@ -141,15 +141,22 @@ def _violations_of(rel: str, text: str) -> set[str]:
 
 def test_the_scan_sees_every_kind_of_import():
     # Guards the guard: TYPE_CHECKING, function-level, relative and `from package import module` imports count.
-    text = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from archon.rl import trainer\n"
-            "def f():\n    from ..engine import engine\n    import archon.launch.cli\n    from archon import rl\n")
+    text = (
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from archon.rl import trainer\n"
+        "def f():\n    from ..engine import engine\n    import archon.launch.cli\n    from archon import rl\n"
+    )
     assert _violations_of("archon/rollout/probe.py", text) == {
-        "archon/rollout/probe.py -> archon.rl", "archon/rollout/probe.py -> archon.engine",
-        "archon/rollout/probe.py -> archon.launch"}
+        "archon/rollout/probe.py -> archon.rl",
+        "archon/rollout/probe.py -> archon.engine",
+        "archon/rollout/probe.py -> archon.launch",
+    }
     assert _violations_of("parallel/probe.py", "import numpy\nfrom pipeline import split\n") == {
-        "parallel/probe.py -> numpy", "parallel/probe.py -> pipeline"}
+        "parallel/probe.py -> numpy",
+        "parallel/probe.py -> pipeline",
+    }
     assert _violations_of("models/common/probe.py", "from parallel.dims import ParallelDims\n") == {
-        "models/common/probe.py -> parallel (model code)"}
+        "models/common/probe.py -> parallel (model code)"
+    }
     assert _violations_of("models/common/infra/probe.py", "from parallel.dims import ParallelDims\n") == set()
     assert _violations_of("pipeline/probe.py", "import os, torch\nfrom parallel import dims\n") == set()
     assert _violations_of("scripts/probe.py", "import models\n") == {"scripts/probe.py -> models"}

@@ -33,8 +33,9 @@ def test_linear_matches_f_linear_values_and_gradients(shape, bias):
         torch.testing.assert_close(layer(x), ref, rtol=1e-5, atol=1e-5)
         rows = x.reshape(-1, 16)[:7]
         h = torch.randn(len(rows), 24, generator=g)
-        torch.testing.assert_close(lin.add_linear(h, rows, layer.weight),
-                                   h + F.linear(rows, layer.weight), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            lin.add_linear(h, rows, layer.weight), h + F.linear(rows, layer.weight), rtol=1e-5, atol=1e-5
+        )
 
 
 def test_onednn_is_used_for_float32_cpu_and_not_under_autocast(monkeypatch):

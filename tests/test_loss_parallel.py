@@ -2,8 +2,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
 from dist_utils import run_distributed
+
 from parallel.loss_parallel import vocab_parallel_logprobs_entropy
 
 
@@ -79,8 +79,7 @@ def _sharded_worker(use_dtensor: bool):
 
         mesh = init_device_mesh("cpu", (world,))
         full = logits.clone().requires_grad_()
-        dt = DTensor.from_local(full[:, chunks[rank]], mesh, [Shard(1)], shape=full.shape,
-                                stride=full.stride())
+        dt = DTensor.from_local(full[:, chunks[rank]], mesh, [Shard(1)], shape=full.shape, stride=full.stride())
         lp, ent = vocab_parallel_logprobs_entropy(dt, targets, 0.9)
         ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
         grad = full.grad[:, chunks[rank]]
@@ -91,8 +90,11 @@ def _sharded_worker(use_dtensor: bool):
     ref = logits.clone().requires_grad_()
     rlp, rent = reference(ref, targets, 0.9)
     ((rlp * w_lp).sum() + (rent * w_ent).sum()).backward()
-    return [float((lp - rlp).abs().max()), float((ent - rent).abs().max()),
-            float((grad - ref.grad[:, chunks[rank]]).abs().max())]
+    return [
+        float((lp - rlp).abs().max()),
+        float((ent - rent).abs().max()),
+        float((grad - ref.grad[:, chunks[rank]]).abs().max()),
+    ]
 
 
 @pytest.mark.parametrize("world, use_dtensor", [(2, False), (3, False), (2, True), (3, True)])

@@ -1,14 +1,7 @@
 import pytest
 import torch
 
-from archon.engine.microbatch import (
-    balanced_partition,
-    pack,
-    plan_microbatches,
-    rows_of,
-    seqlens_of,
-    unpack,
-)
+from archon.engine.microbatch import balanced_partition, pack, plan_microbatches, rows_of, seqlens_of, unpack
 
 
 def make_batch(lengths: list[int], width: int | None = None) -> dict[str, torch.Tensor]:

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_fixtures import save_tiny_hf
 from safetensors.torch import load_file, save_file
 
 import models
-from hf_fixtures import save_tiny_hf
 from models.registry import ModelRegistryError, unregister_model_spec
 
 
@@ -61,16 +61,21 @@ def test_unsupported_model_type(tmp_path, dense_folder):
     cfg = json.loads((dense_folder / "config.json").read_text())
     cfg["model_type"] = "llama"
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelRegistryError, match=r"'llama' has no Archon model spec.*\['qwen2', 'qwen3', 'qwen3_moe'\]"
-                                                 r".*add_model.py llama.*'fsdp:'"):
+    with pytest.raises(
+        ModelRegistryError,
+        match=r"'llama' has no Archon model spec.*\['qwen2', 'qwen3', 'qwen3_moe'\]"
+        r".*add_model.py llama.*'fsdp:'",
+    ):
         models.load_hf_model(tmp_path)
 
 
 def test_missing_tensor(tmp_path, dense_folder):
     folder = _copy_with(dense_folder, tmp_path, lambda sd: sd.pop("model.layers.1.self_attn.k_proj.weight"))
-    with pytest.raises(models.HFCheckpointError,
-                       match=r"lacks 1 tensor.*'layers\.1\.attention\.wk\.weight' \(checkpoint key "
-                             r"'model\.layers\.1\.self_attn\.k_proj\.weight'\)"):
+    with pytest.raises(
+        models.HFCheckpointError,
+        match=r"lacks 1 tensor.*'layers\.1\.attention\.wk\.weight' \(checkpoint key "
+        r"'model\.layers\.1\.self_attn\.k_proj\.weight'\)",
+    ):
         models.load_hf_model(folder)
 
 
@@ -79,8 +84,10 @@ def test_extra_tensor(tmp_path, dense_folder):
         sd["model.layers.0.mlp.extra_proj.weight"] = torch.zeros(2, 2)
 
     folder = _copy_with(dense_folder, tmp_path, add)
-    with pytest.raises(models.HFCheckpointError,
-                       match=r"does not use: 'model\.layers\.0\.mlp\.extra_proj\.weight' \(in model\.safetensors\)"):
+    with pytest.raises(
+        models.HFCheckpointError,
+        match=r"does not use: 'model\.layers\.0\.mlp\.extra_proj\.weight' \(in model\.safetensors\)",
+    ):
         models.load_hf_model(folder)
 
 
@@ -89,8 +96,11 @@ def test_tensor_of_a_layer_the_config_does_not_have(tmp_path, dense_folder):
         sd["model.layers.7.input_layernorm.weight"] = torch.ones(64)
 
     folder = _copy_with(dense_folder, tmp_path, add)
-    with pytest.raises(models.HFCheckpointError, match=r"'model\.layers\.7\.input_layernorm\.weight'.*"
-                                                     r"maps to 'layers\.7\.attention_norm\.weight'"):
+    with pytest.raises(
+        models.HFCheckpointError,
+        match=r"'model\.layers\.7\.input_layernorm\.weight'.*"
+        r"maps to 'layers\.7\.attention_norm\.weight'",
+    ):
         models.load_hf_model(folder)
 
 
@@ -99,9 +109,11 @@ def test_shape_mismatch(tmp_path, dense_folder):
         sd["model.layers.0.mlp.up_proj.weight"] = sd["model.layers.0.mlp.up_proj.weight"][:90]
 
     folder = _copy_with(dense_folder, tmp_path, shrink)
-    with pytest.raises(models.HFCheckpointError,
-                       match=r"'model\.layers\.0\.mlp\.up_proj\.weight' \(in .*model\.safetensors\) has shape "
-                             r"\(90, 64\), but model tensor 'layers\.0\.feed_forward\.w3\.weight' expects \(96, 64\)"):
+    with pytest.raises(
+        models.HFCheckpointError,
+        match=r"'model\.layers\.0\.mlp\.up_proj\.weight' \(in .*model\.safetensors\) has shape "
+        r"\(90, 64\), but model tensor 'layers\.0\.feed_forward\.w3\.weight' expects \(96, 64\)",
+    ):
         models.load_hf_model(folder)
 
 
@@ -148,6 +160,7 @@ def test_loading_into_a_meta_model_is_an_error(dense_folder):
 
 # ---- registry -------------------------------------------------------------------------------
 
+
 def test_registry_contents():
     assert models.supported_model_types() == ["qwen2", "qwen3", "qwen3_moe"]
     spec = models.get_model_spec("qwen3_moe")
@@ -183,4 +196,3 @@ def test_registering_a_user_model_type():
     finally:
         unregister_model_spec("my_model")
     assert "my_model" not in models.supported_model_types()
-

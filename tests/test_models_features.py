@@ -6,11 +6,11 @@ import json
 
 import pytest
 import torch
+from hf_fixtures import make_tiny_hf_model, perturb_, save_tiny_hf
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 import models
-from hf_fixtures import make_tiny_hf_model, perturb_, save_tiny_hf
 from models.common.moe import (
     GroupedExperts,
     _run_experts_grouped_mm,
@@ -35,6 +35,7 @@ def _tokens(batch: int, seqlen: int, seed: int = 0) -> torch.Tensor:
 
 
 # ---- MoE ---------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("norm_topk_prob", [False, True])
 def test_router_matches_transformers(norm_topk_prob, tmp_path):
@@ -146,10 +147,12 @@ def test_grouped_experts_loop_and_grouped_mm_agree():
     loop = _run_experts_loop(experts.w1, experts.w2, experts.w3, x, counts)
     # Per-token reference: token i belongs to the expert whose range holds i.
     owner = torch.repeat_interleave(torch.arange(4), counts)
-    ref = torch.stack([
-        experts.w2[e] @ (torch.nn.functional.silu(experts.w1[e] @ x[i]) * (experts.w3[e] @ x[i]))
-        for i, e in enumerate(owner.tolist())
-    ])
+    ref = torch.stack(
+        [
+            experts.w2[e] @ (torch.nn.functional.silu(experts.w1[e] @ x[i]) * (experts.w3[e] @ x[i]))
+            for i, e in enumerate(owner.tolist())
+        ]
+    )
     torch.testing.assert_close(loop, ref)
     # torch._grouped_mm runs forward on CPU in float32 (its backward does not), enough to check the path.
     grouped = _run_experts_grouped_mm(experts.w1, experts.w2, experts.w3, x, counts)
@@ -173,6 +176,7 @@ def test_fused_transformers5_expert_keys_load(moe_folder, tmp_path):
 
 
 # ---- KV cache ------------------------------------------------------------------------------
+
 
 class ReferenceCache:
     """Concatenating KV cache for tests (the contract of the rollout server's cache)."""
@@ -202,7 +206,7 @@ def test_incremental_decoding_equals_full_forward(model_type, tmp_path):
         cache = ReferenceCache()
         steps = [model(tokens[:, :6], positions=torch.arange(6).expand(2, -1), cache=cache)]
         for t in range(6, 10):
-            steps.append(model(tokens[:, t:t + 1], positions=torch.full((2, 1), t), cache=cache))
+            steps.append(model(tokens[:, t : t + 1], positions=torch.full((2, 1), t), cache=cache))
     incremental = torch.cat(steps, dim=1)
     assert (incremental - full).abs().max().item() < ATOL
     assert (full - hf(tokens).logits).abs().max().item() < ATOL
@@ -227,6 +231,7 @@ def test_cache_requires_positions(moe_folder):
 
 
 # ---- critic --------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("model_type,tie", [("qwen3", True), ("qwen2", False), ("qwen3_moe", False)])
 def test_critic_from_lm_checkpoint_and_round_trip(model_type, tie, tmp_path):
@@ -253,10 +258,22 @@ def test_critic_from_lm_checkpoint_and_round_trip(model_type, tie, tmp_path):
 
 # ---- initialisation without HF weights ----------------------------------------------------
 
+
 def test_meta_model_materialises_and_initialises():
-    args = Qwen3MoeModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=128,
-                             hidden_dim=96, num_experts=8, top_k=2, moe_hidden_dim=32,
-                             tie_word_embeddings=True, mlp_only_layers=[0])
+    args = Qwen3MoeModelArgs(
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        vocab_size=128,
+        hidden_dim=96,
+        num_experts=8,
+        top_k=2,
+        moe_hidden_dim=32,
+        tie_word_embeddings=True,
+        mlp_only_layers=[0],
+    )
     model = models.build_model(args)  # meta
     assert all(p.device.type == "meta" for p in model.parameters())
     model.to_empty(device="cpu")
@@ -276,8 +293,9 @@ def test_meta_model_materialises_and_initialises():
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "qwen3_moe"])
 def test_model_from_args_saves_a_transformers_loadable_folder(model_type, tmp_path):
     spec = models.get_model_spec(model_type)
-    fields = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=128, hidden_dim=96,
-                  rope_theta=10000.0)
+    fields = dict(
+        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=128, hidden_dim=96, rope_theta=10000.0
+    )
     if model_type == "qwen3_moe":
         fields.update(num_experts=4, top_k=2, moe_hidden_dim=32, norm_topk_prob=True)
     torch.manual_seed(1)
@@ -292,6 +310,7 @@ def test_model_from_args_saves_a_transformers_loadable_folder(model_type, tmp_pa
 
 
 # ---- HF config spellings ------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen3_moe"])
 def test_old_config_spelling_loads_the_same_model(model_type, tmp_path):
@@ -315,11 +334,14 @@ def test_old_config_spelling_loads_the_same_model(model_type, tmp_path):
         assert (model(tokens) - hf(tokens).logits).abs().max().item() < ATOL
 
 
-@pytest.mark.parametrize("rope", [
-    {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}},
-    {"rope_theta": 1e6, "rope_scaling": {"type": "linear", "factor": 2.0}},
-    {"rope_parameters": None, "rope_theta": 1e6, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
-])
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}},
+        {"rope_theta": 1e6, "rope_scaling": {"type": "linear", "factor": 2.0}},
+        {"rope_parameters": None, "rope_theta": 1e6, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+    ],
+)
 def test_unsupported_rope_scaling_is_rejected(rope):
     _, config = make_tiny_hf_model("qwen3")
     cfg = {**config.to_dict(), **rope}
@@ -335,6 +357,7 @@ def test_sliding_window_is_rejected():
 
 
 # ---- checkpoints in other shapes ------------------------------------------------------------
+
 
 def test_tied_checkpoint_that_also_stores_lm_head(tmp_path):
     hf, _ = make_tiny_hf_model("qwen2", tie=True, seed=8)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from hf_fixtures import MODEL_TYPES, save_tiny_hf
 from transformers import AutoModelForCausalLM
 
 import models
-from hf_fixtures import MODEL_TYPES, save_tiny_hf
 
 CASES = [(mt, tie) for mt in MODEL_TYPES for tie in (False, True)]
 IDS = [f"{mt}-{'tied' if tie else 'untied'}" for mt, tie in CASES]

@@ -7,12 +7,12 @@ import json
 import pytest
 import torch
 import torch.nn as nn
+from dist_utils import run_distributed
+from hf_fixtures import make_tiny_hf_model, save_tiny_hf
 from safetensors.torch import save_file
 
 import models
 import models.hf_checkpoint as hf_checkpoint
-from dist_utils import run_distributed
-from hf_fixtures import make_tiny_hf_model, save_tiny_hf
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +27,11 @@ def fused_moe_folder(tmp_path_factory):
     """The same kind of model written with transformers-5 fused expert keys (gate_up_proj)."""
     folder = tmp_path_factory.mktemp("moe_fused")
     hf, _ = make_tiny_hf_model("qwen3_moe", seed=22)
-    save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, str(folder / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in hf.state_dict().items()},
+        str(folder / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     (folder / "config.json").write_text(json.dumps(hf.config.to_dict()))
     return folder
 
@@ -91,9 +94,9 @@ def _load_into_dtensors(folder: str, read_slices: bool) -> dict:
     counts = torch.tensor([3, 1, 0, 2, 4, 2, 1, 3])
     x = torch.randn(int(counts.sum()), 64, generator=torch.Generator().manual_seed(0))
     starts = torch.cumsum(counts, 0) - counts
-    lo, hi = int(starts[first]), int(starts[first] + counts[first:first + local_e].sum())
+    lo, hi = int(starts[first]), int(starts[first] + counts[first : first + local_e].sum())
     with torch.no_grad():
-        local_out = experts(x[lo:hi], counts[first:first + local_e])
+        local_out = experts(x[lo:hi], counts[first : first + local_e])
         ref_out = ref.layers["0"].moe.experts(x, counts)[lo:hi]
     return {
         "worst": worst,

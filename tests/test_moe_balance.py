@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from dist_utils import run_distributed
 from engine_utils import engine_config, make_batch, sft_loss, sft_weight
 from hf_fixtures import save_tiny_hf
@@ -67,6 +66,7 @@ def _assert_same(got: dict, ref: dict, what: str) -> None:
 
 # ---- single device against transformers ---------------------------------------------------
 
+
 def _hf_router_reference(path: str, batch: dict[str, torch.Tensor]) -> tuple[float, list[float], torch.Tensor]:
     """(SFT loss, per-layer L_l, per-layer counts [layers, E]) of transformers' model on ``batch``."""
     from transformers import AutoModelForCausalLM
@@ -93,8 +93,9 @@ def _hf_router_reference(path: str, batch: dict[str, torch.Tensor]) -> tuple[flo
 def _first_step(path: str, archon: dict, n_mbs: int) -> dict:
     from archon.engine.engine import ArchonEngine
 
-    engine = ArchonEngine(engine_config(path, "archon:d1", archon=dict(archon), mb_spec={"n_mbs": n_mbs}),
-                          total_steps=1).initialize()
+    engine = ArchonEngine(
+        engine_config(path, "archon:d1", archon=dict(archon), mb_spec={"n_mbs": n_mbs}), total_steps=1
+    ).initialize()
     stats = engine.train_batch(make_batch(0), sft_loss, sft_weight)
     return {"stats": stats, "biases": _biases(engine)}
 
@@ -122,8 +123,9 @@ def test_aux_free_bias_moves_against_the_load(moe_path):
     rate = FREE["moe_bias_update_rate"]
     for layer, c in enumerate(counts):
         expected = rate * torch.sign(c.mean() - c)
-        torch.testing.assert_close(got["biases"][f"model.layers.{layer}.mlp.gate.e_score_correction_bias"],
-                                   expected, rtol=0, atol=0)
+        torch.testing.assert_close(
+            got["biases"][f"model.layers.{layer}.mlp.gate.e_score_correction_bias"], expected, rtol=0, atol=0
+        )
     assert got["stats"]["moe/expert_bias_abs_max"] == pytest.approx(rate)
     # No aux loss is added in this mode.
     assert "moe/aux_loss" not in got["stats"]
@@ -138,13 +140,21 @@ def test_balancing_off_keeps_zero_bias_and_reports_statistics(moe_path):
 # ---- every layout against d1 -----------------------------------------------------------------
 
 JOBS = {
-    2: [("archon:d2e2", AUX, {}), ("archon:d2e2", FREE, {}), ("archon:c2e2", AUX, {}), ("archon:c2e2", FREE, {}),
+    2: [
+        ("archon:d2e2", AUX, {}),
+        ("archon:d2e2", FREE, {}),
+        ("archon:c2e2", AUX, {}),
+        ("archon:c2e2", FREE, {}),
         # Several microbatches and recomputation (activation checkpointing must not count twice).
         ("archon:d2e2", AUX, {"mb_spec": {"n_mbs": 2}, "gradient_checkpointing": True}),
-        ("archon:d2e2", FREE, {"mb_spec": {"n_mbs": 2}, "gradient_checkpointing": True})],
-    4: [("archon:(attn:d2t2|ffn:t2e2)", AUX, {}), ("archon:(attn:d2t2|ffn:t2e2)", FREE, {}),
+        ("archon:d2e2", FREE, {"mb_spec": {"n_mbs": 2}, "gradient_checkpointing": True}),
+    ],
+    4: [
+        ("archon:(attn:d2t2|ffn:t2e2)", AUX, {}),
+        ("archon:(attn:d2t2|ffn:t2e2)", FREE, {}),
         ("archon:(attn:p2c2|ffn:p2e2)", AUX, {"archon": {"pp_schedule": "1F1B"}}),
-        ("archon:(attn:p2c2|ffn:p2e2)", FREE, {"archon": {"pp_schedule": "1F1B"}})],
+        ("archon:(attn:p2c2|ffn:p2e2)", FREE, {"archon": {"pp_schedule": "1F1B"}}),
+    ],
 }
 
 
@@ -168,6 +178,7 @@ def test_balancing_is_allocation_invariant(moe_path, references, world):
 
 
 # ---- router dtype ----------------------------------------------------------------------------
+
 
 def _gate_dtypes(path: str, backend: str, router_dtype: str) -> list[tuple] | None:
     """(input, weight, output) dtypes of every gate call during one bf16 training step, and whether the
@@ -215,6 +226,7 @@ def test_router_dtype_float32_keeps_the_gate_in_float32_under_bf16(moe_path, bac
 
 # ---- the bias in checkpoints and exports ----------------------------------------------------
 
+
 def _resume_free(path: str, ckpt: str, phase: str, backend: str) -> dict | None:
     """aux_free training split in two phases (``full`` runs all 4 steps); losses and final biases."""
     import torch.distributed as dist
@@ -255,8 +267,9 @@ def _export(path: str, out: str, extras: bool) -> None:
 
 
 def test_hf_export_leaves_the_bias_out_and_sync_folders_carry_it(moe_path, tmp_path):
-    import models
     from safetensors import safe_open
+
+    import models
 
     def keys(folder) -> set[str]:
         found = set()

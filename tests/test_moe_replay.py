@@ -16,13 +16,13 @@ import json
 import numpy as np
 import pytest
 import torch
+from dist_utils import run_distributed
+from engine_utils import make_batch, sft_loss, sft_weight
+from hf_fixtures import make_tiny_tokenizer, random_tokens, save_tiny_hf
 
 import models
 from archon.rollout.generator import GenerationRequest, Generator
 from archon.rollout.sampling import SamplingParams
-from dist_utils import run_distributed
-from engine_utils import make_batch, sft_loss, sft_weight
-from hf_fixtures import make_tiny_tokenizer, random_tokens, save_tiny_hf
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +51,12 @@ def test_generator_reports_the_experts_of_every_token_it_ran(moe_path):
     prompts = [random_tokens(n, seed=n) for n in (3, 7, 5)]
     params = [SamplingParams(max_new_tokens=6, temperature=1.0, sampling_seed=s, ignore_eos=True) for s in range(3)]
     with Generator(model, max_running_requests=2) as gen:  # 2 rows: prefills and decodes interleave
-        results = gen.generate([GenerationRequest(p, sp, return_routed_experts=True, routed_experts_start_len=s)
-                                for p, sp, s in zip(prompts, params, (0, 2, 0))])
+        results = gen.generate(
+            [
+                GenerationRequest(p, sp, return_routed_experts=True, routed_experts_start_len=s)
+                for p, sp, s in zip(prompts, params, (0, 2, 0))
+            ]
+        )
         plain = gen.generate([GenerationRequest(prompts[0], params[0])])[0]
     reference = models.load_hf_model(moe_path)
     for prompt, result, start in zip(prompts, results, (0, 2, 0)):
@@ -73,8 +77,9 @@ def test_server_returns_routed_experts_as_sglang_does(moe_path):
     try:
         with RolloutClient([server.url]) as client:
             prompt = random_tokens(4, seed=3)
-            result = client.generate(prompt, {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True},
-                                     return_routed_experts=True)
+            result = client.generate(
+                prompt, {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}, return_routed_experts=True
+            )
             plain = client.generate(prompt, {"max_new_tokens": 2, "temperature": 0})
     finally:
         server.stop()
@@ -89,8 +94,10 @@ def test_routed_experts_are_token_aligned_in_the_rollout_batch():
     from archon.rl.rollout_batch import Completion, build_rollout_batch, routed_experts_array
 
     routed = [np.arange(6 * 3 * 2, dtype=np.int32) % 4, np.arange(3 * 3 * 2, dtype=np.int32) % 3]
-    completions = [Completion([1, 2, 3], [4, 5, 6, 7], [-0.1] * 4, "stop", routed_experts_array(routed[0], 3, 2)),
-                   Completion([1, 2], [4, 5], [-0.2] * 2, "length", routed_experts_array(routed[1], 3, 2))]
+    completions = [
+        Completion([1, 2, 3], [4, 5, 6, 7], [-0.1] * 4, "stop", routed_experts_array(routed[0], 3, 2)),
+        Completion([1, 2], [4, 5], [-0.2] * 2, "length", routed_experts_array(routed[1], 3, 2)),
+    ]
     batch = build_rollout_batch(completions, [1.0, 0.0])
     got = batch["routed_experts"]
     assert got.shape == (2, 7, 3, 2) and got.dtype == torch.int16
@@ -99,11 +106,13 @@ def test_routed_experts_are_token_aligned_in_the_rollout_batch():
     assert torch.equal(got[1, :3], torch.from_numpy(routed[1].reshape(3, 3, 2)).short())
     assert (got[1, 3:] == -1).all()  # its last token and the padding
     with pytest.raises(ValueError, match="routed experts for 5 tokens, expected 6"):
-        build_rollout_batch([Completion([1, 2, 3], [4, 5, 6, 7], [-0.1] * 4, "stop",
-                                        routed_experts_array(routed[0][:30], 3, 2))], [1.0])
+        build_rollout_batch(
+            [Completion([1, 2, 3], [4, 5, 6, 7], [-0.1] * 4, "stop", routed_experts_array(routed[0][:30], 3, 2))], [1.0]
+        )
 
 
 # ---- the engine replays --------------------------------------------------------------------
+
 
 def _replay_batch(step: int) -> dict[str, torch.Tensor]:
     """``make_batch`` plus random expert choices (distinct per token) for all but each row's last token."""
@@ -113,7 +122,7 @@ def _replay_batch(step: int) -> dict[str, torch.Tensor]:
     choices = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(b * s * 2)]).view(b, s, 2, 2)
     lens = batch["attention_mask"].sum(1)
     for row, n in enumerate(lens.tolist()):
-        choices[row, n - 1:] = -1
+        choices[row, n - 1 :] = -1
     batch["routed_experts"] = choices.short()
     return batch
 
@@ -122,9 +131,16 @@ def _actor_config(path: str, backend: str, **kw):
     from archon.config import ActorConfig, ArchonEngineConfig, MicroBatchSpec, OptimizerConfig
 
     archon = {"enable_compile": False, **kw.pop("archon", {})}
-    return ActorConfig(backend=backend, path=path, dtype="float32", archon=ArchonEngineConfig(**archon),
-                       optimizer=OptimizerConfig(lr=1e-2, warmup_steps=1), mb_spec=MicroBatchSpec(n_mbs=2),
-                       moe_routing_replay=True, **kw)
+    return ActorConfig(
+        backend=backend,
+        path=path,
+        dtype="float32",
+        archon=ArchonEngineConfig(**archon),
+        optimizer=OptimizerConfig(lr=1e-2, warmup_steps=1),
+        mb_spec=MicroBatchSpec(n_mbs=2),
+        moe_routing_replay=True,
+        **kw,
+    )
 
 
 def _replayed(path: str, backend: str, kw: dict) -> dict | None:
@@ -145,8 +161,12 @@ def _replayed(path: str, backend: str, kw: dict) -> dict | None:
 
     engine.optimizer.register_step_pre_hook(gate_grad)
     stats = [engine.train_batch(_replay_batch(s), sft_loss, sft_weight) for s in range(2)]
-    out = {"forward": forward, "losses": [s["loss"] for s in stats], "norms": [s["grad_norm"] for s in stats],
-           "gate_grad": grads}
+    out = {
+        "forward": forward,
+        "losses": [s["loss"] for s in stats],
+        "norms": [s["grad_norm"] for s in stats],
+        "gate_grad": grads,
+    }
     return out if dist.get_rank() == 0 else None
 
 
@@ -180,9 +200,14 @@ def test_engine_forward_replays_the_given_experts(moe_path, replay_reference):
     assert all(g > 0 for g in replay_reference["gate_grad"])  # router gradients flow through the scores
 
 
-REPLAY_LAYOUTS = {2: [("archon:d2e2", {}), ("archon:c2e2", {})],
-                  4: [("archon:(attn:d2t2|ffn:t2e2)", {}), ("archon:(attn:d4|ffn:t2e2)", {}),
-                      ("archon:(attn:p2c2|ffn:p2e2)", {"archon": {"pp_schedule": "1F1B"}})]}
+REPLAY_LAYOUTS = {
+    2: [("archon:d2e2", {}), ("archon:c2e2", {})],
+    4: [
+        ("archon:(attn:d2t2|ffn:t2e2)", {}),
+        ("archon:(attn:d4|ffn:t2e2)", {}),
+        ("archon:(attn:p2c2|ffn:p2e2)", {"archon": {"pp_schedule": "1F1B"}}),
+    ],
+}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -190,8 +215,13 @@ def test_replay_is_allocation_invariant(moe_path, replay_reference, world):
     results = run_distributed(_jobs, world, moe_path, REPLAY_LAYOUTS[world])[0]
     mask = make_batch(0, n=5)["attention_mask"].bool()
     for (backend, _), got in zip(REPLAY_LAYOUTS[world], results):
-        torch.testing.assert_close(got["forward"]["logprobs"][mask], replay_reference["forward"]["logprobs"][mask],
-                                   atol=1e-5, rtol=1e-5, msg=lambda m: f"{backend}: {m}")
+        torch.testing.assert_close(
+            got["forward"]["logprobs"][mask],
+            replay_reference["forward"]["logprobs"][mask],
+            atol=1e-5,
+            rtol=1e-5,
+            msg=lambda m: f"{backend}: {m}",
+        )
         for key in ("losses", "norms"):
             diff = max(abs(a - b) for a, b in zip(got[key], replay_reference[key]))
             assert diff < 1e-4, f"{backend} {key}: {got[key]} vs d1 {replay_reference[key]}"
@@ -206,6 +236,7 @@ def test_replay_needs_an_moe_model(tmp_path):
 
 
 # ---- end to end ------------------------------------------------------------------------------
+
 
 def _train(args: list[str]) -> list[dict] | None:
     import torch.distributed as dist
@@ -229,16 +260,31 @@ def test_rl_with_aux_free_balancing_keeps_server_and_trainer_equal(tmp_path, rep
     data = tmp_path / "rl.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     settings = {
-        "actor.backend": "archon:d2e2", "actor.path": str(model), "actor.dtype": "float32",
-        "actor.archon.enable_compile": False, "actor.optimizer.lr": 1e-2, "actor.recompute_logprob": True,
-        "actor.moe_routing_replay": replay, "actor.archon.moe_load_balance": "aux_free",
-        "actor.archon.moe_bias_update_rate": 0.05, "train_dataset.path": str(data), "train_dataset.batch_size": 4,
-        "gconfig.n_samples": 2, "gconfig.max_new_tokens": 5, "total_train_steps": 3, "output_dir": str(tmp_path / "o"),
-        "reward.fn": "reward_fns:length_reward", "reward.n_workers": 0, "cluster.n_gpus_per_node": 8,
-        "saver.export_hf": False, "seed": 3,
+        "actor.backend": "archon:d2e2",
+        "actor.path": str(model),
+        "actor.dtype": "float32",
+        "actor.archon.enable_compile": False,
+        "actor.optimizer.lr": 1e-2,
+        "actor.recompute_logprob": True,
+        "actor.moe_routing_replay": replay,
+        "actor.archon.moe_load_balance": "aux_free",
+        "actor.archon.moe_bias_update_rate": 0.05,
+        "train_dataset.path": str(data),
+        "train_dataset.batch_size": 4,
+        "gconfig.n_samples": 2,
+        "gconfig.max_new_tokens": 5,
+        "total_train_steps": 3,
+        "output_dir": str(tmp_path / "o"),
+        "reward.fn": "reward_fns:length_reward",
+        "reward.n_workers": 0,
+        "cluster.n_gpus_per_node": 8,
+        "saver.export_hf": False,
+        "seed": 3,
     }
-    args = [f"{k}={json.dumps(v) if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else v}"
-            for k, v in settings.items()]
+    args = [
+        f"{k}={json.dumps(v) if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else v}"
+        for k, v in settings.items()
+    ]
     history = run_distributed(_train, 2, args, timeout=600)[0]
     for record in history:
         assert record["behav_prox_logprob_diff"] < 1e-5, record

@@ -2,29 +2,31 @@
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 import torch.distributed as dist
-
 from dist_utils import run_distributed
+
 from parallel.dims import ParallelDims
 
 
 def dims(world, dp_shard=1, dp_replicate=1, cp=1, tp=1, pp=1, ep=1, etp=1) -> ParallelDims:
-    return ParallelDims(dp_shard=dp_shard, dp_replicate=dp_replicate, cp=cp, tp=tp, pp=pp, ep=ep, etp=etp,
-                        world_size=world)
+    return ParallelDims(
+        dp_shard=dp_shard, dp_replicate=dp_replicate, cp=cp, tp=tp, pp=pp, ep=ep, etp=etp, world_size=world
+    )
 
 
-@pytest.mark.parametrize("kw, fragment", [
-    (dict(world=8, dp_shard=2, tp=2), "does not equal world_size=8"),
-    (dict(world=4, dp_shard=0, tp=2), "dp_shard=0 must be at least 1"),
-    (dict(world=4, dp_shard=2, tp=2, ep=3), "ep*etp = 3*1 must divide dp_shard*cp*tp = 4"),
-    (dict(world=4, dp_shard=2, tp=2, ep=4, etp=2), "ep*etp = 4*2 must divide dp_shard*cp*tp = 4"),
-    (dict(world=4, dp_shard=4, etp=3), "ep*etp = 1*3 must divide dp_shard*cp*tp = 4"),
-    (dict(world=6, dp_shard=-1, tp=4), "not divisible by dp_replicate*cp*tp*pp=4"),
-])
+@pytest.mark.parametrize(
+    "kw, fragment",
+    [
+        (dict(world=8, dp_shard=2, tp=2), "does not equal world_size=8"),
+        (dict(world=4, dp_shard=0, tp=2), "dp_shard=0 must be at least 1"),
+        (dict(world=4, dp_shard=2, tp=2, ep=3), "ep*etp = 3*1 must divide dp_shard*cp*tp = 4"),
+        (dict(world=4, dp_shard=2, tp=2, ep=4, etp=2), "ep*etp = 4*2 must divide dp_shard*cp*tp = 4"),
+        (dict(world=4, dp_shard=4, etp=3), "ep*etp = 1*3 must divide dp_shard*cp*tp = 4"),
+        (dict(world=6, dp_shard=-1, tp=4), "not divisible by dp_replicate*cp*tp*pp=4"),
+    ],
+)
 def test_validation_errors(kw, fragment):
     with pytest.raises(ValueError, match=None) as info:
         dims(**kw)
@@ -56,14 +58,26 @@ def expected_groups(world: int, pd: ParallelDims) -> dict[str, list[list[int]]]:
         t = r.permute(*other, *keep).reshape(-1, int(torch.tensor([r.shape[d] for d in keep]).prod()))
         return [sorted(row.tolist()) for row in t]
 
-    out = {"pp": groups([0]), "dp_replicate": groups([1]), "dp_shard": groups([2]), "cp": groups([3]),
-           "tp": groups([4]), "dp": groups([1, 2]), "dp_shard_cp": groups([2, 3]), "dp_cp": groups([1, 2, 3])}
+    out = {
+        "pp": groups([0]),
+        "dp_replicate": groups([1]),
+        "dp_shard": groups([2]),
+        "cp": groups([3]),
+        "tp": groups([4]),
+        "dp": groups([1, 2]),
+        "dp_shard_cp": groups([2, 3]),
+        "dp_cp": groups([1, 2, 3]),
+    }
     if pd.ep > 1 or pd.etp > 1:
         # Inside one (pp, dp_replicate) block the ranks (dp_shard, cp, tp) are consecutive; EP takes
         # consecutive chunks of ep*etp ranks' worth with etp fastest.
         s = r.reshape(pd.pp, pd.dp_replicate, pd.efsdp, pd.ep, pd.etp)
-        sub = lambda keep: [sorted(row.tolist()) for row in s.permute(*[d for d in range(5) if d not in keep], *keep)
-                            .reshape(-1, int(torch.tensor([s.shape[d] for d in keep]).prod()))]
+        sub = lambda keep: [
+            sorted(row.tolist())
+            for row in s.permute(*[d for d in range(5) if d not in keep], *keep).reshape(
+                -1, int(torch.tensor([s.shape[d] for d in keep]).prod())
+            )
+        ]
         out.update(ep=sub([3]), etp=sub([4]), efsdp=sub([2]))
     return out
 
@@ -145,12 +159,15 @@ def _real_groups(layout: dict) -> dict[str, float]:
     return out
 
 
-@pytest.mark.parametrize("layout", [
-    dict(world=2, tp=2),
-    dict(world=4, dp_shard=2, tp=2, ep=2, etp=1),
-    dict(world=4, dp_shard=2, cp=2, ep=2, etp=1),
-    dict(world=4, dp_replicate=2, dp_shard=1, pp=2),
-])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(world=2, tp=2),
+        dict(world=4, dp_shard=2, tp=2, ep=2, etp=1),
+        dict(world=4, dp_shard=2, cp=2, ep=2, etp=1),
+        dict(world=4, dp_replicate=2, dp_shard=1, pp=2),
+    ],
+)
 def test_real_gloo_groups_reduce_over_the_right_ranks(layout):
     world = layout["world"]
     results = run_distributed(_real_groups, world, layout)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from dist_utils import run_distributed
 from engine_utils import build_engine, critic_losses_and_values, engine_config, make_batch, sft_loss, sft_weight
 from hf_fixtures import save_tiny_hf
@@ -20,8 +19,11 @@ STEPS = 3
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, str]:
     out = {}
-    for name, model_type, kw in [("qwen2", "qwen2", {}), ("qwen3_tied", "qwen3", {"tie": True}),
-                                 ("qwen3_moe", "qwen3_moe", {})]:
+    for name, model_type, kw in [
+        ("qwen2", "qwen2", {}),
+        ("qwen3_tied", "qwen3", {"tie": True}),
+        ("qwen3_moe", "qwen3_moe", {}),
+    ]:
         folder = tmp_path_factory.mktemp(name)
         save_tiny_hf(folder, model_type, seed=5, **kw)
         out[name] = str(folder)
@@ -61,8 +63,10 @@ def test_ac_modes_fsdp_options_and_hsdp(folders):
     variants = [
         {"gradient_checkpointing": True, "archon": {"ac_mode": "full"}},
         {"gradient_checkpointing": True, "archon": {"ac_mode": "selective", "selective_ac_option": "2"}},
-        {"gradient_checkpointing": True, "archon": {"ac_mode": "selective", "selective_ac_option": "op",
-                                                    "ac_debug": True}},
+        {
+            "gradient_checkpointing": True,
+            "archon": {"ac_mode": "selective", "selective_ac_option": "op", "ac_debug": True},
+        },
         {"gradient_checkpointing": True, "archon": {"ac_mode": "full", "use_deterministic_algorithms": True}},
         {"archon": {"offload_params": True}},
         {"archon": {"dp_replicate": 2}},
@@ -80,15 +84,19 @@ def test_memory_budget_needs_compile_and_heads_must_divide(folders):
     with pytest.raises(DistributedTestError, match="ac_mode = 'memory_budget' needs torch.compile"):
         run_distributed(build_engine, 1, folders["qwen2"], "archon:d1", kw)
     # The tiny models have 2 key/value heads: t4 cannot split them.
-    with pytest.raises(DistributedTestError, match="num_key_value_heads=2 is not divisible by the tensor-parallel size t4"):
+    with pytest.raises(
+        DistributedTestError, match="num_key_value_heads=2 is not divisible by the tensor-parallel size t4"
+    ):
         run_distributed(build_engine, 4, folders["qwen2"], "archon:t4", {})
 
 
 def test_critic_head_under_tp_and_fsdp(folders):
-    ref_losses, ref_norms, ref_values = run_distributed(critic_losses_and_values, 1, folders["qwen3_tied"],
-                                                        "archon:d1")[0]
-    got_losses, got_norms, got_values = run_distributed(critic_losses_and_values, 4, folders["qwen3_tied"],
-                                                        "archon:d2t2")[0]
+    ref_losses, ref_norms, ref_values = run_distributed(
+        critic_losses_and_values, 1, folders["qwen3_tied"], "archon:d1"
+    )[0]
+    got_losses, got_norms, got_values = run_distributed(
+        critic_losses_and_values, 4, folders["qwen3_tied"], "archon:d2t2"
+    )[0]
     _assert_close(got_losses, ref_losses, "critic d2t2")
     _assert_close(got_norms, ref_norms, "critic d2t2 grad norms")
     torch.testing.assert_close(got_values, ref_values, atol=1e-5, rtol=1e-5)
@@ -99,6 +107,7 @@ def test_compile_matches_eager(folders):
     # Fixed shapes (pad_to_maximum under compile) keep this to one block graph (~25 s cold on CPU).
     kw = {"mb_spec": {"max_tokens_per_mb": 128}}
     eager = run_distributed(_losses, 1, folders["qwen2"], "archon:d1", [kw])[0][0]
-    compiled = run_distributed(_losses, 1, folders["qwen2"], "archon:d1",
-                               [{**kw, "archon": {"enable_compile": True}}], timeout=600)[0][0]
+    compiled = run_distributed(
+        _losses, 1, folders["qwen2"], "archon:d1", [{**kw, "archon": {"enable_compile": True}}], timeout=600
+    )[0][0]
     _assert_close(compiled, eager, "compile")

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from dist_utils import run_distributed
 from engine_utils import capture_log, engine_config, export_after_one_step, make_batch, sft_loss, sft_weight
 from hf_fixtures import save_tiny_hf
+
 from pipeline.placement import rank_of_stage, stages_of_rank
 from pipeline.schedules import check_activation_checkpointing, microbatch_count
 from pipeline.split import PipelineConfigError, build_stage_module, count_stages, owner_stage, stage_module_names
@@ -37,11 +37,18 @@ def qwen3_path(tmp_path_factory) -> str:
 
 # ---- splitting, placement, schedule rules (no processes) --------------------------------------
 
+
 def test_stage_split_tables():
-    assert stage_module_names(4, 2) == [["tok_embeddings", "layers.0", "layers.1"],
-                                        ["layers.2", "layers.3", "norm", "output"]]
-    assert stage_module_names(8, 4) == [["tok_embeddings", "layers.0", "layers.1"], ["layers.2", "layers.3"],
-                                        ["layers.4", "layers.5"], ["layers.6", "layers.7", "norm", "output"]]
+    assert stage_module_names(4, 2) == [
+        ["tok_embeddings", "layers.0", "layers.1"],
+        ["layers.2", "layers.3", "norm", "output"],
+    ]
+    assert stage_module_names(8, 4) == [
+        ["tok_embeddings", "layers.0", "layers.1"],
+        ["layers.2", "layers.3"],
+        ["layers.4", "layers.5"],
+        ["layers.6", "layers.7", "norm", "output"],
+    ]
     assert stage_module_names(2, 1) == [["tok_embeddings", "layers.0", "layers.1", "norm", "output"]]
     # Stage counts: single-stage schedules (1 per rank), any per rank (default 2), V (exactly 2).
     assert count_stages(4, 2, 1) == 2
@@ -102,8 +109,9 @@ def test_stage_modules_keep_full_model_names(qwen3_path):
     last = build_stage_module(model, ["layers.2", "layers.3", "norm", "output"])
     assert last.tok_embeddings is None and list(last.layers) == ["2", "3"] and last.rope is not None
     names = {n for n, _ in last.named_parameters()}
-    assert names == {n for n, _ in model.named_parameters() if n.startswith(("layers.2.", "layers.3.", "norm.",
-                                                                              "output."))}
+    assert names == {
+        n for n, _ in model.named_parameters() if n.startswith(("layers.2.", "layers.3.", "norm.", "output."))
+    }
     assert len(model.layers) == 4  # the source model is untouched
 
 
@@ -126,6 +134,7 @@ def test_padded_cu_seqlens_are_empty_sequences(qwen3_path):
 
 
 # ---- engine runs ------------------------------------------------------------------------------
+
 
 def _train_variants(path: str, backend: str, variants: dict[str, dict], steps: int = STEPS):
     """Per-step stats of each variant (every rank), and the pipeline warnings logged (rank 0)."""
@@ -161,41 +170,60 @@ def _assert_matches(per_rank: list, reference: list[dict[str, float]], what: str
         for got, ref in zip(steps, reference):
             assert got["tokens"] == ref["tokens"], f"{what} {name}: {steps} vs d1 {reference}"
             # The grad norm catches a wrongly scaled gradient, which Adam's steps (and the losses) hide.
-            diff = max(abs(got["loss"] - ref["loss"]), abs(got["entropy"] - ref["entropy"]),
-                       abs(got["grad_norm"] - ref["grad_norm"]) / ref["grad_norm"])
+            diff = max(
+                abs(got["loss"] - ref["loss"]),
+                abs(got["entropy"] - ref["entropy"]),
+                abs(got["grad_norm"] - ref["grad_norm"]) / ref["grad_norm"],
+            )
             assert diff < 1e-4, f"{what} {name}: {steps} vs d1 {reference}"
 
 
 def test_every_schedule_on_p2_matches_d1(qwen3_path, reference):
-    variants = {name: _schedule(name, 2 if name in ("1F1B", "GPipe") else 4)
-                for name in ("1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble",
-                             "DualPipeV")}
+    variants = {
+        name: _schedule(name, 2 if name in ("1F1B", "GPipe") else 4)
+        for name in ("1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+    }
     variants["n_mbs_below_stages"] = _schedule("Interleaved1F1B", n_mbs=1)
     variants["zero_bubble_full_ac"] = {"gradient_checkpointing": True, **_schedule("ZBVZeroBubble", ac_mode="full")}
-    variants["zero_bubble_layer_ac"] = {"gradient_checkpointing": True,
-                                        **_schedule("InterleavedZeroBubble", ac_mode="selective",
-                                                    selective_ac_option="2")}
+    variants["zero_bubble_layer_ac"] = {
+        "gradient_checkpointing": True,
+        **_schedule("InterleavedZeroBubble", ac_mode="selective", selective_ac_option="2"),
+    }
     variants["zero_bubble_asked_to_compile"] = _schedule("DualPipeV", enable_compile=True)
-    variants["max_tokens_per_mb"] = {"archon": {"pp_schedule": "Interleaved1F1B"},
-                                     "mb_spec": {"n_mbs": 1, "max_tokens_per_mb": 24}}
-    variants["pad_to_maximum"] = {"pad_to_maximum": True, "archon": {"pp_schedule": "1F1B"},
-                                  "mb_spec": {"n_mbs": 2, "max_tokens_per_mb": 64}}
+    variants["max_tokens_per_mb"] = {
+        "archon": {"pp_schedule": "Interleaved1F1B"},
+        "mb_spec": {"n_mbs": 1, "max_tokens_per_mb": 24},
+    }
+    variants["pad_to_maximum"] = {
+        "pad_to_maximum": True,
+        "archon": {"pp_schedule": "1F1B"},
+        "mb_spec": {"n_mbs": 2, "max_tokens_per_mb": 64},
+    }
     per_rank = run_distributed(_train_variants, 2, qwen3_path, "archon:p2", variants, timeout=300)
     _assert_matches(per_rank, reference, "p2")
     records = per_rank[0][1]
-    assert any("mb_spec.n_mbs = 1 is below the 4 pipeline stages" in r and "using 4 microbatches" in r
-               for r in records), records
+    assert any(
+        "mb_spec.n_mbs = 1 is below the 4 pipeline stages" in r and "using 4 microbatches" in r for r in records
+    ), records
     assert any("'DualPipeV' cannot run compiled stages" in r for r in records), records
 
 
-@pytest.mark.parametrize("backend, schedules, extra", [
-    ("archon:d2p2", ["1F1B", "Interleaved1F1B", "ZBVZeroBubble"],
-     {"hsdp": _schedule("1F1B", 2, dp_replicate=2),
-      "reshard_always": _schedule("Interleaved1F1B", reshard_after_forward_policy="always")}),
-    ("archon:p2t2", ["1F1B", "Interleaved1F1B", "DualPipeV"], {}),
-    # Context parallel inside every stage: stage inputs are each rank's chunk of the row.
-    ("archon:p2c2", ["1F1B", "Interleaved1F1B", "ZBVZeroBubble"], {}),
-])
+@pytest.mark.parametrize(
+    "backend, schedules, extra",
+    [
+        (
+            "archon:d2p2",
+            ["1F1B", "Interleaved1F1B", "ZBVZeroBubble"],
+            {
+                "hsdp": _schedule("1F1B", 2, dp_replicate=2),
+                "reshard_always": _schedule("Interleaved1F1B", reshard_after_forward_policy="always"),
+            },
+        ),
+        ("archon:p2t2", ["1F1B", "Interleaved1F1B", "DualPipeV"], {}),
+        # Context parallel inside every stage: stage inputs are each rank's chunk of the row.
+        ("archon:p2c2", ["1F1B", "Interleaved1F1B", "ZBVZeroBubble"], {}),
+    ],
+)
 def test_pipeline_with_data_and_tensor_parallel(qwen3_path, reference, backend, schedules, extra):
     variants = {name: _schedule(name, 2 if name == "1F1B" else 4) for name in schedules}
     variants.update(extra)
@@ -233,12 +261,20 @@ def _build_errors(path: str, tied_path: str, cases: dict[str, tuple[bool, dict]]
 def test_layouts_that_cannot_work_are_clear_errors(qwen3_path, tmp_path):
     save_tiny_hf(tmp_path, "qwen3", tie=True, seed=3, num_hidden_layers=4)
     cases = {
-        "op_ac_zero_bubble": (False, {"gradient_checkpointing": True,
-                                      **_schedule("InterleavedZeroBubble", ac_mode="selective",
-                                                  selective_ac_option="op")}),
-        "memory_budget_zero_bubble": (False, {"gradient_checkpointing": True,
-                                              **_schedule("ZBVZeroBubble", ac_mode="memory_budget",
-                                                          enable_compile=True)}),
+        "op_ac_zero_bubble": (
+            False,
+            {
+                "gradient_checkpointing": True,
+                **_schedule("InterleavedZeroBubble", ac_mode="selective", selective_ac_option="op"),
+            },
+        ),
+        "memory_budget_zero_bubble": (
+            False,
+            {
+                "gradient_checkpointing": True,
+                **_schedule("ZBVZeroBubble", ac_mode="memory_budget", enable_compile=True),
+            },
+        ),
         "tied": (True, _schedule("1F1B")),
         "zbv_one_stage_per_rank": (False, _schedule("ZBVZeroBubble", pp_layers_per_stage=2)),
         "layers_not_divisible": (False, _schedule("Interleaved1F1B", pp_layers_per_stage=3)),
@@ -246,8 +282,9 @@ def test_layouts_that_cannot_work_are_clear_errors(qwen3_path, tmp_path):
     }
     got = run_distributed(_build_errors, 2, qwen3_path, str(tmp_path), cases)[0]
     prefix = "actor.backend = 'archon:p2': "
-    assert got["op_ac_zero_bubble"].startswith(prefix + "archon.pp_schedule = 'InterleavedZeroBubble' splits "
-                                               "backward"), got
+    assert got["op_ac_zero_bubble"].startswith(
+        prefix + "archon.pp_schedule = 'InterleavedZeroBubble' splits backward"
+    ), got
     assert "op-level selective AC" in got["op_ac_zero_bubble"] and "ac_mode = 'full'" in got["op_ac_zero_bubble"]
     assert "cannot run torch.compile, which ac_mode = 'memory_budget' needs" in got["memory_budget_zero_bubble"]
     assert "ties its input embeddings to its LM head" in got["tied"] and "use p1" in got["tied"]
@@ -276,10 +313,13 @@ def _forward_and_critic(path: str, backend: str, kw: dict):
 def test_forward_logprobs_and_critic_values(qwen3_path):
     ref_lp, ref_losses, ref_values = run_distributed(_forward_and_critic, 1, qwen3_path, "archon:d1", {})[0]
     mask = make_batch(7, n=5)["attention_mask"].bool()
-    for backend, world, kw in [("archon:p2", 2, _schedule("ZBVZeroBubble")),
-                               ("archon:p2t2", 4, _schedule("Interleaved1F1B"))]:
-        for rank, (lp, losses, values) in enumerate(run_distributed(_forward_and_critic, world, qwen3_path,
-                                                                    backend, kw)):
+    for backend, world, kw in [
+        ("archon:p2", 2, _schedule("ZBVZeroBubble")),
+        ("archon:p2t2", 4, _schedule("Interleaved1F1B")),
+    ]:
+        for rank, (lp, losses, values) in enumerate(
+            run_distributed(_forward_and_critic, world, qwen3_path, backend, kw)
+        ):
             for key in ("logprobs", "entropy"):  # every rank returns the last stage's outputs
                 torch.testing.assert_close(lp[key][mask], ref_lp[key][mask], atol=1e-5, rtol=1e-5)
             assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-4, (backend, rank, losses)
@@ -324,13 +364,14 @@ def test_export_hf_from_pipeline_stages_equals_d1(qwen3_path, tmp_path):
     ref = models.load_hf_model(tmp_path / "d1").state_dict()
     initial = models.load_hf_model(qwen3_path).state_dict()
     assert all(not torch.equal(ref[key], initial[key]) for key in ref)  # the step moved every tensor
-    for backend, world, kw in [("archon:p2", 2, _schedule("ZBVZeroBubble")),
-                               ("archon:p2t2", 4, _schedule("Interleaved1F1B"))]:
+    for backend, world, kw in [
+        ("archon:p2", 2, _schedule("ZBVZeroBubble")),
+        ("archon:p2t2", 4, _schedule("Interleaved1F1B")),
+    ]:
         out = tmp_path / backend.replace(":", "_")
         run_distributed(export_after_one_step, world, qwen3_path, backend, str(out), {**kw, **adam})
         got = models.load_hf_model(out).state_dict()
         assert got.keys() == ref.keys()
         for key in ref:
             torch.testing.assert_close(got[key], ref[key], atol=1e-6, rtol=1e-5, msg=f"{backend} {key}")
-        assert (out / "generation_config.json").read_text() == \
-            (Path(qwen3_path) / "generation_config.json").read_text()
+        assert (out / "generation_config.json").read_text() == (Path(qwen3_path) / "generation_config.json").read_text()

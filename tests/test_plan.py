@@ -46,6 +46,7 @@ def check_invariants(plan: ClusterPlan, server_size: int) -> None:
 
 # ---------------------------------------------------------------------------------- layouts
 
+
 def test_dense_recipe_gives_rollout_a_whole_node_and_training_the_other_two():
     cfg = load_config(DENSE)
     plan = plan_for_config(cfg)
@@ -63,8 +64,12 @@ def test_moe_recipe_is_placed_rollout_on_nodes_0_1_training_on_2_3():
     cfg = load_config(MOE)
     plan = plan_for_config(cfg)
     check_invariants(plan, 4)
-    assert [(s.node, s.gpus) for s in plan.servers] == [(0, (0, 1, 2, 3)), (0, (4, 5, 6, 7)),
-                                                        (1, (0, 1, 2, 3)), (1, (4, 5, 6, 7))]
+    assert [(s.node, s.gpus) for s in plan.servers] == [
+        (0, (0, 1, 2, 3)),
+        (0, (4, 5, 6, 7)),
+        (1, (0, 1, 2, 3)),
+        (1, (4, 5, 6, 7)),
+    ]
     assert plan.rollout_nodes == (0, 1) and plan.train_nodes == (2, 3)
     assert [len(plan.on_node(n)) for n in range(4)] == [2, 2, 8, 8]
     assert cfg.actor.gradient_checkpointing and cfg.actor.archon.pp_schedule == "Interleaved1F1B"
@@ -91,7 +96,6 @@ def test_whole_nodes_for_rollout_only_when_training_still_fits():
     assert [(p.node, p.gpus[0]) for p in plan.train_ranks] == [(0, 6), (0, 7), (1, 6), (1, 7)]
 
 
-
 def test_sft_counts_training_ranks_only():
     moe = "actor.backend='archon:(attn:d1p4t2c2|ffn:d1p4t1e4)'"
     two_nodes = ["cluster.n_nodes=2", "cluster.n_gpus_per_node=8", moe]
@@ -105,11 +109,14 @@ def test_sft_counts_training_ranks_only():
 def test_training_engines_must_share_world_size():
     plan = plan_cluster(allocs(rollout="local:d1", actor="archon:d2t2", ref="archon:d4"), 1, 5)
     assert plan.train_gpus(0) == (1, 2, 3, 4)
-    with pytest.raises(AllocationError, match="actor.backend 'archon:d2t2' needs 4 ranks but critic.backend 'archon:d2' needs 2"):
+    with pytest.raises(
+        AllocationError, match="actor.backend 'archon:d2t2' needs 4 ranks but critic.backend 'archon:d2' needs 2"
+    ):
         plan_cluster(allocs(actor="archon:d2t2", critic="archon:d2"), 1, 8)
 
 
 # ---------------------------------------------------------------------------------- bad input
+
 
 def test_a_layout_larger_than_the_cluster_is_one_sentence():
     with pytest.raises(AllocationError) as info:
@@ -120,19 +127,25 @@ def test_a_layout_larger_than_the_cluster_is_one_sentence():
 
 
 def test_a_server_larger_than_a_node_is_refused():
-    with pytest.raises(AllocationError, match=r"gives each server 16 GPUs \(t\*p\), more than a node's "
-                                              r"cluster.n_gpus_per_node=8.*never spans nodes"):
+    with pytest.raises(
+        AllocationError,
+        match=r"gives each server 16 GPUs \(t\*p\), more than a node's "
+        r"cluster.n_gpus_per_node=8.*never spans nodes",
+    ):
         plan_cluster(allocs(rollout="sglang:d1t16", actor="archon:d8"), 4, 8)
 
 
 def test_servers_that_do_not_pack_into_nodes_are_refused():
     # 15 + 1 GPUs of 16, but a node of 8 holds only 2 whole servers of 3, so 2 nodes hold 4 of the 5.
-    with pytest.raises(AllocationError, match="needs 5 servers of 3 GPUs, but a node of 8 GPUs holds 2 whole "
-                                              "servers, 4 on cluster.n_nodes=2"):
+    with pytest.raises(
+        AllocationError,
+        match="needs 5 servers of 3 GPUs, but a node of 8 GPUs holds 2 whole servers, 4 on cluster.n_nodes=2",
+    ):
         plan_cluster(allocs(rollout="sglang:d5t3", actor="archon:d1"), 2, 8)
 
 
 # ---------------------------------------------------------------------------------- GPU selection
+
 
 class FakeCuda:
     """torch.cuda as a node with ``count`` visible GPUs; remembers the device set."""
@@ -145,12 +158,14 @@ class FakeCuda:
         self.current = index
 
     def patches(self):
-        return [mock.patch.object(torch.cuda, "is_available", return_value=True),
-                mock.patch.object(torch.cuda, "device_count", return_value=self.count),
-                mock.patch.object(torch.cuda, "set_device", side_effect=self.set_device),
-                mock.patch.object(torch.cuda, "current_device", side_effect=lambda: self.current),
-                mock.patch.object(archon_dist.dist, "is_initialized", return_value=False),
-                mock.patch.object(archon_dist.dist, "init_process_group")]
+        return [
+            mock.patch.object(torch.cuda, "is_available", return_value=True),
+            mock.patch.object(torch.cuda, "device_count", return_value=self.count),
+            mock.patch.object(torch.cuda, "set_device", side_effect=self.set_device),
+            mock.patch.object(torch.cuda, "current_device", side_effect=lambda: self.current),
+            mock.patch.object(archon_dist.dist, "is_initialized", return_value=False),
+            mock.patch.object(archon_dist.dist, "init_process_group"),
+        ]
 
 
 def selected_device(env: dict[str, str], count: int = 8, cfg=None, plan=None, job="rl") -> torch.device:
@@ -160,6 +175,7 @@ def selected_device(env: dict[str, str], count: int = 8, cfg=None, plan=None, jo
         for key in ("CUDA_VISIBLE_DEVICES", "LOCAL_RANK"):
             if key not in env:
                 import os
+
                 os.environ.pop(key, None)
         patches = fake.patches()
         for p in patches:
@@ -180,8 +196,9 @@ def torchrun_env(rank: int, local: int, world: int, **extra: str) -> dict[str, s
 
 
 def test_one_node_torchrun_puts_ranks_after_the_servers_without_env_vars():
-    cfg = load_config(None, ["rollout.backend=sglang:d2t2", "actor.backend=archon:d4", "device=cuda",
-                             "cluster.n_gpus_per_node=8"])
+    cfg = load_config(
+        None, ["rollout.backend=sglang:d2t2", "actor.backend=archon:d4", "device=cuda", "cluster.n_gpus_per_node=8"]
+    )
     got = [selected_device(torchrun_env(r, r, 4), cfg=cfg).index for r in range(4)]
     assert got == [4, 5, 6, 7]
     plan = plan_for_config(cfg)
@@ -201,8 +218,7 @@ def test_recipe_ranks_select_the_plan_gpus_however_the_launcher_exports_them(pat
         assert selected_device(env, plan=plan) == torch.device("cuda", p.gpus[0])
         # A launcher that shows each node its training GPUs (Slurm): the id's position in the list.
         node_list = ",".join(map(str, plan.train_gpus(p.node)))
-        dev = selected_device({**env, "CUDA_VISIBLE_DEVICES": node_list}, count=len(plan.train_gpus(p.node)),
-                              plan=plan)
+        dev = selected_device({**env, "CUDA_VISIBLE_DEVICES": node_list}, count=len(plan.train_gpus(p.node)), plan=plan)
         assert dev.index == plan.train_gpus(p.node).index(p.gpus[0]) == p.local_index
         # One GPU per process under another name (Ray bundles): the one visible GPU.
         assert selected_device({**env, "CUDA_VISIBLE_DEVICES": "GPU-1a2b"}, count=1, plan=plan).index == 0
@@ -214,11 +230,16 @@ def test_no_plan_keeps_torchrun_local_rank():
 
 def test_selection_errors_are_one_sentence():
     plan = plan_cluster(allocs(rollout="sglang:d4", actor="archon:d4"), 1, 8)
-    with pytest.raises(archon_dist.DeviceSelectionError, match="started as local rank 1, but the cluster plan puts "
-                                                               "it on node 0 as local rank 2"):
+    with pytest.raises(
+        archon_dist.DeviceSelectionError,
+        match="started as local rank 1, but the cluster plan puts it on node 0 as local rank 2",
+    ):
         selected_device(torchrun_env(2, 1, 4), plan=plan)
-    with pytest.raises(archon_dist.DeviceSelectionError, match=r"GPU 6 of its node, but CUDA_VISIBLE_DEVICES='0,1,2,3'"
-                                                               " does not list it"):
+    with pytest.raises(
+        archon_dist.DeviceSelectionError,
+        match=r"GPU 6 of its node, but CUDA_VISIBLE_DEVICES='0,1,2,3'"
+        " does not list it",
+    ):
         selected_device(torchrun_env(2, 2, 4, CUDA_VISIBLE_DEVICES="0,1,2,3"), count=4, plan=plan)
     with pytest.raises(archon_dist.DeviceSelectionError, match="should use CUDA device 5 .* only 4 are visible"):
         selected_device(torchrun_env(1, 1, 4), count=4, plan=plan)

@@ -7,21 +7,38 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from archon.config import load_config
-from archon.plan.fit import check_fit
-from archon.plan.memory import GiB, Workload, estimate_training_rank, model_args_of, param_groups, read_model_config
 from dist_utils import run_distributed
 from engine_utils import engine_config
 from hf_fixtures import make_tiny_hf_config
 from memory_utils import LiveTensorBytes
 
+from archon.config import load_config
+from archon.plan.fit import check_fit
+from archon.plan.memory import GiB, Workload, estimate_training_rank, model_args_of, param_groups, read_model_config
+
 REPO = Path(__file__).resolve().parents[1]
 # Wide enough that parameters, activations and the loss all matter (hidden 256, 4 layers).
-DENSE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=4, head_dim=32,
-             vocab_size=512, num_hidden_layers=4)
-MOE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=8, num_key_value_heads=4, head_dim=16,
-           vocab_size=512, num_hidden_layers=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)
+DENSE = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=32,
+    vocab_size=512,
+    num_hidden_layers=4,
+)
+MOE = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=16,
+    vocab_size=512,
+    num_hidden_layers=4,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=64,
+)
 SEQS, SEQ_LEN = 8, 128
 
 
@@ -60,8 +77,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("model_type, backend, options", CASES,
-                         ids=[f"{m}-{b}-{'-'.join(o) or 'plain'}" for m, b, o in CASES])
+@pytest.mark.parametrize(
+    "model_type, backend, options", CASES, ids=[f"{m}-{b}-{'-'.join(o) or 'plain'}" for m, b, o in CASES]
+)
 def test_estimate_is_within_25_percent_of_the_measured_peak(tmp_path, model_type, backend, options):
     folder = tmp_path / "model"
     make_tiny_hf_config(model_type, **(MOE if model_type == "qwen3_moe" else DENSE)).save_pretrained(folder)
@@ -72,8 +90,10 @@ def test_estimate_is_within_25_percent_of_the_measured_peak(tmp_path, model_type
     hf = json.loads((folder / "config.json").read_text())
     estimate = estimate_training_rank(cfg, hf, Workload(SEQS, SEQ_LEN), device_type="cpu").total
     error = (estimate - measured) / measured
-    print(f"{model_type} {backend} {options}: measured {measured / 2**20:.2f} MiB, "
-          f"estimated {estimate / 2**20:.2f} MiB, error {100 * error:+.1f}%")
+    print(
+        f"{model_type} {backend} {options}: measured {measured / 2**20:.2f} MiB, "
+        f"estimated {estimate / 2**20:.2f} MiB, error {100 * error:+.1f}%"
+    )
     assert abs(error) < 0.25
 
 

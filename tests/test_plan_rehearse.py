@@ -18,10 +18,13 @@ MOE = REPO / "configs" / "qwen3_30b_a3b_moe.toml"
 MOE_4 = "actor.backend=archon:(attn:d1p2t2|ffn:d1p2t1e2)"
 
 
-@pytest.mark.parametrize("path, layers, heads, kv, experts", [
-    (DENSE, 4, 4, 2, 0),    # d4p2t2, Interleaved1F1B: 2 stages per rank -> 4 layers; t2 -> 2 kv heads, GQA kept
-    (MOE, 8, 4, 2, 4),      # p4 x 2 stages; t2 x c2 = 4 query heads; e4 -> 4 experts
-])
+@pytest.mark.parametrize(
+    "path, layers, heads, kv, experts",
+    [
+        (DENSE, 4, 4, 2, 0),  # d4p2t2, Interleaved1F1B: 2 stages per rank -> 4 layers; t2 -> 2 kv heads, GQA kept
+        (MOE, 8, 4, 2, 4),  # p4 x 2 stages; t2 x c2 = 4 query heads; e4 -> 4 experts
+    ],
+)
 def test_shrunken_model_is_the_smallest_the_allocation_splits(monkeypatch, path, layers, heads, kv, experts):
     monkeypatch.chdir(REPO)
     cfg = load_config(path)

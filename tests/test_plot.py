@@ -22,9 +22,19 @@ def _write(run: Path, records: list[dict]) -> Path:
 
 def _rl_records(n: int = 12) -> list[dict]:
     """RL-shaped metrics; no reference model (kl_ref null) and no mismatch metric at all."""
-    return [{"step": s, "reward_mean": s / n, "reward_std": 0.3 * math.sqrt(s / n * (1 - s / n)),
-             "response_len_mean": 1.0, "actor/loss": 0.01 * (-1) ** s, "actor/approx_kl": 1e-3 * s,
-             "kl_ref": None, "actor/entropy": 2.5 - 0.2 * s} for s in range(1, n + 1)]
+    return [
+        {
+            "step": s,
+            "reward_mean": s / n,
+            "reward_std": 0.3 * math.sqrt(s / n * (1 - s / n)),
+            "response_len_mean": 1.0,
+            "actor/loss": 0.01 * (-1) ** s,
+            "actor/approx_kl": 1e-3 * s,
+            "kl_ref": None,
+            "actor/entropy": 2.5 - 0.2 * s,
+        }
+        for s in range(1, n + 1)
+    ]
 
 
 def _is_png(path: Path) -> bool:
@@ -97,8 +107,17 @@ def test_errors_are_one_sentence(tmp_path, capsys):
 
 def test_every_listed_metric_has_a_panel():
     keys = {k for p in PANELS for k in p.keys}
-    for key in ("reward_mean", "response_len_mean", "actor/loss", "actor/approx_kl", "kl_ref",
-                "behav_prox_logprob_diff", "actor/entropy", "loss", "grad_norm"):
+    for key in (
+        "reward_mean",
+        "response_len_mean",
+        "actor/loss",
+        "actor/approx_kl",
+        "kl_ref",
+        "behav_prox_logprob_diff",
+        "actor/entropy",
+        "loss",
+        "grad_norm",
+    ):
         assert key in keys, key
 
 
@@ -106,8 +125,14 @@ def test_moe_router_statistics_get_their_panels(tmp_path):
     records = _rl_records()
     for r in records:
         step = r["step"]
-        r.update({"actor/moe/load_imbalance_max": 3.0 / step, "actor/moe/load_imbalance_mean": 2.0 / step,
-                  "actor/moe/zero_load_expert_frac": 0.5 / step, "actor/moe/aux_loss": 1.0 + 1.0 / step})
+        r.update(
+            {
+                "actor/moe/load_imbalance_max": 3.0 / step,
+                "actor/moe/load_imbalance_mean": 2.0 / step,
+                "actor/moe/zero_load_expert_frac": 0.5 / step,
+                "actor/moe/aux_loss": 1.0 + 1.0 / step,
+            }
+        )
         for layer in range(12):
             r[f"actor/moe/load_imbalance/layer_{layer}"] = 1.0 + layer / step
     image, shown = plot_run(_write(tmp_path / "moe", records).parent)
@@ -125,9 +150,18 @@ def test_asynchronous_runs_get_staleness_histogram_and_decoupled_ratio_panels(tm
     records = _rl_records()
     for r in records:
         k = min(r["step"] - 1, 2)
-        r.update({"async/staleness_mean": k, "async/staleness_max": k, "async/token_staleness_mean": k * 0.8,
-                  "behav_ratio/mean": 1.0, "behav_ratio/min": 0.5, "behav_ratio/max": 3.0,
-                  "actor/clip_frac": 0.1, "actor/behav_filtered_frac": 0.01})
+        r.update(
+            {
+                "async/staleness_mean": k,
+                "async/staleness_max": k,
+                "async/token_staleness_mean": k * 0.8,
+                "behav_ratio/mean": 1.0,
+                "behav_ratio/min": 0.5,
+                "behav_ratio/max": 3.0,
+                "actor/clip_frac": 0.1,
+                "actor/behav_filtered_frac": 0.01,
+            }
+        )
         r.update({f"async/staleness_hist/{j}": float(j == k) for j in range(11)})
     titles = [p.title for p in panels_for(records)]
     for title in ("staleness", "staleness histogram", "behaviour / proximal ratio", "clipped"):

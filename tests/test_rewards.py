@@ -5,27 +5,27 @@ import time
 
 import pytest
 
-from archon.rl.rewards import (
-    RewardComputer,
-    exact_match_reward,
-    extract_final_answer,
-    get_reward_fn,
-    math_reward,
+from archon.rl.rewards import RewardComputer, exact_match_reward, extract_final_answer, get_reward_fn, math_reward
+
+
+@pytest.mark.parametrize(
+    "completion,answer,expected",
+    [
+        ("so the result is \\boxed{42}.", "42", 1.0),
+        ("\\boxed{41}", "42", 0.0),
+        ("Half of it: 0.5", "1/2", 1.0),
+        ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),
+        (
+            "She sells 16 - 3 - 4 = 9 eggs, 9 * 2 = 18 dollars.\n#### 18",
+            "Janet sells 16 - 3 - 4 = 9 duck eggs a day.\nShe makes 9 * 2 = $18 every day.\n#### 18",
+            1.0,
+        ),
+        ("Total is 1,000 apples", "#### 1000", 1.0),
+        ("It makes 17 dollars", "#### 18", 0.0),
+        ("\\boxed{x+1}", "\\boxed{1 + x}", 1.0),
+        ("I do not know", "7", 0.0),
+    ],
 )
-
-
-@pytest.mark.parametrize("completion,answer,expected", [
-    ("so the result is \\boxed{42}.", "42", 1.0),
-    ("\\boxed{41}", "42", 0.0),
-    ("Half of it: 0.5", "1/2", 1.0),
-    ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),
-    ("She sells 16 - 3 - 4 = 9 eggs, 9 * 2 = 18 dollars.\n#### 18",
-     "Janet sells 16 - 3 - 4 = 9 duck eggs a day.\nShe makes 9 * 2 = $18 every day.\n#### 18", 1.0),
-    ("Total is 1,000 apples", "#### 1000", 1.0),
-    ("It makes 17 dollars", "#### 18", 0.0),
-    ("\\boxed{x+1}", "\\boxed{1 + x}", 1.0),
-    ("I do not know", "7", 0.0),
-])
 def test_math_reward(completion, answer, expected):
     assert math_reward("q", completion, answer) == expected
 
@@ -69,8 +69,9 @@ def test_user_function_by_path_in_workers_keeps_order():
 
 def test_builtin_math_in_workers():
     with RewardComputer("math", n_workers=2, timeout_s=30) as rc:
-        out = rc.compute(["q"] * 4, ["\\boxed{42}", "0.5", "... #### 18", "\\boxed{7}"],
-                         ["42", "1/2", "Janet ... #### 18", "8"])
+        out = rc.compute(
+            ["q"] * 4, ["\\boxed{42}", "0.5", "... #### 18", "\\boxed{7}"], ["42", "1/2", "Janet ... #### 18", "8"]
+        )
     assert out == [1.0, 1.0, 1.0, 0.0]
 
 
@@ -146,7 +147,12 @@ def test_more_failures_than_max_failure_frac_stop_with_one_sentence():
     from archon.rl.rewards import RewardError
 
     rc = RewardComputer("reward_fns:misbehaves", n_workers=0, max_failure_frac=0.5)
-    assert rc.compute(["p"] * 4, ["raise", "ok", "text", "ok"], ["x"] * 4) == [0.0, 1.0, 0.0, 1.0]  # 2 of 4: at the limit
+    assert rc.compute(["p"] * 4, ["raise", "ok", "text", "ok"], ["x"] * 4) == [
+        0.0,
+        1.0,
+        0.0,
+        1.0,
+    ]  # 2 of 4: at the limit
     with pytest.raises(RewardError) as info:
         rc.compute(["p"] * 4, ["raise", "ok", "text", "nan"], ["x"] * 4)
     msg = str(info.value)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from dist_utils import run_distributed
 from engine_utils import engine_config, make_batch
 from hf_fixtures import save_tiny_hf
@@ -34,8 +33,10 @@ def _values(path: str):
     # before it, which by definition is the value of the state after the row's last token.
     lengths = batch["attention_mask"].sum(1)
     rows, width = batch["input_ids"].shape
-    longer = {"input_ids": torch.cat([batch["input_ids"], torch.zeros(rows, 1, dtype=torch.long)], 1),
-              "attention_mask": torch.cat([batch["attention_mask"], torch.zeros(rows, 1, dtype=torch.long)], 1)}
+    longer = {
+        "input_ids": torch.cat([batch["input_ids"], torch.zeros(rows, 1, dtype=torch.long)], 1),
+        "attention_mask": torch.cat([batch["attention_mask"], torch.zeros(rows, 1, dtype=torch.long)], 1),
+    }
     for b in range(rows):
         longer["input_ids"][b, lengths[b]] = 17 + b
         longer["attention_mask"][b, lengths[b]] = 1
@@ -66,10 +67,15 @@ class RecordingEngine:
 
 
 def _rl_batch(rows: int = 4) -> dict:
-    return {"input_ids": torch.arange(rows * 3).view(rows, 3) + 1, "attention_mask": torch.ones(rows, 3),
-            "loss_mask": torch.tensor([[0.0, 1.0, 1.0]] * rows), "logprobs": torch.zeros(rows, 3),
-            "advantages": torch.ones(rows, 3), "rewards": torch.arange(rows, dtype=torch.float32),
-            "seq_no_eos_mask": torch.tensor([False, True, False, True][:rows])}
+    return {
+        "input_ids": torch.arange(rows * 3).view(rows, 3) + 1,
+        "attention_mask": torch.ones(rows, 3),
+        "loss_mask": torch.tensor([[0.0, 1.0, 1.0]] * rows),
+        "logprobs": torch.zeros(rows, 3),
+        "advantages": torch.ones(rows, 3),
+        "rewards": torch.arange(rows, dtype=torch.float32),
+        "seq_no_eos_mask": torch.tensor([False, True, False, True][:rows]),
+    }
 
 
 def test_actor_overlong_filtering_and_epochs_reach_the_engine():
@@ -77,8 +83,7 @@ def test_actor_overlong_filtering_and_epochs_reach_the_engine():
     from archon.rl.actor import PPOActor
 
     engine = RecordingEngine()
-    actor = PPOActor(engine, ActorConfig(ppo_n_minibatches=2, ppo_epochs=3, overlong_filtering=True),
-                     max_new_tokens=4)
+    actor = PPOActor(engine, ActorConfig(ppo_n_minibatches=2, ppo_epochs=3, overlong_filtering=True), max_new_tokens=4)
     actor.ppo_update(_rl_batch())
     assert len(engine.batches) == 6  # ppo_epochs x ppo_n_minibatches optimizer steps
     for mb in engine.batches:
@@ -99,8 +104,12 @@ def test_critic_epochs_and_shuffle_use_the_engine_step_as_seed():
     def rows_seen(start_step):
         engine = RecordingEngine()
         engine.step = start_step
-        critic = PPOCritic(engine, CriticConfig(ppo_n_minibatches=2, ppo_epochs=2, shuffle=True),
-                           agg_mode="token-mean", max_new_tokens=4)
+        critic = PPOCritic(
+            engine,
+            CriticConfig(ppo_n_minibatches=2, ppo_epochs=2, shuffle=True),
+            agg_mode="token-mean",
+            max_new_tokens=4,
+        )
         batch = {**_rl_batch(), "old_values": torch.zeros(4, 3), "returns": torch.ones(4, 3)}
         critic.ppo_update(batch)
         return [mb["rewards"].long().tolist() for mb in engine.batches]

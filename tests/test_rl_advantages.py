@@ -103,8 +103,9 @@ def test_degenerate_groups():
     # the unbiased std is undefined, so the value is left unscaled.
     same = normalize(torch.tensor([1.0, 1.0, 0.0, 0.0]), mean_level="group", std_level="group", group_size=2)
     torch.testing.assert_close(same, torch.zeros(4))
-    single = normalize(torch.tensor([2.0, -3.0]), mean_level="group", std_level="group", mean_leave1out=True,
-                       group_size=1)
+    single = normalize(
+        torch.tensor([2.0, -3.0]), mean_level="group", std_level="group", mean_leave1out=True, group_size=1
+    )
     torch.testing.assert_close(single, torch.tensor([2.0, -3.0]))
 
 
@@ -156,8 +157,14 @@ def test_overlong_penalty_dapo():
     pen = overlong_penalty(lengths, overlong_tokens=4, overlong_penalty_factor=1.0, max_new_tokens=10)
     # Penalty window is (6, 10]: 0 up to 6 tokens, then -1/4 per extra token.
     torch.testing.assert_close(pen, torch.tensor([0.0, 0.0, -0.5, -1.0]))
-    out = shape_rewards(torch.ones(4), response_lengths=lengths, overlong_reward_penalty=True, overlong_tokens=4,
-                        overlong_penalty_factor=2.0, max_new_tokens=10)
+    out = shape_rewards(
+        torch.ones(4),
+        response_lengths=lengths,
+        overlong_reward_penalty=True,
+        overlong_tokens=4,
+        overlong_penalty_factor=2.0,
+        max_new_tokens=10,
+    )
     torch.testing.assert_close(out, torch.tensor([1.0, 1.0, 0.0, -1.0]))
 
 
@@ -170,11 +177,9 @@ def test_token_rewards_place_reward_on_last_loss_token_with_kl():
     m = mask_from([[0, 0, 1, 1, 1, 0], [0, 1, 1, 0, 0, 0], [0, 0, 0, 0, 0, 0]])
     kl = torch.full((3, 6), 2.0)
     out = token_rewards(torch.tensor([1.0, -1.0, 5.0]), m, kl=kl, kl_ctl=0.1)
-    expected = torch.tensor([
-        [0.0, 0.0, -0.2, -0.2, 0.8, 0.0],
-        [0.0, -0.2, -1.2, 0.0, 0.0, 0.0],
-        [0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
-    ])
+    expected = torch.tensor(
+        [[0.0, 0.0, -0.2, -0.2, 0.8, 0.0], [0.0, -0.2, -1.2, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]]
+    )
     torch.testing.assert_close(out, expected)
 
 
@@ -207,12 +212,7 @@ def _gae_reference(rewards, values, mask, gamma, lam):
 
 def test_gae_ragged_batch_and_empty_row():
     torch.manual_seed(0)
-    m = mask_from([
-        [0, 0, 1, 1, 1, 1, 0],
-        [0, 1, 1, 1, 1, 1, 1],
-        [0, 0, 0, 0, 0, 0, 0],
-        [0, 0, 0, 0, 0, 1, 0],
-    ])
+    m = mask_from([[0, 0, 1, 1, 1, 1, 0], [0, 1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 1, 0]])
     values = torch.randn(4, 7)
     rewards = token_rewards(torch.tensor([1.0, -0.5, 3.0, 2.0]), m, kl=torch.rand(4, 7), kl_ctl=0.05)
     adv, ret = gae_advantages(rewards, values, m, discount=0.95, gae_lambda=0.8)
@@ -305,8 +305,13 @@ def test_reinforce_pp_batch_normalised_returns():
 def test_gae_pipeline_with_adv_norm():
     mask = [[0, 1, 1], [0, 0, 1]]
     values = torch.tensor([[0.0, 0.5, 0.25], [0.0, 0.0, 1.0]])
-    batch = _batch([1.0, 3.0], mask, values=values, seq_no_eos_mask=torch.tensor([False, False]),
-                   values_after=torch.tensor([9.0, 9.0]))  # ended with EOS: values_after is not used
+    batch = _batch(
+        [1.0, 3.0],
+        mask,
+        values=values,
+        seq_no_eos_mask=torch.tensor([False, False]),
+        values_after=torch.tensor([9.0, 9.0]),
+    )  # ended with EOS: values_after is not used
     # The defaults of 'gae' are standard PPO's: raw rewards, batch-whitened advantages.
     cfg = AdvantageConfig(adv_estimator="gae", discount=1.0, gae_lambda=1.0)
     assert cfg.reward_norm is None and cfg.adv_norm == NormConfig(mean_level="batch", std_level="batch")
@@ -321,11 +326,14 @@ def test_gae_pipeline_with_adv_norm():
 
 def test_pipeline_errors_are_clear():
     with pytest.raises(ValueError, match="critic 'values'"):
-        compute_advantages(_batch([1.0], [[0, 1]], seq_no_eos_mask=torch.tensor([True])),
-                           AdvantageConfig(adv_estimator="gae"))
+        compute_advantages(
+            _batch([1.0], [[0, 1]], seq_no_eos_mask=torch.tensor([True])), AdvantageConfig(adv_estimator="gae")
+        )
     with pytest.raises(ValueError, match="values_after"):
-        compute_advantages(_batch([1.0], [[0, 1]], seq_no_eos_mask=torch.tensor([True]), values=torch.zeros(1, 2)),
-                           AdvantageConfig(adv_estimator="gae"))
+        compute_advantages(
+            _batch([1.0], [[0, 1]], seq_no_eos_mask=torch.tensor([True]), values=torch.zeros(1, 2)),
+            AdvantageConfig(adv_estimator="gae"),
+        )
     with pytest.raises(ValueError, match="ref_logprobs"):
         compute_advantages(_batch([1.0], [[0, 1]]), AdvantageConfig(kl_ctl=0.1, reward_norm=None))
     with pytest.raises(ValueError, match="adv_estimator"):
@@ -337,7 +345,13 @@ def test_from_actor_config_reads_archon_config_names():
 
     actor = ActorConfig(group_size=4, adv_estimator="rloo", kl_ctl=0.2, discount=0.9)
     cfg = AdvantageConfig.from_actor_config(actor, max_new_tokens=16)
-    assert (cfg.group_size, cfg.adv_estimator, cfg.kl_ctl, cfg.discount, cfg.max_new_tokens) == (4, "rloo", 0.2, 0.9, 16)
+    assert (cfg.group_size, cfg.adv_estimator, cfg.kl_ctl, cfg.discount, cfg.max_new_tokens) == (
+        4,
+        "rloo",
+        0.2,
+        0.9,
+        16,
+    )
     assert cfg.reward_norm == NormConfig(mean_level="group", std_level="group", group_size=0)
     assert cfg.adv_norm is None  # both levels 'none' in the config
 
@@ -374,8 +388,13 @@ def test_gae_bootstraps_a_truncated_response_from_the_value_after_it():
     # critic's values of the state before each token; values_after the state after the last one.
     m = mask_from([[0, 1, 1, 1], [0, 1, 1, 1]])
     values = torch.tensor([[9.0, 0.5, 0.2, -0.3], [9.0, 0.5, 0.2, -0.3]])
-    batch = _batch([1.0, 1.0], [[0, 1, 1, 1]] * 2, values=values, values_after=torch.tensor([4.0, 0.8]),
-                   seq_no_eos_mask=torch.tensor([False, True]))
+    batch = _batch(
+        [1.0, 1.0],
+        [[0, 1, 1, 1]] * 2,
+        values=values,
+        values_after=torch.tensor([4.0, 0.8]),
+        seq_no_eos_mask=torch.tensor([False, True]),
+    )
     cfg = AdvantageConfig(adv_estimator="gae", group_size=2, discount=0.9, gae_lambda=0.5, adv_norm=None)
     out = compute_advantages(batch, cfg)
     # EOS row: V_end = 0.     t3: d = 1 - (-.3) = 1.3                       A3 = 1.3
@@ -384,10 +403,10 @@ def test_gae_bootstraps_a_truncated_response_from_the_value_after_it():
     # Truncated row: V_end = .8.  t3: d = 1 + .9 * .8 + .3 = 2.02           A3 = 2.02
     #                         t2: A2 = -.47 + .45 * 2.02 = .439
     #                         t1: A1 = -.32 + .45 * .439 = -.12245
-    torch.testing.assert_close(out["advantages"], torch.tensor([[0.0, -0.26825, 0.115, 1.3],
-                                                                [0.0, -0.12245, 0.439, 2.02]]))
-    torch.testing.assert_close(out["returns"], torch.tensor([[0.0, 0.23175, 0.315, 1.0],
-                                                             [0.0, 0.37755, 0.639, 1.72]]))
+    torch.testing.assert_close(
+        out["advantages"], torch.tensor([[0.0, -0.26825, 0.115, 1.3], [0.0, -0.12245, 0.439, 2.02]])
+    )
+    torch.testing.assert_close(out["returns"], torch.tensor([[0.0, 0.23175, 0.315, 1.0], [0.0, 0.37755, 0.639, 1.72]]))
     # Values taken one position late (the value after each token instead of before it) change every
     # advantage: the alignment is what the numbers above check.
     shifted = dict(batch, values=torch.tensor([[9.0, 0.2, -0.3, 0.8], [9.0, 0.2, -0.3, 0.8]]))
@@ -396,8 +415,14 @@ def test_gae_bootstraps_a_truncated_response_from_the_value_after_it():
     ended = compute_advantages(batch, dataclasses.replace(cfg, bootstrap_truncated=False))
     torch.testing.assert_close(ended["advantages"][1], out["advantages"][0])
     # gae_advantages on its own against the plain-Python reference with a bootstrap value.
-    adv, _ = gae_advantages(torch.tensor([[0.0, 0.0, 0.0, 1.0]]), values[:1], m[:1], discount=0.9, gae_lambda=0.5,
-                            end_values=torch.tensor([0.8]))
+    adv, _ = gae_advantages(
+        torch.tensor([[0.0, 0.0, 0.0, 1.0]]),
+        values[:1],
+        m[:1],
+        discount=0.9,
+        gae_lambda=0.5,
+        end_values=torch.tensor([0.8]),
+    )
     torch.testing.assert_close(adv, out["advantages"][1:])
 
 
@@ -410,12 +435,17 @@ def test_overlong_filtering_and_mask_no_eos_with_zero():
     zeroed = compute_advantages(batch, AdvantageConfig(adv_estimator="reinforce++", mask_no_eos_with_zero=True))
     assert zeroed["rewards"][2] == 0 and (zeroed["advantages"][2, 1:] < 0).all()
     # Overlong filtering: the truncated row gets advantage 0 and takes no part in the statistics.
-    filt = compute_advantages(batch, AdvantageConfig(adv_estimator="grpo", group_size=2, reward_norm=None,
-                                                     adv_norm=norm, overlong_filtering=True))
+    filt = compute_advantages(
+        batch,
+        AdvantageConfig(adv_estimator="grpo", group_size=2, reward_norm=None, adv_norm=norm, overlong_filtering=True),
+    )
     kept = [1.0, 1.0, 0.0, 0.0, 1.0, 1.0]  # the loss tokens of rows 0, 1 and 3
     mean, std = statistics.mean(kept), statistics.stdev(kept)
-    expected = torch.tensor([[0.0] + [(x - mean) / (std + EPS)] * 2 for x in (1.0, 0.0)] + [[0.0, 0.0, 0.0]]
-                            + [[0.0] + [(1.0 - mean) / (std + EPS)] * 2])
+    expected = torch.tensor(
+        [[0.0] + [(x - mean) / (std + EPS)] * 2 for x in (1.0, 0.0)]
+        + [[0.0, 0.0, 0.0]]
+        + [[0.0] + [(1.0 - mean) / (std + EPS)] * 2]
+    )
     torch.testing.assert_close(filt["advantages"], expected)
 
 
@@ -423,6 +453,8 @@ def test_penalty_kl_is_returned_for_the_kl_controller():
     mask = [[0, 1, 1], [0, 1, 0]]
     logp = torch.tensor([[0.0, -1.0, -2.0], [0.0, -0.5, 0.0]])
     ref = torch.tensor([[0.0, -1.5, -1.0], [0.0, -1.0, 7.0]])
-    out = compute_advantages(_batch([1.0, 0.0], mask, old_logprobs=logp, ref_logprobs=ref),
-                             AdvantageConfig(group_size=2, kl_ctl=0.1, kl_estimator="k1"))
+    out = compute_advantages(
+        _batch([1.0, 0.0], mask, old_logprobs=logp, ref_logprobs=ref),
+        AdvantageConfig(group_size=2, kl_ctl=0.1, kl_estimator="k1"),
+    )
     torch.testing.assert_close(out["kl"], torch.tensor([[0.0, 0.5, -1.0], [0.0, 0.5, 0.0]]))

@@ -13,6 +13,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hf_fixtures import make_tiny_tokenizer, save_tiny_hf
+from test_rollout_generator import logprob_reference
+from test_rollout_server import _slow_down
 
 import models
 from archon.data.rl_dataset import PromptLoader, RLPromptDataset
@@ -21,9 +24,6 @@ from archon.rl.trainer import rollout_seed
 from archon.rollout.client import GenerateResult, RolloutClient
 from archon.rollout.generator import Generator
 from archon.rollout.server import serve_in_thread
-from hf_fixtures import make_tiny_tokenizer, save_tiny_hf
-from test_rollout_generator import logprob_reference
-from test_rollout_server import _slow_down
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -48,6 +48,7 @@ def _score(prompts, completions) -> list[float]:
 
 # ---- capacity control against a fake server (no model: fast and exact) --------------------------------
 
+
 class _FakeClient:
     """What RolloutWorker asks of a RolloutClient, answered at once by a 'server' whose weights are
     an integer version; generate requests sent while it is paused wait, as on SGLang."""
@@ -70,8 +71,15 @@ class _FakeClient:
     async def agenerate(self, input_ids, params, return_logprob=True) -> GenerateResult:
         await self.resumed.wait()
         n = params["max_new_tokens"]
-        return GenerateResult(list(range(n)), [-1.0] * n, "length", len(input_ids), self.version, "fake",
-                              output_versions=[self.version] * n)
+        return GenerateResult(
+            list(range(n)),
+            [-1.0] * n,
+            "length",
+            len(input_ids),
+            self.version,
+            "fake",
+            output_versions=[self.version] * n,
+        )
 
     async def apause_generation(self, mode=None):
         self.resumed.clear()
@@ -100,8 +108,15 @@ class _RecordingLoader:
 def _fake_worker(setup, k: int, **kw) -> tuple[RolloutWorker, _FakeClient, _RecordingLoader]:
     client = _FakeClient()
     loader = _RecordingLoader(_loader(setup))
-    worker = RolloutWorker(client, loader, sampling={"max_new_tokens": 3, "temperature": 1.0}, seed=1,
-                           max_offpolicyness=k, score_fn=_score, **kw)
+    worker = RolloutWorker(
+        client,
+        loader,
+        sampling={"max_new_tokens": 3, "temperature": 1.0},
+        seed=1,
+        max_offpolicyness=k,
+        score_fn=_score,
+        **kw,
+    )
     loader.worker = worker
     return worker, client, loader
 
@@ -165,8 +180,15 @@ def test_sampling_seeds_and_versions_of_a_round(setup):
             return await super().agenerate(input_ids, params)
 
     client = Seeds()
-    worker = RolloutWorker(client, _loader(setup), sampling={"max_new_tokens": 2}, seed=9, max_offpolicyness=1,
-                           score_fn=_score, max_rounds=2)
+    worker = RolloutWorker(
+        client,
+        _loader(setup),
+        sampling={"max_new_tokens": 2},
+        seed=9,
+        max_offpolicyness=1,
+        score_fn=_score,
+        max_rounds=2,
+    )
     try:
         worker.start()
         worker.take(new_step=True)
@@ -180,6 +202,7 @@ def test_sampling_seeds_and_versions_of_a_round(setup):
 
 
 # ---- partial rollouts over HTTP on the built-in server ----------------------------------------------
+
 
 def _gate(model, after_calls: int, generator: list) -> threading.Event:
     """Hold the engine thread after forward call ``after_calls`` until ``generator[0]`` is paused, so a
@@ -214,9 +237,16 @@ def test_weight_updates_interrupt_generation_and_tokens_keep_their_version(setup
     server = serve_in_thread(generator[0])
     client = RolloutClient([server.url])
     max_new = 8
-    worker = RolloutWorker(client, _loader(setup), sampling={"max_new_tokens": max_new, "temperature": 1.0,
-                                                             "ignore_eos": True}, seed=3, max_offpolicyness=1,
-                           score_fn=_score, pause_mode=mode, max_rounds=2)
+    worker = RolloutWorker(
+        client,
+        _loader(setup),
+        sampling={"max_new_tokens": max_new, "temperature": 1.0, "ignore_eos": True},
+        seed=3,
+        max_offpolicyness=1,
+        score_fn=_score,
+        pause_mode=mode,
+        max_rounds=2,
+    )
     try:
         worker.start()  # rounds 0 and 1, both allowed at version 0
         assert reached.wait(60)
@@ -238,8 +268,10 @@ def test_weight_updates_interrupt_generation_and_tokens_keep_their_version(setup
                 assert 1 <= c.output_versions.count(0) <= 3 and c.output_versions[-1] == 1
                 interrupted += 1
             # Every token's logprob is that of the weights that produced it, over the whole sequence.
-            by_version = {0: logprob_reference(old, p.input_ids, c.output_ids, 1.0),
-                          1: logprob_reference(new, p.input_ids, c.output_ids, 1.0)}
+            by_version = {
+                0: logprob_reference(old, p.input_ids, c.output_ids, 1.0),
+                1: logprob_reference(new, p.input_ids, c.output_ids, 1.0),
+            }
             expected = torch.stack([by_version[v][i] for i, v in enumerate(c.output_versions)])
             assert torch.allclose(torch.tensor(c.output_logprobs), expected, atol=1e-4), c.output_versions
     assert interrupted > 0
@@ -251,9 +283,16 @@ def test_a_deterministic_update_waits_for_the_rounds_of_the_current_version(setu
     _slow_down(served, 0.01)
     server = serve_in_thread(Generator(served, random_seed=0))
     client = RolloutClient([server.url])
-    worker = RolloutWorker(client, _loader(setup), sampling={"max_new_tokens": 6, "temperature": 1.0,
-                                                             "ignore_eos": True}, seed=3, max_offpolicyness=1,
-                           score_fn=_score, partial_rollout=False, max_rounds=3)
+    worker = RolloutWorker(
+        client,
+        _loader(setup),
+        sampling={"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True},
+        seed=3,
+        max_offpolicyness=1,
+        score_fn=_score,
+        partial_rollout=False,
+        max_rounds=3,
+    )
     try:
         worker.start()
         worker.take(new_step=True)

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from dist_utils import run_distributed
 from hf_fixtures import make_tiny_tokenizer, save_tiny_hf
 from test_rl_trainer import _run, overrides
@@ -58,8 +57,11 @@ def test_actor_loss_adds_kd_coef_times_the_term_and_nothing_without_it():
     from archon.rl.distill import distillation_loss
 
     logprobs, teacher, mask = _rows(2)
-    mb = {"logprobs": logprobs + 0.1, "advantages": torch.randn(3, 6, generator=torch.Generator().manual_seed(3)),
-          "loss_mask": mask}
+    mb = {
+        "logprobs": logprobs + 0.1,
+        "advantages": torch.randn(3, 6, generator=torch.Generator().manual_seed(3)),
+        "loss_mask": mask,
+    }
     outputs = {"logprobs": logprobs, "entropy": torch.ones(3, 6)}
     plain, stats = _actor(0.0)._loss_with_mismatch(outputs, mb)  # no teacher_logprobs needed
     assert "kd_loss" not in stats
@@ -73,8 +75,17 @@ def test_actor_loss_adds_kd_coef_times_the_term_and_nothing_without_it():
 def test_teacher_inherits_actor_engine_fields():
     from archon.config import load_config
 
-    cfg = load_config(None, ["actor.backend=archon:d2", "actor.path=/models/student", "teacher.path=/models/big",
-                             "teacher.backend=fsdp:t2", "cluster.n_gpus_per_node=8", "actor.dtype=float32"])
+    cfg = load_config(
+        None,
+        [
+            "actor.backend=archon:d2",
+            "actor.path=/models/student",
+            "teacher.path=/models/big",
+            "teacher.backend=fsdp:t2",
+            "cluster.n_gpus_per_node=8",
+            "actor.dtype=float32",
+        ],
+    )
     assert cfg.teacher.path == "/models/big" and cfg.teacher.backend == "fsdp:t2" and cfg.teacher.dtype == "float32"
     cfg = load_config(None, ["actor.backend=archon:d2", "actor.path=/models/student", "cluster.n_gpus_per_node=8"])
     assert cfg.teacher.backend == "archon:d2" and cfg.teacher.path == "/models/student"
@@ -123,9 +134,9 @@ def test_on_policy_distillation_moves_the_student_toward_the_teacher(tmp_path):
     """On the demo task, with a reward that teaches nothing (every answer earns 1, so GRPO's
     advantages are 0), the distillation term alone pulls the student's distribution over its
     answers toward a differently initialised teacher's: the KL on sampled answers falls."""
-    from archon.demo import TinyQwen3, make_assets
-
     from transformers import AutoModelForCausalLM
+
+    from archon.demo import TinyQwen3, make_assets
 
     student = make_assets(tmp_path / "student")
     teacher = make_assets(tmp_path / "teacher", spec=TinyQwen3(seed=7))
@@ -135,10 +146,19 @@ def test_on_policy_distillation_moves_the_student_toward_the_teacher(tmp_path):
     with torch.no_grad():
         model.model.norm.weight.mul_(6.0)
     model.save_pretrained(teacher.model)
-    args = [f"actor.path={student.model}", f"teacher.path={teacher.model}", f"train_dataset.path={student.train}",
-            f"output_dir={tmp_path / 'run'}", "actor.backend=archon:d1", "total_train_steps=12",
-            "saver.export_hf=false", "reward.n_workers=0", "reward.fn=reward_fns:one", "actor.kd_coef=1.0",
-            "actor.optimizer.lr=1e-2"]
+    args = [
+        f"actor.path={student.model}",
+        f"teacher.path={teacher.model}",
+        f"train_dataset.path={student.train}",
+        f"output_dir={tmp_path / 'run'}",
+        "actor.backend=archon:d1",
+        "total_train_steps=12",
+        "saver.export_hf=false",
+        "reward.n_workers=0",
+        "reward.fn=reward_fns:one",
+        "actor.kd_coef=1.0",
+        "actor.optimizer.lr=1e-2",
+    ]
     kl = run_distributed(_demo_kl, 1, args, timeout=900)[0]
     assert kl[0] > 0.5, kl  # the student starts far from the teacher
     assert sum(kl[-3:]) / 3 < 0.3 * kl[0], kl

@@ -27,11 +27,13 @@ class Rounds:
 
 
 def test_refills_until_the_batch_has_enough_mixed_groups():
-    draw = Rounds([
-        [1, 1, 0, 1, 0, 0],  # one mixed group (the 2nd)
-        [1, 0, 1, 1, 1, 0],  # groups 1 and 3 mixed
-        [0, 1, 0, 1, 0, 1],  # never needed
-    ])
+    draw = Rounds(
+        [
+            [1, 1, 0, 1, 0, 0],  # one mixed group (the 2nd)
+            [1, 0, 1, 1, 1, 0],  # groups 1 and 3 mixed
+            [0, 1, 0, 1, 0, 1],  # never needed
+        ]
+    )
     completions, rewards, info = collect_mixed_groups(draw, group_size=2, max_rounds=10)
     assert draw.calls == [0, 1]
     # The 3 mixed groups in draw order; the batch keeps the first round's size.

@@ -12,7 +12,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from dist_utils import run_distributed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,9 +36,15 @@ def _train(overrides: list[str]) -> list[float] | None:
 
 
 def _rewards(assets, out: Path, extra: list[str]) -> list[float]:
-    base = [f"actor.path={assets.model}", f"train_dataset.path={assets.root / 'data' / 'train.jsonl'}",
-            f"output_dir={out}", "actor.backend=archon:d1", f"total_train_steps={STEPS}", "saver.export_hf=false",
-            "reward.n_workers=0"]
+    base = [
+        f"actor.path={assets.model}",
+        f"train_dataset.path={assets.root / 'data' / 'train.jsonl'}",
+        f"output_dir={out}",
+        "actor.backend=archon:d1",
+        f"total_train_steps={STEPS}",
+        "saver.export_hf=false",
+        "reward.n_workers=0",
+    ]
     return run_distributed(_train, 1, base + extra, timeout=900)[0]
 
 

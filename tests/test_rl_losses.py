@@ -38,8 +38,7 @@ def test_kl_estimators_hand_values():
     # r = ref - logp = [-1, 1]
     torch.testing.assert_close(kl_estimate(logp, ref, "k1"), torch.tensor([1.0, -1.0]))
     torch.testing.assert_close(kl_estimate(logp, ref, "k2"), torch.tensor([0.5, 0.5]))
-    torch.testing.assert_close(kl_estimate(logp, ref, "k3"),
-                               torch.tensor([math.exp(-1) + 1 - 1, math.exp(1) - 1 - 1]))
+    torch.testing.assert_close(kl_estimate(logp, ref, "k3"), torch.tensor([math.exp(-1) + 1 - 1, math.exp(1) - 1 - 1]))
     assert kl_estimate(torch.tensor([0.3]), torch.tensor([0.3]), "k3").item() == 0.0
 
 
@@ -57,8 +56,15 @@ def test_kl_clamping_prevents_overflow():
 
 def test_kl_aliases_and_straight_through_values():
     logp, ref = torch.tensor([-1.0, -2.0, -0.5]), torch.tensor([-2.0, -1.0, -0.4])
-    for alias, name in (("kl", "k1"), ("mse", "k2"), ("low_var_kl", "k3"), ("kl+", "k1"), ("low_var_kl+", "k3"),
-                        ("k1+", "k1"), ("k3+", "k3")):
+    for alias, name in (
+        ("kl", "k1"),
+        ("mse", "k2"),
+        ("low_var_kl", "k3"),
+        ("kl+", "k1"),
+        ("low_var_kl+", "k3"),
+        ("k1+", "k1"),
+        ("k3+", "k3"),
+    ):
         torch.testing.assert_close(kl_estimate(logp, ref, alias), kl_estimate(logp, ref, name))
 
 
@@ -74,8 +80,10 @@ def _expected_estimator_gradient(estimator: str) -> torch.Tensor:
     z, ref_logp = _softmax_case()
     logp = torch.log_softmax(z, -1)
     probs = logp.exp().detach()
-    total = sum(probs[y] * kl_estimate(logp[y], ref_logp[y], estimator, log_ratio_clamp=None, value_clamp=None)
-                for y in range(5))
+    total = sum(
+        probs[y] * kl_estimate(logp[y], ref_logp[y], estimator, log_ratio_clamp=None, value_clamp=None)
+        for y in range(5)
+    )
     (grad,) = torch.autograd.grad(total, z)
     return grad
 
@@ -90,8 +98,13 @@ def test_kl_loss_gradients_match_the_kl_they_claim(estimator):
     forward_kl = (p * (logp - ref_logp)).sum()
     grad_forward = p * (logp - ref_logp - forward_kl)
     grad_reverse = p - ref_logp.exp()
-    claims = {"k1": torch.zeros(5, dtype=torch.float64), "k2": grad_forward, "k3": grad_reverse,
-              "k1+": grad_forward, "k3+": grad_forward}
+    claims = {
+        "k1": torch.zeros(5, dtype=torch.float64),
+        "k2": grad_forward,
+        "k3": grad_reverse,
+        "k1+": grad_forward,
+        "k3+": grad_forward,
+    }
     aliases = {"kl": "k1", "mse": "k2", "low_var_kl": "k3", "kl+": "k1+", "low_var_kl+": "k3+"}
     claim = claims[aliases.get(estimator, estimator)]
     assert grad_forward.abs().max() > 0.05 and (grad_forward - grad_reverse).abs().max() > 0.05  # a real test
@@ -122,12 +135,15 @@ PER_TOKEN = torch.tensor([[1.0, 2.0, 3.0, 0.0], [4.0, 5.0, 0.0, 0.0], [7.0, 0.0,
 MASK = torch.tensor([[0, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]])
 
 
-@pytest.mark.parametrize("mode,expected,weight", [
-    ("token-mean", (2 + 3 + 4 + 5) / 4, 4.0),
-    ("seq-mean-token-sum", (5 + 9) / 2, 2.0),
-    ("seq-mean-token-mean", (2.5 + 4.5) / 2, 2.0),
-    ("seq-mean-token-sum-norm", (5 / 10 + 9 / 10) / 2, 2.0),
-])
+@pytest.mark.parametrize(
+    "mode,expected,weight",
+    [
+        ("token-mean", (2 + 3 + 4 + 5) / 4, 4.0),
+        ("seq-mean-token-sum", (5 + 9) / 2, 2.0),
+        ("seq-mean-token-mean", (2.5 + 4.5) / 2, 2.0),
+        ("seq-mean-token-sum-norm", (5 / 10 + 9 / 10) / 2, 2.0),
+    ],
+)
 def test_aggregate_modes_by_hand(mode, expected, weight):
     assert aggregate(PER_TOKEN, MASK, mode, max_response_len=10).item() == pytest.approx(expected)
     assert loss_weight({"loss_mask": MASK}, mode) == weight
@@ -170,8 +186,9 @@ def test_clip_both_sides_and_gradient():
 
 def test_clip_higher():
     logp = logs([1.5, 0.7])
-    loss, stats = ppo_actor_loss(logp, torch.zeros(1, 2), row([1.0, -1.0]), torch.ones(1, 2), eps_clip=0.2,
-                                 eps_clip_higher=0.6)
+    loss, stats = ppo_actor_loss(
+        logp, torch.zeros(1, 2), row([1.0, -1.0]), torch.ones(1, 2), eps_clip=0.2, eps_clip_higher=0.6
+    )
     # upper bound 1.6: r=1.5 is inside -> -1.5 ; lower bound still .8: r=.7 A<0 -> .8
     assert loss.item() == pytest.approx((-1.5 + 0.8) / 2)
     assert stats["clip_frac"].item() == pytest.approx(0.5)
@@ -223,8 +240,15 @@ def test_gspo_sequence_ratio():
     loss.backward()
     # The gradient of every token of row 0 is -A * s / N (GSPO-token); row 1 is clipped.
     torch.testing.assert_close(logp.grad, torch.tensor([[0.0, -s0 / 5, -s0 / 5, -s0 / 5], [0.0, 0.0, 0.0, 0.0]]))
-    seq_loss, _ = ppo_actor_loss(logp.detach(), old, adv, mask, eps_clip=0.3, importance_sampling_level="sequence",
-                                 agg_mode="seq-mean-token-mean")
+    seq_loss, _ = ppo_actor_loss(
+        logp.detach(),
+        old,
+        adv,
+        mask,
+        eps_clip=0.3,
+        importance_sampling_level="sequence",
+        agg_mode="seq-mean-token-mean",
+    )
     assert seq_loss.item() == pytest.approx((-s0 - 1.3) / 2, rel=1e-6)
 
 
@@ -239,8 +263,9 @@ def _gspo_case():
 
 def test_gspo_averages_advantages_per_sequence_and_matches_the_paper_under_seq_mean_token_mean():
     logp, old, mask, adv = _gspo_case()
-    loss, stats = ppo_actor_loss(logp, old, adv, mask, eps_clip=0.2, importance_sampling_level="sequence",
-                                 agg_mode="seq-mean-token-mean")
+    loss, stats = ppo_actor_loss(
+        logp, old, adv, mask, eps_clip=0.2, importance_sampling_level="sequence", agg_mode="seq-mean-token-mean"
+    )
     loss.backward()
     # GSPO (Zheng et al. 2025): J = 1/G sum_i s_i * Abar_i with s_i = exp(mean_t log ratio) and Abar_i
     # the sequence's mean advantage (AReaL's choice for token advantages); its gradient, here by autograd.
@@ -350,8 +375,15 @@ def test_rejection_sampling_kl_metric_token_level_matches_areal_definition():
     r = behav - prox  # -0.1, -0.5, 2
     k3 = torch.exp(r) - 1 - r  # 0.005, 0.107, 4.39
     mask = torch.ones(1, 3)
-    loss, stats = ppo_actor_loss(prox.clone(), prox, torch.ones(1, 3), mask, eps_clip=0.2, behav_logprobs=behav,
-                                 rejection_sampling=RejectionSampling(metric="kl_k3", upper=1.0))
+    loss, stats = ppo_actor_loss(
+        prox.clone(),
+        prox,
+        torch.ones(1, 3),
+        mask,
+        eps_clip=0.2,
+        behav_logprobs=behav,
+        rejection_sampling=RejectionSampling(metric="kl_k3", upper=1.0),
+    )
     keep = k3 <= 1.0
     w = torch.exp(prox - behav)
     assert loss.item() == pytest.approx(float(-(w * keep).sum() / 3), rel=1e-6)
@@ -374,8 +406,18 @@ def test_entropy_bonus_and_kl_loss():
     adv = row([0.0, 1.0, -1.0])
     mask = torch.tensor([[0, 1, 1]])
     entropy = row([9.0, 0.5, 1.5])
-    loss, stats = ppo_actor_loss(logp, old, adv, mask, eps_clip=0.2, entropy=entropy, entropy_coef=0.1,
-                                 ref_logprobs=ref, kl_loss_coef=0.5, kl_loss_type="k3")
+    loss, stats = ppo_actor_loss(
+        logp,
+        old,
+        adv,
+        mask,
+        eps_clip=0.2,
+        entropy=entropy,
+        entropy_coef=0.1,
+        ref_logprobs=ref,
+        kl_loss_coef=0.5,
+        kl_loss_type="k3",
+    )
     pg = (-1.0 + 1.0) / 2
     k3 = [math.exp(-1) + 1 - 1, math.exp(1) - 1 - 1]  # r = ref - logp = -1, +1
     expected = pg - 0.1 * (0.5 + 1.5) / 2 + 0.5 * sum(k3) / 2
@@ -395,8 +437,9 @@ def test_entropy_bonus_gradient_is_the_analytic_entropy_gradient():
     logp, entropy = vocab_parallel_logprobs_entropy(z, targets)
     mask = torch.tensor([[1, 1, 0], [0, 1, 1]])
     coef = 0.3
-    loss, stats = ppo_actor_loss(logp, logp.detach(), torch.zeros(2, 3), mask, eps_clip=0.2, entropy=entropy,
-                                 entropy_coef=coef)
+    loss, stats = ppo_actor_loss(
+        logp, logp.detach(), torch.zeros(2, 3), mask, eps_clip=0.2, entropy=entropy, entropy_coef=coef
+    )
     loss.backward()
     p = torch.softmax(z.detach(), -1)
     h = -(p * p.log()).sum(-1, keepdim=True)
@@ -473,21 +516,22 @@ def test_critic_clipped_value_loss():
 def test_critic_huber_value_loss():
     values = row([0.0, 0.0, 0.0]).requires_grad_()
     returns = row([1.0, 3.0, -5.0])
-    loss, _ = ppo_critic_loss(values, values.detach(), returns, torch.ones(1, 3), loss_fn_type="huber",
-                              huber_delta=2.0)
+    loss, _ = ppo_critic_loss(values, values.detach(), returns, torch.ones(1, 3), loss_fn_type="huber", huber_delta=2.0)
     # |d| = 1 < 2: 0.5 ; |d| = 3: 2 * (3 - 1) = 4 ; |d| = 5: 2 * (5 - 1) = 8
     assert loss.item() == pytest.approx((0.5 + 4.0 + 8.0) / 3)
     loss.backward()
     torch.testing.assert_close(values.grad, row([-1.0 / 3, -2.0 / 3, 2.0 / 3]))
     # With the value clip, the larger of the clipped and unclipped Huber losses wins.
     old = row([0.0, 2.5, 0.0])
-    clipped, stats = ppo_critic_loss(values.detach(), old, returns, torch.ones(1, 3), value_eps_clip=0.5,
-                                     loss_fn_type="huber", huber_delta=2.0)
+    clipped, stats = ppo_critic_loss(
+        values.detach(), old, returns, torch.ones(1, 3), value_eps_clip=0.5, loss_fn_type="huber", huber_delta=2.0
+    )
     # token 2: v_clip = 2.0 -> |d| = 1 -> 0.5 < 4: unclipped wins; others unchanged.
     assert clipped.item() == pytest.approx((0.5 + 4.0 + 8.0) / 3)
     old = row([0.0, -0.5, 0.0])
-    clipped, stats = ppo_critic_loss(values.detach(), old, returns, torch.ones(1, 3), value_eps_clip=0.2,
-                                     loss_fn_type="huber", huber_delta=2.0)
+    clipped, stats = ppo_critic_loss(
+        values.detach(), old, returns, torch.ones(1, 3), value_eps_clip=0.2, loss_fn_type="huber", huber_delta=2.0
+    )
     # token 2: v_clip = -0.3 -> |d| = 3.3 -> 2 * 2.3 = 4.6 > 4
     assert clipped.item() == pytest.approx((0.5 + 4.6 + 8.0) / 3)
     assert stats["value_clip_frac"].item() == pytest.approx(1 / 3)
@@ -509,7 +553,7 @@ def _random_rl_batch(B=6, S=9, seed=0):
     for b in range(B):
         attention[b, : lengths[b]] = 1
         if b != 3:  # row 3 has no trained token at all
-            loss_mask[b, prompt[b]: lengths[b]] = 1
+            loss_mask[b, prompt[b] : lengths[b]] = 1
     return {
         "attention_mask": attention,
         "loss_mask": loss_mask,
@@ -519,8 +563,11 @@ def _random_rl_batch(B=6, S=9, seed=0):
         "advantages": torch.randn(B, S, generator=g),
         "old_values": torch.randn(B, S, generator=g),
         "returns": torch.randn(B, S, generator=g),
-    }, {"logprobs": -torch.rand(B, S, generator=g) * 2, "entropy": torch.rand(B, S, generator=g) * 3,
-        "values": torch.randn(B, S, generator=g)}
+    }, {
+        "logprobs": -torch.rand(B, S, generator=g) * 2,
+        "entropy": torch.rand(B, S, generator=g) * 3,
+        "values": torch.randn(B, S, generator=g),
+    }
 
 
 def _rows(tensors, idx):
@@ -545,12 +592,31 @@ def test_weighted_microbatch_losses_equal_full_batch(mode, kind):
         loss_fn = make_critic_loss_fn(value_eps_clip=0.3, agg_mode=mode, max_response_len=9)
         out_keys = {"attention_mask": batch["attention_mask"], "values": outputs["values"]}
     else:
-        extra = dict(use_decoupled_loss=True, importance_sampling_level="sequence",
-                     rejection_sampling=RejectionSampling(upper=1.5)) if kind == "decoupled-gspo" else {}
-        loss_fn = make_actor_loss_fn(eps_clip=0.2, eps_clip_higher=0.3, c_clip=2.0, entropy_coef=0.01,
-                                     kl_loss_coef=0.1, kl_loss_type="k3", agg_mode=mode, max_response_len=9, **extra)
-        out_keys = {"attention_mask": batch["attention_mask"], "logprobs": outputs["logprobs"],
-                    "entropy": outputs["entropy"]}
+        extra = (
+            dict(
+                use_decoupled_loss=True,
+                importance_sampling_level="sequence",
+                rejection_sampling=RejectionSampling(upper=1.5),
+            )
+            if kind == "decoupled-gspo"
+            else {}
+        )
+        loss_fn = make_actor_loss_fn(
+            eps_clip=0.2,
+            eps_clip_higher=0.3,
+            c_clip=2.0,
+            entropy_coef=0.01,
+            kl_loss_coef=0.1,
+            kl_loss_type="k3",
+            agg_mode=mode,
+            max_response_len=9,
+            **extra,
+        )
+        out_keys = {
+            "attention_mask": batch["attention_mask"],
+            "logprobs": outputs["logprobs"],
+            "entropy": outputs["entropy"],
+        }
     leaves = {k: v.clone().requires_grad_() for k, v in out_keys.items() if k != "attention_mask"}
 
     def run(split):
@@ -599,12 +665,17 @@ def test_loss_weight_counts():
 
 def test_make_actor_loss_fn_reads_batch_keys():
     logp = logs([1.5, 0.5])
-    mb = {"loss_mask": torch.ones(1, 2), "advantages": row([1.0, 1.0]), "logprobs": -logs([2.0, 2.0]),
-          "old_logprobs": torch.zeros(1, 2)}
+    mb = {
+        "loss_mask": torch.ones(1, 2),
+        "advantages": row([1.0, 1.0]),
+        "logprobs": -logs([2.0, 2.0]),
+        "old_logprobs": torch.zeros(1, 2),
+    }
     plain = make_actor_loss_fn(eps_clip=0.2)({"logprobs": logp}, mb)[0]
     assert plain.item() == pytest.approx((-1.2 - 0.5) / 2)  # old_logprobs is the proximal policy
-    decoupled = make_actor_loss_fn(eps_clip=0.2, use_decoupled_loss=True,
-                                   rejection_sampling=RejectionSampling())({"logprobs": logp}, mb)[0]
+    decoupled = make_actor_loss_fn(eps_clip=0.2, use_decoupled_loss=True, rejection_sampling=RejectionSampling())(
+        {"logprobs": logp}, mb
+    )[0]
     assert decoupled.item() == pytest.approx(2.0 * (-1.2 - 0.5) / 2)  # mb['logprobs'] is the behaviour policy
     with pytest.raises(ValueError, match="max_response_len"):
         make_actor_loss_fn(eps_clip=0.2, agg_mode="seq-mean-token-sum-norm")

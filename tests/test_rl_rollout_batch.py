@@ -51,8 +51,12 @@ def test_minibatches_are_contiguous_trimmed_and_skip_empty():
 
 def _numbered_batch(rows: int) -> dict:
     ids = torch.arange(rows).unsqueeze(1).repeat(1, 3) + 1
-    return {"input_ids": ids, "attention_mask": torch.ones(rows, 3, dtype=torch.long),
-            "loss_mask": torch.ones(rows, 3), "rewards": torch.arange(rows, dtype=torch.float32)}
+    return {
+        "input_ids": ids,
+        "attention_mask": torch.ones(rows, 3, dtype=torch.long),
+        "loss_mask": torch.ones(rows, 3),
+        "rewards": torch.arange(rows, dtype=torch.float32),
+    }
 
 
 def test_ppo_epochs_and_seeded_shuffle():

@@ -10,7 +10,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from dist_utils import run_distributed
 from hf_fixtures import make_tiny_tokenizer, save_tiny_hf
 
@@ -29,17 +28,30 @@ def rl_setup(tmp_path_factory):
 
 def overrides(model: Path, data: Path, out: Path, backend: str = "archon:d1", **extra) -> list[str]:
     base = {
-        "actor.backend": backend, "actor.path": str(model), "actor.dtype": "float32",
-        "actor.archon.enable_compile": False, "actor.optimizer.lr": 1e-2, "actor.optimizer.max_grad_norm": 1.0,
-        "train_dataset.path": str(data), "train_dataset.batch_size": 4, "gconfig.n_samples": 4,
-        "gconfig.max_new_tokens": 5, "total_train_steps": 3, "output_dir": str(out),
+        "actor.backend": backend,
+        "actor.path": str(model),
+        "actor.dtype": "float32",
+        "actor.archon.enable_compile": False,
+        "actor.optimizer.lr": 1e-2,
+        "actor.optimizer.max_grad_norm": 1.0,
+        "train_dataset.path": str(data),
+        "train_dataset.batch_size": 4,
+        "gconfig.n_samples": 4,
+        "gconfig.max_new_tokens": 5,
+        "total_train_steps": 3,
+        "output_dir": str(out),
         # Characters of the completion: random completions of a tiny model get varied rewards.
-        "reward.fn": "reward_fns:length_reward", "reward.n_workers": 0, "cluster.n_gpus_per_node": 8,
-        "saver.export_hf": False, "seed": 3,
+        "reward.fn": "reward_fns:length_reward",
+        "reward.n_workers": 0,
+        "cluster.n_gpus_per_node": 8,
+        "saver.export_hf": False,
+        "seed": 3,
     }
     base.update(extra)
-    return [f"{k}={json.dumps(v) if isinstance(v, str) else v if not isinstance(v, bool) else str(v).lower()}"
-            for k, v in base.items()]
+    return [
+        f"{k}={json.dumps(v) if isinstance(v, str) else v if not isinstance(v, bool) else str(v).lower()}"
+        for k, v in base.items()
+    ]
 
 
 def _train(args: list[str]) -> list[dict] | None:
@@ -66,9 +78,23 @@ def test_on_policy_step_has_ratio_one_and_server_logprobs_match_trainer(rl_setup
         assert abs(record["actor/ratio_mean"] - 1.0) < 1e-5 and record["actor/clip_frac"] == 0.0
         assert record["reward_std"] > 0 and record["actor/grad_norm"] > 0  # the step really trains
     records = [json.loads(line) for line in (root / "onpolicy" / "metrics.jsonl").read_text().splitlines()]
-    for key in ("step", "reward_mean", "reward_std", "response_len_mean", "actor/loss", "actor/clip_frac",
-                "actor/approx_kl", "actor/entropy", "actor/grad_norm", "kl_ref", "rollout_time_s", "train_time_s",
-                "weight_sync_time_s", "step_time_s", "behav_prox_logprob_diff"):
+    for key in (
+        "step",
+        "reward_mean",
+        "reward_std",
+        "response_len_mean",
+        "actor/loss",
+        "actor/clip_frac",
+        "actor/approx_kl",
+        "actor/entropy",
+        "actor/grad_norm",
+        "kl_ref",
+        "rollout_time_s",
+        "train_time_s",
+        "weight_sync_time_s",
+        "step_time_s",
+        "behav_prox_logprob_diff",
+    ):
         assert key in records[-1], key
     # After step 1 the server runs the updated weights (version "1") and still matches the trainer.
     assert history[1]["behav_prox_logprob_diff"] < 1e-5
@@ -76,14 +102,16 @@ def test_on_policy_step_has_ratio_one_and_server_logprobs_match_trainer(rl_setup
 
 def test_grpo_losses_do_not_depend_on_the_allocation(rl_setup):
     model, data, root = rl_setup
-    extra = dict(total_train_steps=3, **{"actor.ppo_n_minibatches": 2, "actor.kl_ctl": 0.05,
-                                          "actor.recompute_logprob": True})
+    extra = dict(
+        total_train_steps=3, **{"actor.ppo_n_minibatches": 2, "actor.kl_ctl": 0.05, "actor.recompute_logprob": True}
+    )
     d1 = _run(1, overrides(model, data, root / "inv_d1", **extra))
     # The reference model gets its own allocation over the same ranks.
     for actor, ref in [("archon:d2", "archon:t2"), ("archon:c2", "archon:d2"), ("archon:p2", "archon:d2")]:
         out = root / f"inv_{actor.split(':')[1]}"
-        other = _run(2, overrides(model, data, out, actor, **{**extra, "ref.backend": ref,
-                                                               "actor.archon.pp_schedule": "1F1B"}))
+        other = _run(
+            2, overrides(model, data, out, actor, **{**extra, "ref.backend": ref, "actor.archon.pp_schedule": "1F1B"})
+        )
         for key in ("actor/loss", "reward_mean", "kl_ref", "actor/grad_norm", "actor/entropy"):
             a = [r[key] for r in d1]
             b = [r[key] for r in other]
@@ -106,10 +134,20 @@ def test_resume_repeats_the_uninterrupted_run(rl_setup):
 
 def test_dynamic_filter_adaptive_kl_and_shuffled_epochs_resume_exactly_on_another_allocation(rl_setup):
     model, data, root = rl_setup
-    extra = {"total_train_steps": 3, "reward.fn": "reward_fns:crc_quarter", "dynamic_filter.enable": True,
-             "dynamic_filter.max_num_gen_batches": 3, "actor.kl_ctl": 0.05, "actor.kl_ctl_type": "adaptive",
-             "actor.kl_ctl_horizon": 100.0, "actor.ppo_epochs": 2, "actor.shuffle": True,
-             "actor.ppo_n_minibatches": 2, "actor.recompute_logprob": True, "saver.freq_steps": 1}
+    extra = {
+        "total_train_steps": 3,
+        "reward.fn": "reward_fns:crc_quarter",
+        "dynamic_filter.enable": True,
+        "dynamic_filter.max_num_gen_batches": 3,
+        "actor.kl_ctl": 0.05,
+        "actor.kl_ctl_type": "adaptive",
+        "actor.kl_ctl_horizon": 100.0,
+        "actor.ppo_epochs": 2,
+        "actor.shuffle": True,
+        "actor.ppo_n_minibatches": 2,
+        "actor.recompute_logprob": True,
+        "saver.freq_steps": 1,
+    }
     full = _run(1, overrides(model, data, root / "dyn_full", **extra))
     # The filter really dropped groups and refilled before the checkpoint the resumed run starts from,
     # so resuming exactly needs the loader position to include the extra prompts.
@@ -126,8 +164,15 @@ def test_dynamic_filter_adaptive_kl_and_shuffled_epochs_resume_exactly_on_anothe
     _run(1, overrides(model, data, out, **extra) + ["total_train_steps=1"])
     resumed = _run(2, overrides(model, data, out, "archon:d2", **extra))
     assert [r["step"] for r in resumed] == [2, 3]
-    for key in ("actor/loss", "actor/grad_norm", "reward_mean", "kl_ctl", "kl_penalty", "dynamic_filter/rounds",
-                "dynamic_filter/dropped_groups"):
+    for key in (
+        "actor/loss",
+        "actor/grad_norm",
+        "reward_mean",
+        "kl_ctl",
+        "kl_penalty",
+        "dynamic_filter/rounds",
+        "dynamic_filter/dropped_groups",
+    ):
         assert [r[key] for r in resumed] == pytest.approx([r[key] for r in full[1:]], abs=1e-4), key
 
 
@@ -136,9 +181,23 @@ def test_ppo_with_critic_trains_the_value_head(rl_setup):
     # Every completion earns 1 and rewards are not normalised (PPO's default): when truncation ends
     # the episode (verl's convention, no bootstrap), the return of every state is 1, so the value
     # loss 0.5 * (V - 1)^2 must fall as the critic learns it.
-    history = _run(1, overrides(model, data, root / "ppo", total_train_steps=4, **{
-        "reward.fn": "reward_fns:one", "actor.adv_estimator": "gae", "actor.gae_lambda": 1.0,
-        "actor.bootstrap_truncated": False, "critic.optimizer.lr": 5e-3, "critic.ppo_n_minibatches": 2}))
+    history = _run(
+        1,
+        overrides(
+            model,
+            data,
+            root / "ppo",
+            total_train_steps=4,
+            **{
+                "reward.fn": "reward_fns:one",
+                "actor.adv_estimator": "gae",
+                "actor.gae_lambda": 1.0,
+                "actor.bootstrap_truncated": False,
+                "critic.optimizer.lr": 5e-3,
+                "critic.ppo_n_minibatches": 2,
+            },
+        ),
+    )
     losses = [r["critic/value_loss"] for r in history]
     assert max(losses[1:]) < 0.2 * losses[0], losses
     assert history[-1]["critic/returns_mean"] == pytest.approx(1.0)
@@ -159,10 +218,15 @@ def test_rank0_failures_end_every_rank_with_the_same_reason(rl_setup):
     model, data, root = rl_setup
     # Nothing listens on port 9: rank 0 cannot reach the servers; rank 1 must not wait for it forever.
     args = overrides(model, data, root / "unreachable", "archon:d2", **{"rollout.setup_timeout": 2.0}) + [
-        'rollout.server_addrs=["127.0.0.1:9"]']
+        'rollout.server_addrs=["127.0.0.1:9"]'
+    ]
     errors = run_distributed(_train_expecting_failure, 2, args, timeout=300)
     assert all("starting the rollout servers failed on rank 0" in e for e in errors), errors
     assert errors[0] == errors[1] and "127.0.0.1:9" in errors[0]
-    errors = run_distributed(_train_expecting_failure, 2, overrides(model, data, root / "badfn", "archon:d2",
-                                                                    **{"reward.fn": "no_such_module:fn"}), timeout=300)
+    errors = run_distributed(
+        _train_expecting_failure,
+        2,
+        overrides(model, data, root / "badfn", "archon:d2", **{"reward.fn": "no_such_module:fn"}),
+        timeout=300,
+    )
     assert all("no_such_module" in e for e in errors), errors

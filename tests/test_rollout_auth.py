@@ -23,13 +23,13 @@ from typing import Any
 
 import pytest
 import torch
+from hf_fixtures import random_tokens, save_tiny_hf
 
 import models
 from archon.config import load_config
 from archon.rollout.auth import API_KEY_ENV, check_bind, is_loopback
 from archon.rollout.client import RolloutClient, RolloutRequestError
 from archon.rollout.launcher import RolloutLauncher, build_launch_specs
-from hf_fixtures import random_tokens, save_tiny_hf
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -67,12 +67,21 @@ def _greedy(folder: Path, prompt: list[int], n: int) -> list[int]:
     tokens = list(prompt)
     for _ in range(n):
         tokens.append(int(model(torch.tensor([tokens]))[0, -1].argmax()))
-    return tokens[len(prompt):]
+    return tokens[len(prompt) :]
 
 
 def test_launched_servers_require_the_runs_key(folders, tmp_path):
-    cfg = load_config(None, [f"actor.path={folders / 'served'}", "actor.dtype=float32", "rollout.backend=local:d1",
-                             f"output_dir={tmp_path}", "cluster.n_gpus_per_node=2", "rollout.setup_timeout=120"])
+    cfg = load_config(
+        None,
+        [
+            f"actor.path={folders / 'served'}",
+            "actor.dtype=float32",
+            "rollout.backend=local:d1",
+            f"output_dir={tmp_path}",
+            "cluster.n_gpus_per_node=2",
+            "rollout.setup_timeout=120",
+        ],
+    )
     prompt = random_tokens(5, 3)
     body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
     expected = _greedy(folders / "served", prompt, 4)
@@ -88,8 +97,13 @@ def test_launched_servers_require_the_runs_key(folders, tmp_path):
         attempts = {
             "/generate": body,
             "/update_weights_from_disk": {"model_path": str(folders / "other"), "weight_version": "evil"},
-            "/init_weights_update_group": {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
-                                           "world_size": 2, "group_name": "evil"},
+            "/init_weights_update_group": {
+                "master_address": "127.0.0.1",
+                "master_port": 1,
+                "rank_offset": 1,
+                "world_size": 2,
+                "group_name": "evil",
+            },
             "/pause_generation": {},
         }
         for path, payload in attempts.items():
@@ -123,19 +137,50 @@ def test_routable_addresses_need_a_key(folders, tmp_path):
 
     # The CLI refuses before loading anything.
     env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
-    out = subprocess.run([sys.executable, "-m", "archon.rollout.server", "--model-path", str(folders / "served"),
-                          "--host", "0.0.0.0", "--port", "1"], capture_output=True, text=True, env=env, cwd=REPO,
-                         timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "archon.rollout.server",
+            "--model-path",
+            str(folders / "served"),
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=120,
+    )
     assert out.returncode != 0 and "Traceback" not in out.stderr
     assert "reachable from other machines" in out.stderr and "ARCHON_API_KEY" in out.stderr
 
     # Multi-node runs bind every interface, and every server gets the run's key (node 0's: the plan puts them there).
-    cfg = load_config(None, [f"actor.path={folders / 'served'}", "rollout.backend=local:d2", "cluster.n_nodes=2",
-                             "cluster.n_gpus_per_node=2", "actor.backend=archon:d2"])
+    cfg = load_config(
+        None,
+        [
+            f"actor.path={folders / 'served'}",
+            "rollout.backend=local:d2",
+            "cluster.n_nodes=2",
+            "cluster.n_gpus_per_node=2",
+            "actor.backend=archon:d2",
+        ],
+    )
     specs = build_launch_specs(cfg, tmp_path, node=0)
     assert {s.host for s in specs} == {"0.0.0.0"} and len({s.api_key for s in specs}) == 1
     assert all(s.env[API_KEY_ENV] == s.api_key for s in specs)
-    sg = load_config(None, [f"actor.path={folders / 'served'}", "rollout.backend=sglang:d2t1", "cluster.n_nodes=2",
-                            "cluster.n_gpus_per_node=2", "actor.backend=archon:d2"])
+    sg = load_config(
+        None,
+        [
+            f"actor.path={folders / 'served'}",
+            "rollout.backend=sglang:d2t1",
+            "cluster.n_nodes=2",
+            "cluster.n_gpus_per_node=2",
+            "actor.backend=archon:d2",
+        ],
+    )
     for spec in build_launch_specs(sg, tmp_path, node=0, api_key="k123"):
         assert spec.cmd[spec.cmd.index("--api-key") + 1] == "k123"

@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
 import torch
+from dist_utils import find_free_port, wait_until
+from fake_sglang import FakeSGLang, fake_completion
 from safetensors.torch import save_file
 
 from archon.config import GenerationConfig
 from archon.rollout.client import RolloutClient, RolloutError, RolloutRequestError
 from archon.rollout.server_api import sampling_params
-from dist_utils import find_free_port, wait_until
-from fake_sglang import FakeSGLang, fake_completion
 
 PARAMS = {"max_new_tokens": 6, "temperature": 0.0}  # greedy: predictable on any fake server
 
@@ -91,8 +91,12 @@ def test_per_prompt_sampling_params_and_stop_tokens(make_servers):
     servers = make_servers(2)
     prompts = _prompts(4)
     first = fake_completion(prompts[1], {**PARAMS, "max_new_tokens": 8})[0]
-    per = [dict(PARAMS), {**PARAMS, "max_new_tokens": 8, "stop_token_ids": [first[2]]}, dict(PARAMS),
-           {**PARAMS, "max_new_tokens": 2}]
+    per = [
+        dict(PARAMS),
+        {**PARAMS, "max_new_tokens": 8, "stop_token_ids": [first[2]]},
+        dict(PARAMS),
+        {**PARAMS, "max_new_tokens": 2},
+    ]
     with _client(servers) as client:
         results = client.generate_many(prompts, per)
         with pytest.raises(ValueError, match="4 prompts but 3 sampling_params"):
@@ -219,8 +223,14 @@ def test_init_weights_update_group_rank_offsets(make_servers):
             client.update_weights_from_distributed(["w"], ["float32"], [[2]], "other", 1)
     reqs = [s.group_requests[0] for s in servers]
     assert [r["rank_offset"] for r in reqs] == [1, 3, 5]
-    assert all(r["world_size"] == 7 and r["master_address"] == "10.0.0.1" and r["master_port"] == 29555
-               and r["group_name"] == "g" and r["backend"] == "nccl" for r in reqs)
+    assert all(
+        r["world_size"] == 7
+        and r["master_address"] == "10.0.0.1"
+        and r["master_port"] == 29555
+        and r["group_name"] == "g"
+        and r["backend"] == "nccl"
+        for r in reqs
+    )
 
 
 def test_pause_continue_and_flush_fan_out(make_servers):
@@ -240,8 +250,17 @@ def test_pause_continue_and_flush_fan_out(make_servers):
 def test_sampling_params_from_generation_config():
     g = GenerationConfig(max_new_tokens=32, temperature=0.0, top_k=5, stop_token_ids=[2])
     params = sampling_params(g, sampling_seed=3)
-    assert params == {"max_new_tokens": 32, "min_new_tokens": 0, "temperature": 0.0, "top_p": 1.0, "top_k": 5,
-                      "min_p": 0.0, "stop_token_ids": [2], "ignore_eos": False, "sampling_seed": 3}
+    assert params == {
+        "max_new_tokens": 32,
+        "min_new_tokens": 0,
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "top_k": 5,
+        "min_p": 0.0,
+        "stop_token_ids": [2],
+        "ignore_eos": False,
+        "sampling_seed": 3,
+    }
 
 
 def test_bad_addresses_are_rejected():

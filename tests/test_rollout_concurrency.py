@@ -22,10 +22,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 import torch
-
-import models
 from dist_utils import find_free_port
 from hf_fixtures import random_tokens, save_tiny_hf
+
+import models
 
 REPO = Path(__file__).resolve().parents[1]
 N_REQUESTS = 200
@@ -59,18 +59,25 @@ def _requests() -> list[dict]:
     out = []
     for i in range(N_REQUESTS):
         prompt = random_tokens(2 + (i * 37) % 90, 1000 + i)
-        out.append({"input_ids": prompt, "return_logprob": True, "rid": f"drill-{i}",
-                    "sampling_params": {"max_new_tokens": 8 + (i * 13) % 56, "temperature": 0, "ignore_eos": True}})
+        out.append(
+            {
+                "input_ids": prompt,
+                "return_logprob": True,
+                "rid": f"drill-{i}",
+                "sampling_params": {"max_new_tokens": 8 + (i * 13) % 56, "temperature": 0, "ignore_eos": True},
+            }
+        )
     return out
 
 
 async def _burst(url: str, bodies: list[dict]) -> list[tuple[int, dict]]:
     # One connection per request, all at once: the bound is the request count, on loopback.
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=N_REQUESTS)) as session:
+
         async def one(body: dict) -> tuple[int, dict]:
-            async with session.post(url + "/generate", json=body,
-                                    timeout=aiohttp.ClientTimeout(total=600)) as r:
+            async with session.post(url + "/generate", json=body, timeout=aiohttp.ClientTimeout(total=600)) as r:
                 return r.status, await r.json()
+
         return await asyncio.gather(*(one(b) for b in bodies))
 
 
@@ -79,7 +86,7 @@ def _check_greedy(model: torch.nn.Module, body: dict, answer: dict) -> None:
     prompt, n = body["input_ids"], body["sampling_params"]["max_new_tokens"]
     out = answer["output_ids"]
     assert answer["meta_info"]["id"] == body["rid"] and len(out) == n
-    logits = model(torch.tensor([prompt + out]))[0, len(prompt) - 1:-1].float()
+    logits = model(torch.tensor([prompt + out]))[0, len(prompt) - 1 : -1].float()
     assert logits.argmax(-1).tolist() == out, body["rid"]
     expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(out)[:, None]).squeeze(1)
     got = torch.tensor([lp for lp, _, _ in answer["meta_info"]["output_token_logprobs"]])
@@ -91,8 +98,23 @@ def test_200_concurrent_requests_are_correct_and_leave_nothing_behind(tmp_path):
     folder = tmp_path / "model"
     save_tiny_hf(folder, "qwen3", seed=61)
     port = find_free_port()
-    cmd = [sys.executable, "-m", "archon.rollout.server", "--model-path", str(folder), "--host", "127.0.0.1",
-           "--port", str(port), "--random-seed", "0", "--log-level", "warning", "--dtype", "float32"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "archon.rollout.server",
+        "--model-path",
+        str(folder),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--random-seed",
+        "0",
+        "--log-level",
+        "warning",
+        "--dtype",
+        "float32",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     env.pop("ARCHON_API_KEY", None)
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -122,8 +144,10 @@ def test_200_concurrent_requests_are_correct_and_leave_nothing_behind(tmp_path):
             after = _wait_idle(url)
             assert after["kv_cache_bytes"] == idle["kv_cache_bytes"], (idle, after)
             rss.append(_rss_mb(proc.pid))
-        print(f"server RSS after burst 1: {rss[0]:.1f} MB, after burst 2: {rss[1]:.1f} MB; "
-              f"idle KV cache {idle['kv_cache_bytes']} bytes")
+        print(
+            f"server RSS after burst 1: {rss[0]:.1f} MB, after burst 2: {rss[1]:.1f} MB; "
+            f"idle KV cache {idle['kv_cache_bytes']} bytes"
+        )
         assert rss[1] - rss[0] < RSS_TOLERANCE_MB, rss
     finally:
         proc.terminate()

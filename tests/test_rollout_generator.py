@@ -8,18 +8,18 @@ sequence through the model at every step, logprobs from one full forward over
 from __future__ import annotations
 
 import json
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch
 import torch.nn as nn
+from hf_fixtures import random_tokens, save_tiny_hf
 
 import models
 from archon.rollout.generator import GenerationRequest, Generator
 from archon.rollout.kv_cache import BatchedKVCache
 from archon.rollout.sampling import SamplingParams
 from archon.rollout.weight_update import read_eos_token_ids
-from hf_fixtures import random_tokens, save_tiny_hf
 
 ATOL = 1e-5
 
@@ -43,8 +43,9 @@ def qwen3(folders):
 
 
 @torch.no_grad()
-def greedy_reference(model: nn.Module, prompt: list[int], n: int, banned: tuple[set[int], int] = (set(), 0),
-                     stop: set[int] = frozenset()) -> list[int]:
+def greedy_reference(
+    model: nn.Module, prompt: list[int], n: int, banned: tuple[set[int], int] = (set(), 0), stop: set[int] = frozenset()
+) -> list[int]:
     """Argmax decoding with full recomputation; ``banned = (ids, until)`` masks ids before ``until`` tokens."""
     tokens = list(prompt)
     out: list[int] = []
@@ -64,7 +65,7 @@ def greedy_reference(model: nn.Module, prompt: list[int], n: int, banned: tuple[
 def logprob_reference(model: nn.Module, prompt: list[int], completion: list[int], temperature: float) -> torch.Tensor:
     logits = model(torch.tensor([prompt + completion]))[0].float()
     lp = torch.log_softmax(logits / temperature, dim=-1)
-    return lp[len(prompt) - 1:-1].gather(1, torch.tensor(completion)[:, None]).squeeze(1)
+    return lp[len(prompt) - 1 : -1].gather(1, torch.tensor(completion)[:, None]).squeeze(1)
 
 
 def _greedy(prompt: list[int], n: int, **kw) -> GenerationRequest:
@@ -72,6 +73,7 @@ def _greedy(prompt: list[int], n: int, **kw) -> GenerationRequest:
 
 
 # ---- KV cache ---------------------------------------------------------------------------------
+
 
 @torch.no_grad()
 def test_kv_cache_padding_growth_and_compaction_match_full_forward(qwen3):
@@ -84,7 +86,7 @@ def test_kv_cache_padding_growth_and_compaction_match_full_forward(qwen3):
         longest = max(map(len, new))
         tokens = torch.zeros(len(new), longest, dtype=torch.long)
         for i, s in enumerate(new):
-            tokens[i, :len(s)] = torch.tensor(s)
+            tokens[i, : len(s)] = torch.tensor(s)
         cache.begin_forward(start, start + len(new), longest, valid=[len(s) for s in new])
         logits = qwen3(tokens, positions=cache.positions(), cache=cache)
         cache.end_forward()
@@ -119,6 +121,7 @@ def test_kv_cache_padding_growth_and_compaction_match_full_forward(qwen3):
 
 # ---- greedy decoding and logprobs ---------------------------------------------------------------
 
+
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe"])
 def test_greedy_equals_full_recomputation(folders, model_type):
     model = models.load_hf_model(folders[model_type])
@@ -138,14 +141,18 @@ def test_logprobs_equal_recomputation_before_filtering(qwen3, temperature, top_k
     prompts = [random_tokens(6, 20), random_tokens(3, 21)]
     params = dict(max_new_tokens=16, temperature=temperature, top_k=top_k, top_p=top_p)
     with Generator(qwen3) as gen:
-        results = gen.generate([GenerationRequest(p, SamplingParams(**params, sampling_seed=i), return_logprob=True)
-                                for i, p in enumerate(prompts)])
+        results = gen.generate(
+            [
+                GenerationRequest(p, SamplingParams(**params, sampling_seed=i), return_logprob=True)
+                for i, p in enumerate(prompts)
+            ]
+        )
     filtered_mass = []
     for p, r in zip(prompts, results):
         ref = logprob_reference(qwen3, p, r.output_ids, temperature)
         assert (torch.tensor(r.output_logprobs) - ref).abs().max() < ATOL
         with torch.no_grad():
-            logits = qwen3(torch.tensor([p + r.output_ids]))[0, len(p) - 1:-1]
+            logits = qwen3(torch.tensor([p + r.output_ids]))[0, len(p) - 1 : -1]
         # Sampling did filter: every token is in the top_k of its step ...
         ranks = (logits > logits.gather(1, torch.tensor(r.output_ids)[:, None])).sum(-1)
         assert (ranks < top_k).all()
@@ -155,6 +162,7 @@ def test_logprobs_equal_recomputation_before_filtering(qwen3, temperature, top_k
 
 
 # ---- continuous batching ------------------------------------------------------------------------
+
 
 class _Triggered(nn.Module):
     """The model, plus callbacks fired after given forward calls (to inject arrivals mid-decode)."""
@@ -193,16 +201,20 @@ def test_continuous_batching_equals_one_at_a_time(qwen3):
     for b, a, (n, m) in zip(batched, alone, specs):
         assert b.output_ids == a.output_ids and len(b.output_ids) == m
         assert max(abs(x - y) for x, y in zip(b.output_logprobs, a.output_logprobs)) < ATOL
-    assert [b.output_ids for b in batched[:2]] == [greedy_reference(qwen3, r.input_ids, m)
-                                                  for r, (_, m) in zip(requests[:2], specs[:2])]
+    assert [b.output_ids for b in batched[:2]] == [
+        greedy_reference(qwen3, r.input_ids, m) for r, (_, m) in zip(requests[:2], specs[:2])
+    ]
 
 
 def test_identical_prompts_prefilled_once_give_per_request_results(qwen3):
     # A GRPO group: one prompt sampled several times, next to another prompt.
     p, q = random_tokens(9, 60), random_tokens(5, 61)
-    requests = [GenerationRequest(prompt, SamplingParams(max_new_tokens=8, temperature=1.0, sampling_seed=seed),
-                                  return_logprob=True)
-                for prompt, seed in [(p, 1), (q, 2), (p, 3), (p, 4), (q, 5)]]
+    requests = [
+        GenerationRequest(
+            prompt, SamplingParams(max_new_tokens=8, temperature=1.0, sampling_seed=seed), return_logprob=True
+        )
+        for prompt, seed in [(p, 1), (q, 2), (p, 3), (p, 4), (q, 5)]
+    ]
     model = _Triggered(qwen3)
     with Generator(model) as gen:
         gen.pause().result(timeout=60)  # queue all five, then admit them in one prefill
@@ -219,6 +231,7 @@ def test_identical_prompts_prefilled_once_give_per_request_results(qwen3):
 
 
 # ---- seeds ---------------------------------------------------------------------------------------
+
 
 def _sampled(prompt: list[int], seed: int | None, n: int = 16, **kw) -> GenerationRequest:
     return GenerationRequest(prompt, SamplingParams(max_new_tokens=n, temperature=1.0, sampling_seed=seed, **kw))
@@ -252,7 +265,7 @@ def test_top_k_restricts_the_support(qwen3):
     seen = set()
     for r in results:
         with torch.no_grad():
-            logits = qwen3(torch.tensor([p + r.output_ids]))[0, len(p) - 1:-1]
+            logits = qwen3(torch.tensor([p + r.output_ids]))[0, len(p) - 1 : -1]
         top2 = logits.topk(2, dim=-1).indices
         assert (top2 == torch.tensor(r.output_ids)[:, None]).any(-1).all()
         seen.add(r.output_ids[0])
@@ -260,6 +273,7 @@ def test_top_k_restricts_the_support(qwen3):
 
 
 # ---- stop conditions -------------------------------------------------------------------------------
+
 
 def _first_new_token(tokens: list[int], at_least: int) -> tuple[int, int]:
     """A token whose first occurrence is at index >= ``at_least``: ``(token, index)``."""
@@ -275,23 +289,26 @@ def test_stop_tokens_eos_min_new_tokens_and_length(qwen3):
     stop, at = _first_new_token(full, 3)
     eos, eos_at = _first_new_token(full, at + 1)
     with Generator(qwen3, eos_token_ids=[eos]) as gen:
-        by_stop, by_eos, ignored, held, length, zero = gen.generate([
-            _greedy(p, 24, stop_token_ids=[stop]),
-            _greedy(p, 24),
-            _greedy(p, 24, ignore_eos=True, stop_token_ids=[stop]),  # SGLang: ignore_eos ignores both
-            _greedy(p, 24, stop_token_ids=[stop], min_new_tokens=eos_at + 2),
-            _greedy(p, 2),
-            _greedy(p, 0),
-        ])
-    assert by_stop.output_ids == full[:at + 1] and by_stop.finish_reason == {"type": "stop", "matched": stop}
-    assert by_eos.output_ids == full[:eos_at + 1] and by_eos.finish_reason == {"type": "stop", "matched": eos}
+        by_stop, by_eos, ignored, held, length, zero = gen.generate(
+            [
+                _greedy(p, 24, stop_token_ids=[stop]),
+                _greedy(p, 24),
+                _greedy(p, 24, ignore_eos=True, stop_token_ids=[stop]),  # SGLang: ignore_eos ignores both
+                _greedy(p, 24, stop_token_ids=[stop], min_new_tokens=eos_at + 2),
+                _greedy(p, 2),
+                _greedy(p, 0),
+            ]
+        )
+    assert by_stop.output_ids == full[: at + 1] and by_stop.finish_reason == {"type": "stop", "matched": stop}
+    assert by_eos.output_ids == full[: eos_at + 1] and by_eos.finish_reason == {"type": "stop", "matched": eos}
     assert ignored.output_ids == full and ignored.finish_reason == {"type": "length", "length": 24}
     # min_new_tokens: neither stop nor EOS can be chosen before eos_at + 2 tokens exist.
     expected = greedy_reference(qwen3, p, 24, banned=({stop, eos}, eos_at + 2), stop={stop, eos})
-    assert held.output_ids == expected and not {stop, eos} & set(held.output_ids[:eos_at + 2])
+    assert held.output_ids == expected and not {stop, eos} & set(held.output_ids[: eos_at + 2])
     matched = expected[-1] in (stop, eos)  # even as the 24th token: stop is checked before length
-    assert held.finish_reason == ({"type": "stop", "matched": expected[-1]} if matched
-                                  else {"type": "length", "length": 24})
+    assert held.finish_reason == (
+        {"type": "stop", "matched": expected[-1]} if matched else {"type": "length", "length": 24}
+    )
     assert length.output_ids == full[:2] and length.finish_reason == {"type": "length", "length": 2}
     assert zero.output_ids == [] and zero.finish_reason == {"type": "length", "length": 0}
 
@@ -303,17 +320,21 @@ def test_eos_as_the_last_allowed_token_is_stop_as_in_sglang(qwen3):
     with Generator(qwen3, eos_token_ids=[eos]) as gen:
         last, before = gen.generate([_greedy(p, at + 1), _greedy(p, at)])
     # SGLang checks stop tokens before the length budget (Req.update_finish_state).
-    assert last.output_ids == full[:at + 1] and last.finish_reason == {"type": "stop", "matched": eos}
+    assert last.output_ids == full[: at + 1] and last.finish_reason == {"type": "stop", "matched": eos}
     assert before.output_ids == full[:at] and before.finish_reason == {"type": "length", "length": at}
 
 
 def test_top_k_one_is_greedy_with_unscaled_logprobs_as_in_sglang(qwen3):
     p = random_tokens(7, 62)
     with Generator(qwen3) as gen:
-        top1, greedy = gen.generate([
-            GenerationRequest(p, SamplingParams(max_new_tokens=10, temperature=0.6, top_k=1, sampling_seed=4),
-                              return_logprob=True),
-            _greedy(p, 10)])
+        top1, greedy = gen.generate(
+            [
+                GenerationRequest(
+                    p, SamplingParams(max_new_tokens=10, temperature=0.6, top_k=1, sampling_seed=4), return_logprob=True
+                ),
+                _greedy(p, 10),
+            ]
+        )
     assert top1.output_ids == greedy.output_ids == greedy_reference(qwen3, p, 10)
     # SGLang's all-greedy path (every top_k <= 1) reports log_softmax(logits), not of logits / T.
     ref = logprob_reference(qwen3, p, top1.output_ids, 1.0)

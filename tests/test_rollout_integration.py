@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from archon.rollout.auth import auth_headers
 from dist_utils import run_distributed, wait_until
 from engine_utils import engine_config, make_batch, sft_loss, sft_weight
 from hf_fixtures import save_tiny_hf
+
+from archon.rollout.auth import auth_headers
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +33,18 @@ def model_dir(tmp_path_factory) -> Path:
 def _config(model: Path, run_dir: Path, servers: int):
     from archon.config import load_config
 
-    return load_config(None, [f"actor.path={model}", "actor.dtype=float32", "actor.backend=archon:d2",
-                              f"rollout.backend=local:d{servers}", f"output_dir={run_dir}",
-                              "cluster.n_gpus_per_node=8", "rollout.setup_timeout=300"])
+    return load_config(
+        None,
+        [
+            f"actor.path={model}",
+            "actor.dtype=float32",
+            "actor.backend=archon:d2",
+            f"rollout.backend=local:d{servers}",
+            f"output_dir={run_dir}",
+            "cluster.n_gpus_per_node=8",
+            "rollout.setup_timeout=300",
+        ],
+    )
 
 
 def _server_info(addr: str, api_key: str | None) -> dict:
@@ -46,8 +55,9 @@ def _server_info(addr: str, api_key: str | None) -> dict:
 
 def _prompts(n: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(5)
-    return [torch.randint(2, 128, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+    return [
+        torch.randint(2, 128, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist() for _ in range(n)
+    ]
 
 
 def test_client_spreads_load_and_survives_a_killed_server(model_dir, tmp_path):
@@ -58,12 +68,13 @@ def test_client_spreads_load_and_survives_a_killed_server(model_dir, tmp_path):
     with RolloutLauncher.from_config(cfg, tmp_path) as launcher:  # starts the servers
         addrs = launcher.addrs
         pids = launcher.pids
-        with RolloutClient(addrs, request_timeout=300, retries=3, backoff_s=0.05,
-                           api_key=launcher.api_key) as client:
+        with RolloutClient(addrs, request_timeout=300, retries=3, backoff_s=0.05, api_key=launcher.api_key) as client:
             client.wait_healthy(300)
             prompts = _prompts(24)
-            params = [{"max_new_tokens": 6, "temperature": 1.0, "sampling_seed": 100 + i, "ignore_eos": True}
-                      for i in range(24)]
+            params = [
+                {"max_new_tokens": 6, "temperature": 1.0, "sampling_seed": 100 + i, "ignore_eos": True}
+                for i in range(24)
+            ]
             first = client.generate_many(prompts, params)
             assert {r.server for r in first} == {f"http://{a}" for a in addrs}
             # Seeded sampling is a function of the request, whichever server answers it.
@@ -75,7 +86,9 @@ def test_client_spreads_load_and_survives_a_killed_server(model_dir, tmp_path):
             long_params = [{**p, "max_new_tokens": 200} for p in params]
             future = client.submit(client.agenerate_many(prompts, long_params))
             # Once server 0 is decoding, its requests have ~200 steps to go: the kill lands mid-generation.
-            wait_until(lambda: _server_info(addrs[0], launcher.api_key)["num_running_reqs"] > 0, "server 0 to start generating")
+            wait_until(
+                lambda: _server_info(addrs[0], launcher.api_key)["num_running_reqs"] > 0, "server 0 to start generating"
+            )
             os.kill(pids[0], signal.SIGKILL)
             results = future.result(timeout=120)
             assert all(len(r.output_ids) == 200 for r in results)
@@ -116,18 +129,20 @@ def _sync_and_compare(model: str, run_dir: str, mode: str):
         results = payload[0]
         rows = [p + out for p, (out, *_) in zip(prompts, results)]
         width = max(map(len, rows))
-        batch = {"input_ids": torch.zeros(len(rows), width, dtype=torch.long),
-                 "attention_mask": torch.zeros(len(rows), width, dtype=torch.long)}
+        batch = {
+            "input_ids": torch.zeros(len(rows), width, dtype=torch.long),
+            "attention_mask": torch.zeros(len(rows), width, dtype=torch.long),
+        }
         for b, row in enumerate(rows):
-            batch["input_ids"][b, :len(row)] = torch.tensor(row)
-            batch["attention_mask"][b, :len(row)] = 1
+            batch["input_ids"][b, : len(row)] = torch.tensor(row)
+            batch["attention_mask"][b, : len(row)] = 1
         trainer_logprobs = engine.forward(batch)["logprobs"]
         sync.close()
         if not rank0:
             return None
         out = []
         for b, (p, (ids, lps, version, server)) in enumerate(zip(prompts, results)):
-            mine = trainer_logprobs[b, len(p):len(p) + len(ids)].tolist()
+            mine = trainer_logprobs[b, len(p) : len(p) + len(ids)].tolist()
             out.append((p + list(ids), lps, mine, version, server))
         return out, stats
     finally:
@@ -155,6 +170,6 @@ def test_weight_sync_from_a_sharded_engine_gives_the_servers_the_new_policy(mode
         with torch.no_grad():
             logp = torch.log_softmax(old(torch.tensor([tokens]))[0].float(), -1)
         n = len(server_lps)
-        old_lps = logp[-n - 1:-1].gather(-1, torch.tensor(tokens[-n:])[:, None])[:, 0]
+        old_lps = logp[-n - 1 : -1].gather(-1, torch.tensor(tokens[-n:])[:, None])[:, 0]
         moved = max(moved, max(abs(a - b) for a, b in zip(server_lps, old_lps.tolist())))
     assert moved > 1e-3

@@ -12,14 +12,14 @@ import threading
 
 import pytest
 import torch
+from hf_fixtures import random_tokens, save_tiny_hf
+from test_rollout_generator import _Triggered, greedy_reference, logprob_reference
 
 import models
-from archon.rollout.server_api import token_versions
 from archon.rollout.generator import GenerationRequest, Generator
 from archon.rollout.protocol import generate_response
 from archon.rollout.sampling import SamplingParams
-from hf_fixtures import random_tokens, save_tiny_hf
-from test_rollout_generator import _Triggered, greedy_reference, logprob_reference
+from archon.rollout.server_api import token_versions
 
 ATOL = 1e-5
 
@@ -35,8 +35,11 @@ def old_and_new(tmp_path_factory):
 
 
 def _request(prompt: list[int], n: int, temperature: float, seed: int | None = None) -> GenerationRequest:
-    return GenerationRequest(prompt, SamplingParams(max_new_tokens=n, temperature=temperature, ignore_eos=True,
-                                                    sampling_seed=seed), return_logprob=True)
+    return GenerationRequest(
+        prompt,
+        SamplingParams(max_new_tokens=n, temperature=temperature, ignore_eos=True, sampling_seed=seed),
+        return_logprob=True,
+    )
 
 
 def _interrupted(model, requests, after_forward: int, update=None):
@@ -103,15 +106,22 @@ def test_a_weight_update_during_a_retract_is_a_partial_rollout(old_and_new):
         assert (by_old[4:] - by_new[4:]).abs().max() > 1e-2  # the versions really differ there
     # The HTTP answer carries SGLang's spans, and the client expands them per token.
     meta = generate_response(sampled)["meta_info"]
-    assert meta["weight_versions"] == [{"version": "default", "start": 0, "end": 4},
-                                       {"version": "1", "start": 4, "end": 9}]
+    assert meta["weight_versions"] == [
+        {"version": "default", "start": 0, "end": 4},
+        {"version": "1", "start": 4, "end": 9},
+    ]
     assert token_versions(meta, 9) == ["default"] * 4 + ["1"] * 5
 
 
 def test_token_versions_follow_sglang_spans_or_fall_back_to_the_answer_version():
     # SGLang 0.5.x: spans (objects, or msgspec's arrays); older servers: only weight_version.
-    assert token_versions({"weight_version": "3", "weight_versions": [
-        {"version": "2", "start": 0, "end": 2}, {"version": "3", "start": 2, "end": 5}]}, 5) == ["2", "2", "3", "3", "3"]
+    assert token_versions(
+        {
+            "weight_version": "3",
+            "weight_versions": [{"version": "2", "start": 0, "end": 2}, {"version": "3", "start": 2, "end": 5}],
+        },
+        5,
+    ) == ["2", "2", "3", "3", "3"]
     assert token_versions({"weight_version": "3", "weight_versions": [["2", 0, 1], ["3", 1, 3]]}, 3) == ["2", "3", "3"]
     assert token_versions({"weight_version": "7"}, 3) == ["7"] * 3
     assert token_versions({"weight_version": "7", "weight_versions": [{"version": "7", "start": 0, "end": 0}]}, 0) == []

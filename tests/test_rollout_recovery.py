@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from dist_utils import run_distributed
 from hf_fixtures import make_tiny_tokenizer, save_tiny_hf
 
@@ -45,13 +44,28 @@ def rl_setup(tmp_path_factory):
 
 
 def _overrides(model: Path, data: Path, out: Path, backend: str, servers: int, **extra) -> list[str]:
-    base = {"actor.backend": backend, "actor.path": model, "actor.dtype": "float32",
-            "actor.archon.enable_compile": "false", "actor.optimizer.lr": 1e-2, "train_dataset.path": data,
-            "train_dataset.batch_size": 4, "gconfig.n_samples": 4, "gconfig.max_new_tokens": 5,
-            "total_train_steps": 4, "output_dir": out, "reward.fn": "reward_fns:length_reward",
-            "reward.n_workers": 0, "cluster.n_gpus_per_node": 8, "saver.export_hf": "false", "seed": 3,
-            "rollout.backend": f"local:d{servers}", "rollout.setup_timeout": 120, "rollout.request_retries": 2,
-            "saver.freq_steps": 1}
+    base = {
+        "actor.backend": backend,
+        "actor.path": model,
+        "actor.dtype": "float32",
+        "actor.archon.enable_compile": "false",
+        "actor.optimizer.lr": 1e-2,
+        "train_dataset.path": data,
+        "train_dataset.batch_size": 4,
+        "gconfig.n_samples": 4,
+        "gconfig.max_new_tokens": 5,
+        "total_train_steps": 4,
+        "output_dir": out,
+        "reward.fn": "reward_fns:length_reward",
+        "reward.n_workers": 0,
+        "cluster.n_gpus_per_node": 8,
+        "saver.export_hf": "false",
+        "seed": 3,
+        "rollout.backend": f"local:d{servers}",
+        "rollout.setup_timeout": 120,
+        "rollout.request_retries": 2,
+        "saver.freq_steps": 1,
+    }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
 
@@ -123,13 +137,21 @@ def test_lost_server_among_others_is_restarted_then_dropped(rl_setup, reference)
     model, data, root = rl_setup
     out = root / "two_servers"
     # Rollout 2: server 0 dies (restarted before the sync); rollout 3: server 1 dies (no restart left: dropped).
-    history = run_distributed(_train, 2, _overrides(model, data, out, "archon:d2", 2,
-                                                    **{"rollout.max_server_restarts": 1}),
-                              {2: [0], 3: [1]}, timeout=600)[0]
+    history = run_distributed(
+        _train,
+        2,
+        _overrides(model, data, out, "archon:d2", 2, **{"rollout.max_server_restarts": 1}),
+        {2: [0], 3: [1]},
+        timeout=600,
+    )[0]
     assert isinstance(history, list), history
     _assert_same_run(history, reference)
-    assert [(r["rollout/server_restarts"], r["rollout/servers_dropped"]) for r in history] == \
-        [(0, 0), (1, 0), (1, 1), (1, 1)]
+    assert [(r["rollout/server_restarts"], r["rollout/servers_dropped"]) for r in history] == [
+        (0, 0),
+        (1, 0),
+        (1, 1),
+        (1, 1),
+    ]
 
 
 def test_last_server_is_restarted_with_the_current_policy_then_the_run_stops_clearly(rl_setup, reference):
@@ -137,9 +159,13 @@ def test_last_server_is_restarted_with_the_current_policy_then_the_run_stops_cle
     out = root / "one_server"
     # Rollout 2: the only server dies (restarted, given policy v1, rollout repeated: call 3);
     # rollout 4 (step 3): it dies again with no restart left.
-    errors = run_distributed(_train, 1, _overrides(model, data, out, "archon:d1", 1,
-                                                   **{"rollout.max_server_restarts": 1}),
-                             {2: [0], 4: [0]}, timeout=600)
+    errors = run_distributed(
+        _train,
+        1,
+        _overrides(model, data, out, "archon:d1", 1, **{"rollout.max_server_restarts": 1}),
+        {2: [0], 4: [0]},
+        timeout=600,
+    )
     error = errors[0]
     assert isinstance(error, str) and error.startswith("RankZeroError: rollout of step 3 failed on rank 0: "), error
     assert "no rollout server is left" in error and "its process exited with code -9" in error
@@ -154,9 +180,10 @@ def test_last_server_is_restarted_with_the_current_policy_then_the_run_stops_cle
 
 
 def test_servers_archon_did_not_start_are_dropped_and_named_when_none_is_left():
+    from fake_sglang import FakeSGLang
+
     from archon.rollout.client import RolloutClient, RolloutError
     from archon.rollout.recovery import ServerSupervisor
-    from fake_sglang import FakeSGLang
 
     servers = [FakeSGLang().start() for _ in range(2)]
     try:

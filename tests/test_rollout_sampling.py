@@ -24,8 +24,14 @@ def _sample(logits, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0, seed=0):
     b = logits.shape[0]
     full = lambda v, dt: torch.full((b,), v, dtype=dt)  # noqa: E731
     uniforms = torch.rand(b, generator=torch.Generator().manual_seed(seed))
-    return sample_tokens(logits, full(temperature, torch.float32), full(top_k, torch.long),
-                         full(top_p, torch.float32), full(min_p, torch.float32), uniforms)
+    return sample_tokens(
+        logits,
+        full(temperature, torch.float32),
+        full(top_k, torch.long),
+        full(top_p, torch.float32),
+        full(min_p, torch.float32),
+        uniforms,
+    )
 
 
 def _allowed(logits_row: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> dict[int, float]:
@@ -49,10 +55,20 @@ def _allowed(logits_row: torch.Tensor, temperature: float, top_k: int, top_p: fl
     return {t: probs[t] / total for t in kept}
 
 
-@pytest.mark.parametrize("field,value", [
-    ("max_new_tokens", -1), ("min_new_tokens", -1), ("temperature", -0.1), ("temperature", float("nan")),
-    ("top_p", 0.0), ("top_p", 1.5), ("top_k", 0), ("top_k", -2), ("min_p", 1.5),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("max_new_tokens", -1),
+        ("min_new_tokens", -1),
+        ("temperature", -0.1),
+        ("temperature", float("nan")),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", 0),
+        ("top_k", -2),
+        ("min_p", 1.5),
+    ],
+)
 def test_sampling_params_reject_bad_values(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value}).validate()
@@ -68,14 +84,17 @@ def test_greedy_and_top_k_one_are_argmax():
         assert torch.equal(_sample(logits, temperature=0.8, top_k=1, seed=seed), argmax)
 
 
-@pytest.mark.parametrize("kw", [
-    dict(temperature=1.0),
-    dict(temperature=0.7, top_k=5),
-    dict(temperature=1.3, top_p=0.6),
-    dict(temperature=1.0, top_k=8, top_p=0.7),
-    dict(temperature=0.9, min_p=0.2),
-    dict(temperature=1.0, top_k=10, top_p=0.9, min_p=0.1),
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(temperature=1.0),
+        dict(temperature=0.7, top_k=5),
+        dict(temperature=1.3, top_p=0.6),
+        dict(temperature=1.0, top_k=8, top_p=0.7),
+        dict(temperature=0.9, min_p=0.2),
+        dict(temperature=1.0, top_k=10, top_p=0.9, min_p=0.1),
+    ],
+)
 def test_sampling_matches_the_filtered_distribution(kw):
     n = 20000
     logits = _logits(1, seed=2).expand(n, V).contiguous()
@@ -97,8 +116,7 @@ def test_top_k_and_top_p_filter_jointly_not_one_after_the_other():
     logits = torch.log(torch.tensor([0.1, 0.4, 0.2, 0.3]))[None].expand(20000, 4).contiguous()
     b = logits.shape[0]
     uniforms = torch.rand(b, generator=torch.Generator().manual_seed(11))
-    tokens = sample_tokens(logits, torch.ones(b), torch.full((b,), 2), torch.full((b,), 0.5), torch.zeros(b),
-                           uniforms)
+    tokens = sample_tokens(logits, torch.ones(b), torch.full((b,), 2), torch.full((b,), 0.5), torch.zeros(b), uniforms)
     counts = torch.bincount(tokens, minlength=4).double() / b
     assert counts[0] == counts[2] == 0
     assert abs(counts[1].item() - 4 / 7) < 0.02 and abs(counts[3].item() - 3 / 7) < 0.02
@@ -113,8 +131,14 @@ def test_a_row_does_not_depend_on_the_other_rows():
     min_p = torch.tensor([0.0, 0.0, 0.0, 0.05])
     together = sample_tokens(logits, temps, top_k, top_p, min_p, uniforms)
     for i in range(4):
-        alone = sample_tokens(logits[i:i + 1], temps[i:i + 1], top_k[i:i + 1], top_p[i:i + 1], min_p[i:i + 1],
-                              uniforms[i:i + 1])
+        alone = sample_tokens(
+            logits[i : i + 1],
+            temps[i : i + 1],
+            top_k[i : i + 1],
+            top_p[i : i + 1],
+            min_p[i : i + 1],
+            uniforms[i : i + 1],
+        )
         assert alone.item() == together[i].item()
 
 

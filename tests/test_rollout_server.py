@@ -27,19 +27,26 @@ import aiohttp
 import pytest
 import torch
 import torch.nn as nn
+from dist_utils import find_free_port, wait_until
+from hf_fixtures import random_tokens, save_tiny_hf
 from safetensors.torch import load_file
 
 import models
 from archon.rollout.generator import Generator
 from archon.rollout.server import RunningServer, serve_in_thread
 from archon.rollout.weight_group import broadcast_tensor, destroy_weight_update_group, init_weight_update_group
-from dist_utils import find_free_port, wait_until
-from hf_fixtures import random_tokens, save_tiny_hf
 
 REPO = Path(__file__).resolve().parents[1]
 ATOL = 1e-5
-META_KEYS = {"id", "finish_reason", "prompt_tokens", "completion_tokens", "weight_version", "weight_versions",
-             "e2e_latency"}
+META_KEYS = {
+    "id",
+    "finish_reason",
+    "prompt_tokens",
+    "completion_tokens",
+    "weight_version",
+    "weight_versions",
+    "e2e_latency",
+}
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -103,8 +110,12 @@ def _get(url: str, path: str) -> tuple[int, bytes]:
 
 
 def _greedy_body(prompt: list[int], n: int, **extra: Any) -> dict[str, Any]:
-    return {"input_ids": prompt, "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
-            "return_logprob": True, **extra}
+    return {
+        "input_ids": prompt,
+        "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
+        "return_logprob": True,
+        **extra,
+    }
 
 
 @torch.no_grad()
@@ -113,8 +124,8 @@ def _reference(model: nn.Module, prompt: list[int], n: int) -> tuple[list[int], 
     tokens = list(prompt)
     for _ in range(n):
         tokens.append(int(model(torch.tensor([tokens]))[0, -1].argmax()))
-    lp = torch.log_softmax(model(torch.tensor([tokens]))[0].float(), -1)[len(prompt) - 1:-1]
-    completion = tokens[len(prompt):]
+    lp = torch.log_softmax(model(torch.tensor([tokens]))[0].float(), -1)[len(prompt) - 1 : -1]
+    completion = tokens[len(prompt) :]
     return completion, lp.gather(1, torch.tensor(completion)[:, None]).squeeze(1).tolist()
 
 
@@ -143,6 +154,7 @@ def _engine_turn(gen: Generator) -> None:
 
 # ---- /generate ---------------------------------------------------------------------------------
 
+
 def test_generate_single_and_batch_responses(folders, serve):
     srv = serve(folders["old"])
     ref_model = models.load_hf_model(folders["old"])
@@ -157,8 +169,11 @@ def test_generate_single_and_batch_responses(folders, serve):
     assert meta["weight_version"] == "default" and 0 < meta["e2e_latency"] < 60
     _assert_matches(single, _reference(ref_model, p, 6))
 
-    body = {"input_ids": [p, q], "rid": ["a", "b"],
-            "sampling_params": [{"max_new_tokens": 4, "temperature": 0}, {"max_new_tokens": 7, "temperature": 0}]}
+    body = {
+        "input_ids": [p, q],
+        "rid": ["a", "b"],
+        "sampling_params": [{"max_new_tokens": 4, "temperature": 0}, {"max_new_tokens": 7, "temperature": 0}],
+    }
     status, batch = _post(srv.url, "/generate", body)
     assert status == 200 and isinstance(batch, list) and len(batch) == 2
     assert [r["meta_info"]["id"] for r in batch] == ["a", "b"]
@@ -182,9 +197,11 @@ def test_many_concurrent_requests(folders, serve):
 
     async def run() -> list[tuple[int, Any]]:
         async with aiohttp.ClientSession() as session:
+
             async def one(p, n):
                 async with session.post(srv.url + "/generate", json=_greedy_body(p, n)) as r:
                     return r.status, await r.json()
+
             return await asyncio.gather(*(one(p, n) for p, n in zip(prompts, lengths)))
 
     responses = asyncio.run(run())
@@ -250,6 +267,7 @@ def test_health_model_info_and_flush_cache(folders, serve):
 
 # ---- pause / continue / abort -----------------------------------------------------------------------
 
+
 def test_pause_continue_and_abort(folders, serve):
     srv = serve(folders["old"], delay_s=0.01)
     gen = srv.server.generator
@@ -299,6 +317,7 @@ def test_pause_continue_and_abort(folders, serve):
 
 # ---- weight updates ---------------------------------------------------------------------------------
 
+
 def test_update_weights_from_disk(folders, serve):
     srv = serve(folders["old"], delay_s=0.005)
     old_model = models.load_hf_model(folders["old"])
@@ -310,8 +329,9 @@ def test_update_weights_from_disk(folders, serve):
         # A request already running finishes on the old weights; the update waits for it.
         before = pool.submit(_post, srv.url, "/generate", _greedy_body(p, 120, rid="before"))
         wait_until(_generating(srv.server.generator, "before"), "request before to generate")
-        status, answer = _post(srv.url, "/update_weights_from_disk",
-                               {"model_path": str(folders["new"]), "weight_version": "v1"})
+        status, answer = _post(
+            srv.url, "/update_weights_from_disk", {"model_path": str(folders["new"]), "weight_version": "v1"}
+        )
         assert status == 200 and answer["success"] is True, answer
         # All 120 tokens on the old weights: the update waited for the running request.
         body = before.result(timeout=120)[1]
@@ -328,9 +348,11 @@ def test_update_weights_from_disk(folders, serve):
     with ThreadPoolExecutor(1) as pool:
         victim = pool.submit(_post, srv.url, "/generate", _greedy_body(p, 240, rid="victim"))
         wait_until(_generating(srv.server.generator, "victim"), "request victim to generate")
-        status, answer = _post(srv.url, "/update_weights_from_disk",
-                               {"model_path": str(folders["old"]), "weight_version": "v2",
-                                "abort_all_requests": True})
+        status, answer = _post(
+            srv.url,
+            "/update_weights_from_disk",
+            {"model_path": str(folders["old"]), "weight_version": "v2", "abort_all_requests": True},
+        )
         assert status == 200 and answer["success"] is True
         meta = victim.result(timeout=120)[1]["meta_info"]
         assert meta["finish_reason"]["type"] == "abort" and meta["weight_version"] == "v1"
@@ -347,11 +369,29 @@ def test_update_weights_from_disk(folders, serve):
 
 # ---- the real CLI, and weight updates over a gloo group ----------------------------------------------
 
+
 def _launch(folder: Path) -> tuple[subprocess.Popen, str]:
     port = find_free_port()
-    cmd = [sys.executable, "-m", "archon.rollout.server", "--model-path", str(folder), "--host", "127.0.0.1",
-           "--port", str(port), "--random-seed", "0", "--log-level", "warning", "--skip-tokenizer-init",
-           "--tp-size", "1", "--dtype", "float32"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "archon.rollout.server",
+        "--model-path",
+        str(folder),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--random-seed",
+        "0",
+        "--log-level",
+        "warning",
+        "--skip-tokenizer-init",
+        "--tp-size",
+        "1",
+        "--dtype",
+        "float32",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return proc, f"http://127.0.0.1:{port}"
@@ -419,19 +459,37 @@ def test_update_weights_from_distributed(cli_servers, tmp_path, model_type, seed
 
     # Trainer rank 0 and the server (rank 1) rendezvous at the same time.
     joined: dict[str, Any] = {}
-    trainer = threading.Thread(target=lambda: joined.update(
-        pg=init_weight_update_group("127.0.0.1", port, 0, 2, group_name, "gloo", timeout_s=60)))
+    trainer = threading.Thread(
+        target=lambda: joined.update(
+            pg=init_weight_update_group("127.0.0.1", port, 0, 2, group_name, "gloo", timeout_s=60)
+        )
+    )
     trainer.start()
-    status, answer = _post(url, "/init_weights_update_group", {
-        "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
-        "group_name": group_name, "backend": "gloo"})
+    status, answer = _post(
+        url,
+        "/init_weights_update_group",
+        {
+            "master_address": "127.0.0.1",
+            "master_port": port,
+            "rank_offset": 1,
+            "world_size": 2,
+            "group_name": group_name,
+            "backend": "gloo",
+        },
+    )
     trainer.join(timeout=300)
     assert status == 200 and answer["success"] is True, answer
     pg = joined["pg"]
 
     def update(names: list[str], version: str) -> tuple[int, Any]:
-        body = {"names": names, "dtypes": ["float32"] * len(names), "shapes": [list(tensors[n].shape) for n in names],
-                "group_name": group_name, "weight_version": version, "flush_cache": True}
+        body = {
+            "names": names,
+            "dtypes": ["float32"] * len(names),
+            "shapes": [list(tensors[n].shape) for n in names],
+            "group_name": group_name,
+            "weight_version": version,
+            "flush_cache": True,
+        }
         with ThreadPoolExecutor(1) as pool:
             pending = pool.submit(_post, url, "/update_weights_from_distributed", body)
             for name in names:
@@ -451,8 +509,12 @@ def test_update_weights_from_distributed(cli_servers, tmp_path, model_type, seed
 
         status, answer = update(names, f"step-{seed}")
         assert status == 200 and answer["success"] is True, answer
-        body = {"names": names, "dtypes": ["float32"] * len(names), "shapes": [list(tensors[n].shape) for n in names],
-                "group_name": group_name}
+        body = {
+            "names": names,
+            "dtypes": ["float32"] * len(names),
+            "shapes": [list(tensors[n].shape) for n in names],
+            "group_name": group_name,
+        }
 
         status, out = _post(url, "/generate", _greedy_body(p, 8))
         assert out["meta_info"]["weight_version"] == f"step-{seed}"
@@ -464,8 +526,17 @@ def test_update_weights_from_distributed(cli_servers, tmp_path, model_type, seed
         assert bad_dtype[0] == 400 and "not a torch dtype" in bad_dtype[1]["message"]
         short = _post(url, "/update_weights_from_distributed", {**body, "shapes": body["shapes"][:-1]})
         assert short[0] == 400 and "one of each per tensor" in short[1]["message"]
-        taken = _post(url, "/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": port,
-                                                           "rank_offset": 1, "world_size": 2, "group_name": group_name})
+        taken = _post(
+            url,
+            "/init_weights_update_group",
+            {
+                "master_address": "127.0.0.1",
+                "master_port": port,
+                "rank_offset": 1,
+                "world_size": 2,
+                "group_name": group_name,
+            },
+        )
         assert taken[0] == 400 and "already exists" in taken[1]["message"]
         assert _post(url, "/generate", _greedy_body(p, 8))[1]["output_ids"] == out["output_ids"]
     finally:

@@ -10,11 +10,13 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
+from fake_sglang import fake_logits
+from fake_vllm import FakeVLLM, InProcess, as_fake_vllm
 from safetensors.torch import save_file
 
 from archon.config import ConfigError, GenerationConfig, load_config
@@ -23,8 +25,6 @@ from archon.rollout.client import RolloutClient, RolloutError, RolloutRequestErr
 from archon.rollout.launcher import RolloutLauncher, RolloutLaunchError, build_launch_specs, ranks_per_server
 from archon.rollout.vllm import VLLMAPI, vllm_logprobs_mode
 from archon.rollout.weight_sync import DiskWeightSync, WeightSyncError
-from fake_sglang import fake_logits
-from fake_vllm import FakeVLLM, InProcess, as_fake_vllm
 
 EOS = 7
 
@@ -37,8 +37,9 @@ def _flag(cmd: list[str], name: str) -> str:
 def model_dir(tmp_path_factory) -> Path:
     """A model folder as far as the servers look at it: config.json (context 256, EOS 7)."""
     path = tmp_path_factory.mktemp("vllm_model")
-    (path / "config.json").write_text(json.dumps({"model_type": "qwen3", "max_position_embeddings": 256,
-                                                  "eos_token_id": EOS}))
+    (path / "config.json").write_text(
+        json.dumps({"model_type": "qwen3", "max_position_embeddings": 256, "eos_token_id": EOS})
+    )
     return path
 
 
@@ -57,10 +58,18 @@ def _reference_logprobs(prompt: list[int], ids: list[int], temperature: float, n
 
 # ---------------------------------------------------------------------------------- specs and checks
 
+
 def test_vllm_d2t2p2_specs_on_one_node(model_dir, tmp_path):
-    cfg = _cfg(model_dir, "rollout.backend=vllm:d2t2p2", "actor.backend=archon:d8", "cluster.n_nodes=2",
-               "cluster.n_gpus_per_node=8", "vllm.seed=9", "vllm.gpu_memory_utilization=0.7",
-               "vllm.extra_args=['--swap-space', '4']")
+    cfg = _cfg(
+        model_dir,
+        "rollout.backend=vllm:d2t2p2",
+        "actor.backend=archon:d8",
+        "cluster.n_nodes=2",
+        "cluster.n_gpus_per_node=8",
+        "vllm.seed=9",
+        "vllm.gpu_memory_utilization=0.7",
+        "vllm.extra_args=['--swap-space', '4']",
+    )
     specs = build_launch_specs(cfg, tmp_path, ports=[8100, 8101], node=0)  # the plan gives node 0 to rollout
     assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["0,1,2,3", "4,5,6,7"]
     for i, s in enumerate(specs):
@@ -78,9 +87,17 @@ def test_vllm_d2t2p2_specs_on_one_node(model_dir, tmp_path):
 
 
 def test_vllm_options_context_clamp_and_batch_invariance(model_dir, tmp_path, caplog):
-    cfg = _cfg(model_dir, "rollout.backend=vllm:d1t1", "actor.backend=archon:d1", "vllm.max_model_len=4096",
-               "vllm.enforce_eager=true", "vllm.max_num_seqs=32", "vllm.batch_invariant=true",
-               "gconfig.temperature=0.7", "vllm.model=/elsewhere")
+    cfg = _cfg(
+        model_dir,
+        "rollout.backend=vllm:d1t1",
+        "actor.backend=archon:d1",
+        "vllm.max_model_len=4096",
+        "vllm.enforce_eager=true",
+        "vllm.max_num_seqs=32",
+        "vllm.batch_invariant=true",
+        "gconfig.temperature=0.7",
+        "vllm.model=/elsewhere",
+    )
     with caplog.at_level("WARNING"):
         (spec,) = build_launch_specs(cfg, tmp_path)
     assert spec.cmd[4] == "/elsewhere"
@@ -96,12 +113,15 @@ def test_vllm_options_context_clamp_and_batch_invariance(model_dir, tmp_path, ca
     assert "vllm.max_model_len = 4096 exceeds the context" in caplog.text
 
 
-@pytest.mark.parametrize("gconfig, mode, trainer_t", [
-    (dict(temperature=1.0, top_p=0.8, top_k=20, min_new_tokens=3), "raw_logprobs", 1.0),
-    (dict(temperature=0.0), "raw_logprobs", 1.0),
-    (dict(temperature=0.6, top_k=1), "raw_logprobs", 1.0),  # greedy: unscaled, like SGLang
-    (dict(temperature=0.7), "processed_logprobs", 0.7),
-])
+@pytest.mark.parametrize(
+    "gconfig, mode, trainer_t",
+    [
+        (dict(temperature=1.0, top_p=0.8, top_k=20, min_new_tokens=3), "raw_logprobs", 1.0),
+        (dict(temperature=0.0), "raw_logprobs", 1.0),
+        (dict(temperature=0.6, top_k=1), "raw_logprobs", 1.0),  # greedy: unscaled, like SGLang
+        (dict(temperature=0.7), "processed_logprobs", 0.7),
+    ],
+)
 def test_logprobs_mode_matches_the_trainers_temperature(gconfig, mode, trainer_t):
     g = GenerationConfig(**gconfig)
     assert vllm_logprobs_mode(g) == mode
@@ -109,19 +129,29 @@ def test_logprobs_mode_matches_the_trainers_temperature(gconfig, mode, trainer_t
     assert policy_temperature(load_config(None, overrides)) == trainer_t
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["rollout.weight_sync=distributed"], "gets new weights from disk only.*set rollout.weight_sync = 'disk'"),
-    (["rollout.weight_sync=disk", "gconfig.temperature=0.7", "gconfig.top_p=0.9"],
-     r"gconfig.temperature = 0.7 with gconfig.top_p = 0.9 cannot be trained on with vLLM"),
-    (["rollout.weight_sync=disk", "gconfig.temperature=0.5", "gconfig.min_new_tokens=2"], "gconfig.min_new_tokens = 2"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["rollout.weight_sync=distributed"], "gets new weights from disk only.*set rollout.weight_sync = 'disk'"),
+        (
+            ["rollout.weight_sync=disk", "gconfig.temperature=0.7", "gconfig.top_p=0.9"],
+            r"gconfig.temperature = 0.7 with gconfig.top_p = 0.9 cannot be trained on with vLLM",
+        ),
+        (
+            ["rollout.weight_sync=disk", "gconfig.temperature=0.5", "gconfig.min_new_tokens=2"],
+            "gconfig.min_new_tokens = 2",
+        ),
+    ],
+)
 def test_vllm_config_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        load_config(None, ["rollout.backend=vllm:d1", "actor.backend=archon:d1", "cluster.n_gpus_per_node=2",
-                           *overrides])
+        load_config(
+            None, ["rollout.backend=vllm:d1", "actor.backend=archon:d1", "cluster.n_gpus_per_node=2", *overrides]
+        )
 
 
 # ---------------------------------------------------------------------------------- client against the fake
+
 
 @pytest.fixture
 def fake() -> Iterator[tuple[FakeVLLM, str]]:
@@ -130,12 +160,15 @@ def fake() -> Iterator[tuple[FakeVLLM, str]]:
         yield server, addr
 
 
-@pytest.mark.parametrize("gconfig", [
-    dict(temperature=1.0, top_p=0.7, top_k=30),   # filtered at T = 1: raw logprobs are unfiltered
-    dict(temperature=0.7),                       # another temperature, no filter: processed = scaled
-    dict(temperature=0.6, top_k=1),              # greedy: unscaled
-    dict(temperature=0.0, min_new_tokens=4),     # min_tokens masks EOS, the raw logprobs do not see it
-])
+@pytest.mark.parametrize(
+    "gconfig",
+    [
+        dict(temperature=1.0, top_p=0.7, top_k=30),  # filtered at T = 1: raw logprobs are unfiltered
+        dict(temperature=0.7),  # another temperature, no filter: processed = scaled
+        dict(temperature=0.6, top_k=1),  # greedy: unscaled
+        dict(temperature=0.0, min_new_tokens=4),  # min_tokens masks EOS, the raw logprobs do not see it
+    ],
+)
 def test_reported_logprobs_equal_the_trainers_recomputation(gconfig):
     cfg = load_config(None, [f"gconfig.{k}={v}" for k, v in gconfig.items()] + ["gconfig.max_new_tokens=12"])
     server = FakeVLLM("m", max_model_len=256, logprobs_mode=vllm_logprobs_mode(cfg.gconfig), dev_mode=True, eos=EOS)
@@ -151,7 +184,7 @@ def test_reported_logprobs_equal_the_trainers_recomputation(gconfig):
         ref = _reference_logprobs(prompt, res.output_ids, t)
         assert max(abs(a - b) for a, b in zip(res.output_logprobs, ref)) < 1e-4
         if cfg.gconfig.min_new_tokens:
-            assert EOS not in res.output_ids[:cfg.gconfig.min_new_tokens]
+            assert EOS not in res.output_ids[: cfg.gconfig.min_new_tokens]
 
 
 def test_refused_sampling_has_no_matching_vllm_mode():
@@ -199,7 +232,7 @@ def test_eos_finishes_with_a_null_stop_reason(fake):
         server.eos = eos
         res = client.generate([2, 7, 1], {"max_new_tokens": 10, "temperature": 0.0})
     assert res.finish_reason == "stop" and res.matched_stop == eos
-    assert res.output_ids == free.output_ids[:free.output_ids.index(eos) + 1]
+    assert res.output_ids == free.output_ids[: free.output_ids.index(eos) + 1]
 
 
 def test_client_errors(fake):
@@ -232,6 +265,7 @@ def test_weights_without_dev_mode_are_a_clear_error(tmp_path):
 
 # ---------------------------------------------------------------------------------- launched fake servers
 
+
 class _Engine:
     """The weight-sync side of an engine: an HF folder of the weights of a step."""
 
@@ -240,8 +274,10 @@ class _Engine:
 
     def weights(self) -> dict[str, torch.Tensor]:
         gen = torch.Generator().manual_seed(self.step)
-        return {"model.embed_tokens.weight": torch.randn(16, 8, generator=gen),
-                "lm_head.weight": torch.randn(16, 8, generator=gen)}
+        return {
+            "model.embed_tokens.weight": torch.randn(16, 8, generator=gen),
+            "lm_head.weight": torch.randn(16, 8, generator=gen),
+        }
 
     def named_full_tensors(self, dtype=None):
         yield from self.weights().items()
@@ -254,8 +290,14 @@ class _Engine:
 def test_launched_servers_generate_and_reload_weights_from_disk(model_dir, tmp_path):
     from fake_sglang import configure, fetch_state, fetch_weights
 
-    cfg = _cfg(model_dir, "rollout.backend=vllm:d2t1", "actor.backend=archon:d2", "cluster.n_gpus_per_node=4",
-               "gconfig.temperature=0", f"output_dir='{tmp_path}'")
+    cfg = _cfg(
+        model_dir,
+        "rollout.backend=vllm:d2t1",
+        "actor.backend=archon:d2",
+        "cluster.n_gpus_per_node=4",
+        "gconfig.temperature=0",
+        f"output_dir='{tmp_path}'",
+    )
     specs = build_launch_specs(cfg)
     for s in specs:
         s.cmd = as_fake_vllm(s.cmd)
@@ -284,8 +326,7 @@ def test_launched_servers_generate_and_reload_weights_from_disk(model_dir, tmp_p
     for prompt, b, a in zip(prompts, before, after):
         assert b.weight_version == "" and a.weight_version == "1"
         assert b.output_logprobs == pytest.approx(_reference_logprobs(prompt, b.output_ids, 1.0), abs=1e-4)
-        assert a.output_logprobs == pytest.approx(_reference_logprobs(prompt, a.output_ids, 1.0, n_updates=1),
-                                                  abs=1e-4)
+        assert a.output_logprobs == pytest.approx(_reference_logprobs(prompt, a.output_ids, 1.0, n_updates=1), abs=1e-4)
     for state, got in zip(states, weights):
         assert state["events"] == ["pause:wait", "rpc:reload_weights", "reset_prefix_cache", "version:1", "resume"]
         assert state["model"] == str(tmp_path / "weights" / "v1") and state["logprobs_mode"] == "raw_logprobs"

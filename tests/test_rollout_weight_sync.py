@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from dist_utils import run_distributed
+from fake_sglang import configure, fake_command, fetch_state, fetch_weights
 from safetensors.torch import save_file
 
 from archon.rollout.client import RolloutClient
@@ -20,17 +23,15 @@ from archon.rollout.weight_sync import (
     build_weight_sync,
     dtype_name,
 )
-from dist_utils import run_distributed
-from fake_sglang import configure, fake_command, fetch_state, fetch_weights
 
 # HF-style names and full shapes; at 1 MiB buckets in float32 they pack as [[q, k], [v], [embed], [norm, bias]].
 SHAPES = {
-    "model.layers.0.self_attn.q_proj.weight": (64, 1024),     # 256 KiB
-    "model.layers.0.self_attn.k_proj.weight": (128, 1024),    # 512 KiB
-    "model.layers.0.self_attn.v_proj.weight": (96, 1024),     # 384 KiB
-    "model.embed_tokens.weight": (640, 1024),                 # 2.5 MiB: larger than a bucket
-    "model.norm.weight": (32, 1024),                          # 128 KiB
-    "lm_head.bias": (16,),                                    # 64 B
+    "model.layers.0.self_attn.q_proj.weight": (64, 1024),  # 256 KiB
+    "model.layers.0.self_attn.k_proj.weight": (128, 1024),  # 512 KiB
+    "model.layers.0.self_attn.v_proj.weight": (96, 1024),  # 384 KiB
+    "model.embed_tokens.weight": (640, 1024),  # 2.5 MiB: larger than a bucket
+    "model.norm.weight": (32, 1024),  # 128 KiB
+    "lm_head.bias": (16,),  # 64 B
 }
 NAMES = list(SHAPES)
 
@@ -70,8 +71,10 @@ class ShardedEngine:
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory) -> Iterator[list[str]]:
     logs = tmp_path_factory.mktemp("rollout_logs")
-    specs = [LaunchSpec(i, fake_command(p), {}, "127.0.0.1", p, logs / f"server_{i}.log")
-             for i, p in enumerate(free_ports(2))]
+    specs = [
+        LaunchSpec(i, fake_command(p), {}, "127.0.0.1", p, logs / f"server_{i}.log")
+        for i, p in enumerate(free_ports(2))
+    ]
     with RolloutLauncher(specs, setup_timeout=300) as launcher:
         yield launcher.addrs
 
@@ -89,8 +92,7 @@ def _snapshot(addrs: list[str]) -> list[dict[str, Any]]:
 def _distributed_worker(addrs: list[str]) -> dict[str, Any]:
     client = RolloutClient(addrs, setup_timeout=300, backoff_s=0.01)
     engine = ShardedEngine(step=0)
-    sync = build_weight_sync("distributed", engine, client, chunk_mb=1, backend="gloo",
-                             master_address="127.0.0.1")
+    sync = build_weight_sync("distributed", engine, client, chunk_mb=1, backend="gloo", master_address="127.0.0.1")
     assert isinstance(sync, DistributedWeightSync)
     sync.group_name = "wsync_happy"
     sync.setup()
@@ -169,8 +171,11 @@ def test_disk_sync_publishes_versioned_folders(servers, tmp_path):
     results = run_distributed(_disk_worker, 2, servers, str(folder), timeout=300)
     out = results[0]
     assert out["listing_v1"] == ["v1"] and out["listing_v2"] == ["v2"]  # no temp dirs, old version removed
-    assert results[1]["v1"]["weight_sync_bytes"] == out["v1"]["weight_sync_bytes"] > \
-        sum(torch.Size(s).numel() * 4 for s in SHAPES.values())  # the safetensors file (with its header)
+    assert (
+        results[1]["v1"]["weight_sync_bytes"]
+        == out["v1"]["weight_sync_bytes"]
+        > sum(torch.Size(s).numel() * 4 for s in SHAPES.values())
+    )  # the safetensors file (with its header)
     # A server failing to load: every rank raises; the previous version stays until one succeeds.
     assert servers[1] in out["v3_error"] and "cannot read checkpoint" in out["v3_error"]
     assert results[1]["v3_error"].startswith("weight sync failed on trainer rank 0")
@@ -185,8 +190,9 @@ def test_disk_sync_publishes_versioned_folders(servers, tmp_path):
 
 def _failing_bucket_worker(addrs: list[str]) -> str:
     client = RolloutClient(addrs, setup_timeout=300, backoff_s=0.01)
-    sync = DistributedWeightSync(ShardedEngine(), client, chunk_mb=1, backend="gloo", master_address="127.0.0.1",
-                                 group_name="wsync_fail_bucket")
+    sync = DistributedWeightSync(
+        ShardedEngine(), client, chunk_mb=1, backend="gloo", master_address="127.0.0.1", group_name="wsync_fail_bucket"
+    )
     sync.setup()
     if dist.get_rank() == 0:
         configure(addrs[1], fail_weight_update="out of GPU memory")
@@ -205,8 +211,9 @@ def test_a_server_refusing_a_bucket_fails_every_rank(servers):
 
 def _half_sync_worker(addrs: list[str]) -> dict[str, Any]:
     client = RolloutClient(addrs, setup_timeout=30, backoff_s=0.01)
-    sync = DistributedWeightSync(ShardedEngine(step=2), client, chunk_mb=1, backend="gloo",
-                                 master_address="127.0.0.1", group_name="wsync_half")
+    sync = DistributedWeightSync(
+        ShardedEngine(step=2), client, chunk_mb=1, backend="gloo", master_address="127.0.0.1", group_name="wsync_half"
+    )
     sync.setup()
     out: dict[str, Any] = {}
     if dist.get_rank() == 0:
@@ -233,8 +240,9 @@ def test_a_sync_failing_half_way_keeps_the_old_version(servers):
 
 def _refused_setup_worker(addrs: list[str]) -> str:
     client = RolloutClient(addrs, setup_timeout=300, backoff_s=0.01)
-    sync = DistributedWeightSync(ShardedEngine(), client, chunk_mb=1, backend="gloo", master_address="127.0.0.1",
-                                 group_name="wsync_refused")
+    sync = DistributedWeightSync(
+        ShardedEngine(), client, chunk_mb=1, backend="gloo", master_address="127.0.0.1", group_name="wsync_refused"
+    )
     msgs = []
     for step in (sync.setup, lambda: sync.sync(1)):
         try:

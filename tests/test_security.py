@@ -25,17 +25,27 @@ import re
 from pathlib import Path
 
 import pytest
-
 from dist_utils import find_free_port, run_distributed
 from hf_fixtures import save_tiny_hf
 
 REPO = Path(__file__).resolve().parents[1]
 LIBRARY = ("archon", "models", "parallel", "pipeline", "scripts")
 UNPICKLING_MODULES = {"pickle", "cPickle", "_pickle", "dill", "shelve", "marshal", "cloudpickle"}
-OBJECT_COLLECTIVES = {"broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list",
-                      "recv_object_list", "send_object_list"}
-SERVER_FACING = {"archon/rollout/weight_group.py", "archon/rollout/weight_update.py", "archon/rollout/server.py",
-                 "archon/rollout/generator.py", "archon/rollout/protocol.py"}
+OBJECT_COLLECTIVES = {
+    "broadcast_object_list",
+    "all_gather_object",
+    "gather_object",
+    "scatter_object_list",
+    "recv_object_list",
+    "send_object_list",
+}
+SERVER_FACING = {
+    "archon/rollout/weight_group.py",
+    "archon/rollout/weight_update.py",
+    "archon/rollout/server.py",
+    "archon/rollout/generator.py",
+    "archon/rollout/protocol.py",
+}
 
 
 def _dotted(node: ast.AST) -> str:
@@ -54,7 +64,9 @@ def _restricted_unpicklers(tree: ast.AST, aliases: set[str]) -> set[ast.ClassDef
     """Classes deriving from pickle.Unpickler that override find_class (an allowlist)."""
     found = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.ClassDef) and any(_dotted(b) in {f"{a}.Unpickler" for a in aliases} for b in node.bases):
+        if isinstance(node, ast.ClassDef) and any(
+            _dotted(b) in {f"{a}.Unpickler" for a in aliases} for b in node.bases
+        ):
             if any(isinstance(f, ast.FunctionDef) and f.name == "find_class" for f in node.body):
                 found.add(node)
     return found
@@ -123,7 +135,7 @@ def test_the_rule_catches_each_unsafe_call_and_ignores_comments_and_strings():
         found = unsafe_calls(source)
         assert any(what in p for p in found), (source, found)
     assert any("unpickles" in p for p in unsafe_calls("dist.broadcast_object_list(x)", "archon/rollout/server.py"))
-    fine = '''
+    fine = """
 import pickle
 import torch
 # pickle.loads(x) and eval(x) in a comment; torch.load("x") in a string:
@@ -135,7 +147,7 @@ dist.broadcast_object_list(box, src=0)
 class Safe(pickle.Unpickler):
     def find_class(self, module, name):
         raise pickle.UnpicklingError(name)
-'''
+"""
     assert unsafe_calls(fine, "archon/rl/trainer.py") == []
 
 
@@ -153,6 +165,7 @@ def test_library_source_never_unpickles_evaluates_or_spawns_a_shell():
 
 # ---- planted files in a checkpoint cannot run code -------------------------------------------------
 
+
 class _Payload:
     """Unpickling this creates ``marker``: what a planted file would do instead."""
 
@@ -165,10 +178,10 @@ class _Payload:
 
 def _plant_and_load(model: str, folder: str, where: str) -> str:
     import torch.distributed.checkpoint as dcp
+    from engine_utils import engine_config
 
     from archon.engine.checkpoint import CheckpointError, dcp_state_dict
     from archon.engine.engine import ArchonEngine
-    from engine_utils import engine_config
 
     engine = ArchonEngine(engine_config(model, "archon:d1"), total_steps=2).initialize()
     path = Path(folder)
@@ -194,8 +207,9 @@ def test_a_planted_checkpoint_file_cannot_run_code_on_resume(tmp_path, where):
     control = tmp_path / "control"
     pickle.loads(pickle.dumps(_Payload(str(control))))  # the payload is live: plain unpickling runs it
     assert control.is_dir()
-    outcome = run_distributed(_plant_and_load, 1, str(tmp_path / "model"), str(tmp_path / "ckpt"), where,
-                              timeout=300)[0]
+    outcome = run_distributed(_plant_and_load, 1, str(tmp_path / "model"), str(tmp_path / "ckpt"), where, timeout=300)[
+        0
+    ]
     assert "CODE RAN" not in outcome and outcome != "loaded", outcome
     expected = "never contains" if where == "metadata" else "stores .* as a pickled object"
     assert re.search(expected, outcome), outcome
@@ -213,13 +227,15 @@ def test_engine_state_is_data_not_pickles(tmp_path):
 
 
 def _save_only(model: str, folder: str) -> None:
-    from archon.engine.engine import ArchonEngine
     from engine_utils import engine_config
+
+    from archon.engine.engine import ArchonEngine
 
     ArchonEngine(engine_config(model, "archon:d1"), total_steps=2).initialize().save(folder, {"at": 0})
 
 
 # ---- the weight-update group listens on the address it needs only ---------------------------------
+
 
 def _listeners(port: int) -> list[str]:
     """Local addresses (hex, as /proc/net/tcp* writes them) listening on ``port``."""

@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from dist_utils import find_free_port, run_distributed
 from hf_fixtures import make_tiny_tokenizer, save_tiny_hf
 
@@ -35,15 +34,32 @@ def sft_setup(tmp_path_factory):
 
 
 def _overrides(model: Path, data: Path, out: Path, backend: str) -> list[str]:
-    return [f"actor.backend={backend}", f"actor.path={model}", "actor.dtype=float32",
-            "actor.archon.enable_compile=false", "actor.optimizer.lr=1e-2", f"train_dataset.path={data}",
-            "train_dataset.batch_size=8", f"total_train_steps={STEPS}", f"output_dir={out}",
-            "cluster.n_gpus_per_node=4", "saver.export_hf=false", "seed=7"]
+    return [
+        f"actor.backend={backend}",
+        f"actor.path={model}",
+        "actor.dtype=float32",
+        "actor.archon.enable_compile=false",
+        "actor.optimizer.lr=1e-2",
+        f"train_dataset.path={data}",
+        "train_dataset.batch_size=8",
+        f"total_train_steps={STEPS}",
+        f"output_dir={out}",
+        "cluster.n_gpus_per_node=4",
+        "saver.export_hf=false",
+        "seed=7",
+    ]
 
 
 def _torchrun(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master_port={find_free_port()}", str(REPO / "scripts" / "train_sft.py"), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        f"--master_port={find_free_port()}",
+        str(REPO / "scripts" / "train_sft.py"),
+        *args,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
 
@@ -82,8 +98,13 @@ def test_train_sft_under_torchrun_matches_single_process(sft_setup):
 
 def test_train_sft_reports_config_errors_in_one_line(sft_setup):
     model, data, root = sft_setup
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "train_sft.py"), "actor.optimiser.lr=1"],
-                          capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "train_sft.py"), "actor.optimiser.lr=1"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert proc.returncode == 2
     assert "unknown config key 'actor.optimiser'" in proc.stderr and "did you mean 'actor.optimizer'" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -20,6 +20,8 @@ is importable from ``archon.config``.
 
 from archon.config.loading import field_docs, load_config, parse_override, read_toml, validate_config
 from archon.config.schema import (
+    INHERITED_ENGINE_FIELDS,
+    SGLANG_DEFAULT_MAX_NEW_TOKENS,
     ActorConfig,
     ArchonEngineConfig,
     ClusterConfig,
@@ -29,7 +31,6 @@ from archon.config.schema import (
     DatasetConfig,
     DynamicFilterConfig,
     GenerationConfig,
-    INHERITED_ENGINE_FIELDS,
     MicroBatchSpec,
     NormConfig,
     NormLevel,
@@ -37,9 +38,8 @@ from archon.config.schema import (
     RejectionSamplingConfig,
     RewardConfig,
     RolloutConfig,
-    SGLANG_DEFAULT_MAX_NEW_TOKENS,
-    SGLangConfig,
     SaverConfig,
+    SGLangConfig,
     TrainEngineConfig,
     VLLMConfig,
 )

@@ -43,9 +43,13 @@ def field_docs(cls: type) -> dict[str, str]:
             continue
         body = tree.body[0].body  # type: ignore[attr-defined]
         for node, nxt in zip(body, body[1:]):
-            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                    and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
-                    and isinstance(nxt.value.value, str)):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
                 docs[node.target.id] = " ".join(nxt.value.value.split())
     return docs
 
@@ -62,7 +66,7 @@ def _type_name(tp: Any) -> str:
 
 
 def did_you_mean(word: str, options: typing.Iterable[str]) -> str:
-    """"; did you mean ..." naming the closest of ``options`` to ``word``, or "" when none is close."""
+    """ "; did you mean ..." naming the closest of ``options`` to ``word``, or "" when none is close."""
     match = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
     return f"; did you mean '{match[0]}'?" if match else ""
 
@@ -110,8 +114,10 @@ class _Builder:
             dotted = prefix + key
             if key not in names:
                 if dotted in _RENAMED:
-                    raise ConfigError(f"config key '{dotted}' (from {self.where(dotted)}) was replaced by "
-                                      f"{_RENAMED[dotted]} (AReaL's rejection_sampling options)")
+                    raise ConfigError(
+                        f"config key '{dotted}' (from {self.where(dotted)}) was replaced by "
+                        f"{_RENAMED[dotted]} (AReaL's rejection_sampling options)"
+                    )
                 # Suggest full dotted keys, so the suggestion can be pasted as it is.
                 near = did_you_mean(dotted, [prefix + n for n in names]) or did_you_mean(dotted, _all_keys(Config))
                 raise ConfigError(f"unknown config key '{dotted}' (from {self.where(dotted)}){near}")
@@ -124,15 +130,18 @@ class _Builder:
         bad = ConfigError(f"config key '{key}' (from {self.where(key)}) must be {_type_name(tp)}, got {value!r}")
         if dataclasses.is_dataclass(tp):
             if not isinstance(value, dict):
-                raise ConfigError(f"config key '{key}' (from {self.where(key)}) is a section; "
-                                  f"set its fields as '{key}.<field>' or a [{key}] table, got {value!r}")
+                raise ConfigError(
+                    f"config key '{key}' (from {self.where(key)}) is a section; "
+                    f"set its fields as '{key}.<field>' or a [{key}] table, got {value!r}"
+                )
             return self.build(tp, value, key + ".")
         if origin is Literal:
             choices = typing.get_args(tp)
             if value not in choices:
                 hint = did_you_mean(str(value), [str(c) for c in choices])
-                raise ConfigError(f"config key '{key}' (from {self.where(key)}) must be {_type_name(tp)}, "
-                                  f"got {value!r}{hint}")
+                raise ConfigError(
+                    f"config key '{key}' (from {self.where(key)}) must be {_type_name(tp)}, got {value!r}{hint}"
+                )
             return value
         if origin in (list, tuple):
             if not isinstance(value, (list, tuple)):
@@ -140,8 +149,9 @@ class _Builder:
             args = typing.get_args(tp)
             if origin is tuple and args and args[-1] is not Ellipsis:
                 if len(value) != len(args):
-                    raise ConfigError(f"config key '{key}' (from {self.where(key)}) must have "
-                                      f"{len(args)} elements, got {value!r}")
+                    raise ConfigError(
+                        f"config key '{key}' (from {self.where(key)}) must have {len(args)} elements, got {value!r}"
+                    )
                 return tuple(self.convert(a, v, key) for a, v in zip(args, value))
             item = args[0] if args else Any
             items = [self.convert(item, v, key) for v in value]
@@ -170,13 +180,16 @@ class _Builder:
 def parse_override(arg: str) -> tuple[str, Any]:
     """Split ``[+]dotted.key=value`` and parse the value as a TOML literal (bare strings allowed)."""
     if "=" not in arg:
-        raise ConfigError(f"command-line override '{arg}' has no '='; write it as dotted.key=value, "
-                          "e.g. actor.optimizer.lr=1e-5")
+        raise ConfigError(
+            f"command-line override '{arg}' has no '='; write it as dotted.key=value, e.g. actor.optimizer.lr=1e-5"
+        )
     key, raw = arg.split("=", 1)
     key = key.strip().lstrip("+")
     if not key or any(not part.isidentifier() for part in key.split(".")):
-        raise ConfigError(f"command-line override '{arg}' has an invalid key '{key}'; "
-                          "keys are dotted names such as actor.archon.ac_mode")
+        raise ConfigError(
+            f"command-line override '{arg}' has an invalid key '{key}'; "
+            "keys are dotted names such as actor.archon.ac_mode"
+        )
     raw = raw.strip()
     literal = {"True": "true", "False": "false"}.get(raw, raw)
     try:
@@ -215,8 +228,9 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file '{path}' is not valid TOML: {exc}") from None
 
 
-def load_config(config_path: str | Path | None = None, overrides: typing.Sequence[str] = (),
-                validate: bool = True, job: str = "rl") -> Config:
+def load_config(
+    config_path: str | Path | None = None, overrides: typing.Sequence[str] = (), validate: bool = True, job: str = "rl"
+) -> Config:
     """Defaults, then the TOML file, then the overrides; then inheritance and validation.
 
     ``job`` ('rl' or 'sft') says which processes the cluster check counts: an SFT run starts
@@ -247,8 +261,7 @@ def _inherit_from_actor(cfg: Config, explicit: set[str]) -> None:
         target = getattr(cfg, engine)
         for name in INHERITED_ENGINE_FIELDS:
             value = getattr(target, name)
-            unset = f"{engine}.{name}" not in explicit and not any(
-                k.startswith(f"{engine}.{name}.") for k in explicit)
+            unset = f"{engine}.{name}" not in explicit and not any(k.startswith(f"{engine}.{name}.") for k in explicit)
             if unset or (name in ("backend", "path") and value == ""):
                 setattr(target, name, _copy(getattr(cfg.actor, name)))
             elif dataclasses.is_dataclass(value):
@@ -297,9 +310,11 @@ def validate_config(cfg: Config, sources: dict[str, str] | None = None, job: str
     if job not in ("rl", "sft"):
         raise ValueError(f"job must be 'rl' or 'sft', got {job!r}")
     if cfg.cluster.gpu_memory_gb <= 0:
-        raise ConfigError(f"cluster.gpu_memory_gb = {cfg.cluster.gpu_memory_gb} (from "
-                          f"{sources.get('cluster.gpu_memory_gb', 'the defaults')}) must be positive: the memory "
-                          "of one GPU in GB, e.g. 80 for an H100 80GB")
+        raise ConfigError(
+            f"cluster.gpu_memory_gb = {cfg.cluster.gpu_memory_gb} (from "
+            f"{sources.get('cluster.gpu_memory_gb', 'the defaults')}) must be positive: the memory "
+            "of one GPU in GB, e.g. 80 for an H100 80GB"
+        )
     try:
         placed = {k: a for k, a in allocs.items() if job == "rl" or k != "rollout"}
         plan_cluster(placed, cfg.cluster.n_nodes, cfg.cluster.n_gpus_per_node)
@@ -307,11 +322,15 @@ def validate_config(cfg: Config, sources: dict[str, str] | None = None, job: str
         raise ConfigError(str(exc)) from None
     _check_rollout_backend(cfg, allocs["rollout"])
     positive = {
-        "total_train_steps": cfg.total_train_steps, "train_dataset.batch_size": cfg.train_dataset.batch_size,
+        "total_train_steps": cfg.total_train_steps,
+        "train_dataset.batch_size": cfg.train_dataset.batch_size,
         "actor.mb_spec.n_mbs": cfg.actor.mb_spec.n_mbs,
-        "actor.ppo_n_minibatches": cfg.actor.ppo_n_minibatches, "gconfig.n_samples": cfg.gconfig.n_samples,
-        "gconfig.max_new_tokens": cfg.gconfig.max_new_tokens, "cluster.n_nodes": cfg.cluster.n_nodes,
-        "cluster.n_gpus_per_node": cfg.cluster.n_gpus_per_node, "actor.archon.dp_replicate": cfg.actor.archon.dp_replicate,
+        "actor.ppo_n_minibatches": cfg.actor.ppo_n_minibatches,
+        "gconfig.n_samples": cfg.gconfig.n_samples,
+        "gconfig.max_new_tokens": cfg.gconfig.max_new_tokens,
+        "cluster.n_nodes": cfg.cluster.n_nodes,
+        "cluster.n_gpus_per_node": cfg.cluster.n_gpus_per_node,
+        "actor.archon.dp_replicate": cfg.actor.archon.dp_replicate,
     }
     for key, value in positive.items():
         if value < 1:
@@ -320,27 +339,39 @@ def validate_config(cfg: Config, sources: dict[str, str] | None = None, job: str
         archon = getattr(cfg, engine).archon
         for key in ("moe_aux_loss_coef", "moe_bias_update_rate"):
             if getattr(archon, key) < 0:
-                raise ConfigError(f"{engine}.archon.{key} = {getattr(archon, key)} must not be negative "
-                                  "(0 turns that load balancing off)")
+                raise ConfigError(
+                    f"{engine}.archon.{key} = {getattr(archon, key)} must not be negative "
+                    "(0 turns that load balancing off)"
+                )
     check_ranges(cfg, sources)
     group = cfg.actor.group_size
     if group < 0 or (group and cfg.gconfig.n_samples % group):
-        raise ConfigError(f"actor.group_size = {group} must divide gconfig.n_samples = {cfg.gconfig.n_samples} "
-                          "(the samples of one prompt), or be 0 to use gconfig.n_samples")
+        raise ConfigError(
+            f"actor.group_size = {group} must divide gconfig.n_samples = {cfg.gconfig.n_samples} "
+            "(the samples of one prompt), or be 0 to use gconfig.n_samples"
+        )
     if cfg.actor.temperature < 0 or cfg.gconfig.temperature < 0:
-        raise ConfigError("actor.temperature and gconfig.temperature must not be negative (0 = greedy / follow "
-                          "gconfig)")
+        raise ConfigError(
+            "actor.temperature and gconfig.temperature must not be negative (0 = greedy / follow gconfig)"
+        )
     if cfg.actor.c_clip and cfg.actor.c_clip <= 1.0:
         raise ConfigError(f"actor.c_clip = {cfg.actor.c_clip} must be greater than 1 (dual clip), or 0 to disable it")
-    if cfg.actor.archon.ac_mode == "memory_budget" and cfg.actor.gradient_checkpointing \
-            and not cfg.actor.archon.enable_compile:
-        raise ConfigError("actor.archon.ac_mode = 'memory_budget' needs torch.compile; set "
-                          "actor.archon.enable_compile=true or choose ac_mode 'selective' or 'full'")
+    if (
+        cfg.actor.archon.ac_mode == "memory_budget"
+        and cfg.actor.gradient_checkpointing
+        and not cfg.actor.archon.enable_compile
+    ):
+        raise ConfigError(
+            "actor.archon.ac_mode = 'memory_budget' needs torch.compile; set "
+            "actor.archon.enable_compile=true or choose ac_mode 'selective' or 'full'"
+        )
     _validate_rl_options(cfg, sources)
     opt = cfg.actor.archon.selective_ac_option
     if opt != "op" and not (opt.isdigit() and int(opt) >= 1):
-        raise ConfigError(f"actor.archon.selective_ac_option = '{opt}' must be 'op' or a positive integer N "
-                          "(checkpoint every Nth block)")
+        raise ConfigError(
+            f"actor.archon.selective_ac_option = '{opt}' must be 'op' or a positive integer N "
+            "(checkpoint every Nth block)"
+        )
 
 
 def _validate_rl_options(cfg: Config, sources: dict[str, str]) -> None:
@@ -351,49 +382,69 @@ def _validate_rl_options(cfg: Config, sources: dict[str, str]) -> None:
     def where(key: str) -> str:
         return sources.get(key, "the defaults")
 
-    for key, value in (("actor.ppo_epochs", actor.ppo_epochs), ("critic.ppo_epochs", cfg.critic.ppo_epochs),
-                       ("critic.ppo_n_minibatches", cfg.critic.ppo_n_minibatches)):
+    for key, value in (
+        ("actor.ppo_epochs", actor.ppo_epochs),
+        ("critic.ppo_epochs", cfg.critic.ppo_epochs),
+        ("critic.ppo_n_minibatches", cfg.critic.ppo_n_minibatches),
+    ):
         if value < 1:
             raise ConfigError(f"{key} = {value} (from {where(key)}) must be at least 1")
     if cfg.critic.loss_fn_type == "huber" and cfg.critic.huber_delta <= 0:
         raise ConfigError(f"critic.huber_delta = {cfg.critic.huber_delta} must be positive for the Huber value loss")
     if actor.kl_ctl_type == "adaptive":
         if actor.kl_ctl <= 0:
-            raise ConfigError("actor.kl_ctl_type = 'adaptive' scales actor.kl_ctl multiplicatively; set an initial "
-                              "actor.kl_ctl > 0 (e.g. 0.05)")
+            raise ConfigError(
+                "actor.kl_ctl_type = 'adaptive' scales actor.kl_ctl multiplicatively; set an initial "
+                "actor.kl_ctl > 0 (e.g. 0.05)"
+            )
         if actor.kl_ctl_target <= 0 or actor.kl_ctl_horizon <= 0:
-            raise ConfigError(f"the adaptive KL controller needs actor.kl_ctl_target ({actor.kl_ctl_target}) and "
-                              f"actor.kl_ctl_horizon ({actor.kl_ctl_horizon}) above 0")
+            raise ConfigError(
+                f"the adaptive KL controller needs actor.kl_ctl_target ({actor.kl_ctl_target}) and "
+                f"actor.kl_ctl_horizon ({actor.kl_ctl_horizon}) above 0"
+            )
     rs = actor.rejection_sampling
     if rs.level != "none":
         if rs.lower > rs.upper:
             raise ConfigError(f"actor.rejection_sampling.lower = {rs.lower} is above upper = {rs.upper}")
         if rs.metric == "ratio" and rs.upper <= 1.0:
-            raise ConfigError(f"actor.rejection_sampling.upper = {rs.upper} must be above 1 for metric 'ratio' "
-                              "(otherwise every token whose policies differ is rejected)")
+            raise ConfigError(
+                f"actor.rejection_sampling.upper = {rs.upper} must be above 1 for metric 'ratio' "
+                "(otherwise every token whose policies differ is rejected)"
+            )
         if rs.metric == "ratio" and rs.lower != float("-inf") and rs.lower <= 0:
-            raise ConfigError(f"actor.rejection_sampling.lower = {rs.lower} must be positive for metric 'ratio' "
-                              "(or -inf for no lower bound)")
+            raise ConfigError(
+                f"actor.rejection_sampling.lower = {rs.lower} must be positive for metric 'ratio' "
+                "(or -inf for no lower bound)"
+            )
         if rs.metric in ("kl_k2", "kl_k3") and rs.upper <= 0:
             raise ConfigError(f"actor.rejection_sampling.upper = {rs.upper} must be positive for metric '{rs.metric}'")
         if rs.action == "clamp" and rs.metric != "ratio":
-            raise ConfigError(f"actor.rejection_sampling.action = 'clamp' bounds the importance ratio and needs "
-                              f"metric 'ratio', not '{rs.metric}'; use action 'mask' with KL metrics")
+            raise ConfigError(
+                f"actor.rejection_sampling.action = 'clamp' bounds the importance ratio and needs "
+                f"metric 'ratio', not '{rs.metric}'; use action 'mask' with KL metrics"
+            )
     if cfg.rollout.max_head_offpolicyness < 0:
-        raise ConfigError(f"rollout.max_head_offpolicyness = {cfg.rollout.max_head_offpolicyness} (from "
-                          f"{where('rollout.max_head_offpolicyness')}) must be 0 (synchronous) or a positive number of "
-                          "policy versions")
+        raise ConfigError(
+            f"rollout.max_head_offpolicyness = {cfg.rollout.max_head_offpolicyness} (from "
+            f"{where('rollout.max_head_offpolicyness')}) must be 0 (synchronous) or a positive number of "
+            "policy versions"
+        )
     if cfg.rollout.max_head_offpolicyness > 0 and cfg.actor.moe_routing_replay:
-        raise ConfigError("actor.moe_routing_replay is not supported with asynchronous rollouts "
-                          f"(rollout.max_head_offpolicyness = {cfg.rollout.max_head_offpolicyness}): a trajectory "
-                          "generated across a weight update has no single routing to replay; set one of them off")
+        raise ConfigError(
+            "actor.moe_routing_replay is not supported with asynchronous rollouts "
+            f"(rollout.max_head_offpolicyness = {cfg.rollout.max_head_offpolicyness}): a trajectory "
+            "generated across a weight update has no single routing to replay; set one of them off"
+        )
     dyn = cfg.dynamic_filter
     if dyn.max_num_gen_batches < 0:
-        raise ConfigError(f"dynamic_filter.max_num_gen_batches = {dyn.max_num_gen_batches} must be 0 (no limit) or "
-                          "positive")
+        raise ConfigError(
+            f"dynamic_filter.max_num_gen_batches = {dyn.max_num_gen_batches} must be 0 (no limit) or positive"
+        )
     if dyn.enable and cfg.gconfig.n_samples < 2:
-        raise ConfigError("dynamic_filter.enable drops prompts whose samples all got the same reward, which with "
-                          "gconfig.n_samples = 1 is every prompt; set gconfig.n_samples > 1 or disable the filter")
+        raise ConfigError(
+            "dynamic_filter.enable drops prompts whose samples all got the same reward, which with "
+            "gconfig.n_samples = 1 is every prompt; set gconfig.n_samples > 1 or disable the filter"
+        )
 
 
 def _check_rollout_backend(cfg: Config, rollout: ModelAllocation) -> None:
@@ -401,14 +452,18 @@ def _check_rollout_backend(cfg: Config, rollout: ModelAllocation) -> None:
     g = cfg.gconfig
     if rollout.backend == "sglang" and g.min_new_tokens > 0:
         # SGLang 0.5.23: raise_if_tokenizer_required (HTTP 400), and BatchedMinNewTokensPenalizer acts on the logits.
-        raise ConfigError(f"gconfig.min_new_tokens = {g.min_new_tokens} cannot be used with rollout.backend = "
-                          f"'{cfg.rollout.backend}': SGLang started with --skip-tokenizer-init (as Archon starts it) answers HTTP "
-                          "400, and with a tokenizer it renormalises the reported logprobs without the stop tokens, "
-                          "unlike the trainer's recomputation; set gconfig.min_new_tokens = 0")
+        raise ConfigError(
+            f"gconfig.min_new_tokens = {g.min_new_tokens} cannot be used with rollout.backend = "
+            f"'{cfg.rollout.backend}': SGLang started with --skip-tokenizer-init (as Archon starts it) answers HTTP "
+            "400, and with a tokenizer it renormalises the reported logprobs without the stop tokens, "
+            "unlike the trainer's recomputation; set gconfig.min_new_tokens = 0"
+        )
     if rollout.backend == "sglang" and cfg.sglang.enable_deterministic_inference and g.min_p > 0:
         # Deterministic inference switches SGLang to its PyTorch sampler, which asserts on min-p with seeds.
-        raise ConfigError(f"gconfig.min_p = {g.min_p} with sglang.enable_deterministic_inference = true would crash "
-                          "SGLang's seeded sampler; set gconfig.min_p = 0 or turn deterministic inference off")
+        raise ConfigError(
+            f"gconfig.min_p = {g.min_p} with sglang.enable_deterministic_inference = true would crash "
+            "SGLang's seeded sampler; set gconfig.min_p = 0 or turn deterministic inference off"
+        )
     if rollout.backend == "vllm":
         from archon.rollout.vllm import check_vllm_config
 

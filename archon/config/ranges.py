@@ -8,7 +8,8 @@ naming the key, its value, where it came from and what it must be.  Cross-field 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from archon.config.schema import Config, ConfigError
 
@@ -88,13 +89,19 @@ def check_ranges(cfg: Config, sources: dict[str, str]) -> None:
             raise ConfigError(f"{key} = {value!r} (from {sources.get(key, 'the defaults')}) must be {requirement}")
     g = cfg.gconfig
     if g.min_new_tokens > g.max_new_tokens:
-        raise ConfigError(f"gconfig.min_new_tokens = {g.min_new_tokens} is larger than gconfig.max_new_tokens = "
-                          f"{g.max_new_tokens}; lower min_new_tokens or raise max_new_tokens")
+        raise ConfigError(
+            f"gconfig.min_new_tokens = {g.min_new_tokens} is larger than gconfig.max_new_tokens = "
+            f"{g.max_new_tokens}; lower min_new_tokens or raise max_new_tokens"
+        )
     a = cfg.actor
     if a.overlong_reward_penalty and not 0 < a.overlong_tokens <= g.max_new_tokens:
-        raise ConfigError(f"actor.overlong_tokens = {a.overlong_tokens} must be between 1 and gconfig.max_new_tokens "
-                          f"= {g.max_new_tokens} when actor.overlong_reward_penalty is on")
+        raise ConfigError(
+            f"actor.overlong_tokens = {a.overlong_tokens} must be between 1 and gconfig.max_new_tokens "
+            f"= {g.max_new_tokens} when actor.overlong_reward_penalty is on"
+        )
     rollouts = cfg.train_dataset.batch_size * g.n_samples
     if a.ppo_n_minibatches > rollouts:
-        raise ConfigError(f"actor.ppo_n_minibatches = {a.ppo_n_minibatches} is more than the {rollouts} samples of a "
-                          "step (train_dataset.batch_size x gconfig.n_samples); lower it or raise the batch size")
+        raise ConfigError(
+            f"actor.ppo_n_minibatches = {a.ppo_n_minibatches} is more than the {rollouts} samples of a "
+            "step (train_dataset.batch_size x gconfig.n_samples); lower it or raise the batch size"
+        )

@@ -69,7 +69,9 @@ class MicroBatchSpec:
 
 @dataclass
 class ArchonEngineConfig:
-    pp_schedule: Literal["1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV", "GPipe"] = "Interleaved1F1B"
+    pp_schedule: Literal["1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV", "GPipe"] = (
+        "Interleaved1F1B"
+    )
     """Pipeline schedule used when the allocation has p > 1."""
     pp_layers_per_stage: int = 0
     """Transformer blocks per pipeline stage; 0 derives it from the layer count and schedule."""
@@ -201,7 +203,9 @@ class ActorConfig(TrainEngineConfig):
     """Trainer logprobs are of logits / temperature; 0 follows gconfig.temperature (1 when greedy: temperature 0 or top_k 1), as the server reports."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus: entropy_coef * (entropy aggregated like the loss) is subtracted from the actor loss (verl's entropy_coeff)."""
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
     """How per-token losses are aggregated over the global batch; 'seq-mean-token-sum-norm' is Dr.GRPO's mean over sequences of token sums / gconfig.max_new_tokens, which is verl's loss divided by its per-GPU micro-batch size (see archon.rl.losses)."""
     kl_ctl: float = 0.0
     """Coefficient of the KL-to-reference penalty inside the reward (the initial one when kl_ctl_type is 'adaptive'); 0 disables it."""
@@ -215,7 +219,9 @@ class ActorConfig(TrainEngineConfig):
     """KL estimator of the penalty inside the reward (AReaL's kl_estimator; verl's algorithm.kl_penalty)."""
     kl_loss_coef: float = 0.0
     """KL-to-reference term inside the loss; 0 disables it."""
-    kl_loss_type: Literal["k1", "k2", "k3", "k1+", "k3+", "kl", "mse", "low_var_kl", "kl+", "low_var_kl+"] = "low_var_kl"
+    kl_loss_type: Literal["k1", "k2", "k3", "k1+", "k3+", "kl", "mse", "low_var_kl", "kl+", "low_var_kl+"] = (
+        "low_var_kl"
+    )
     """KL estimator of the loss term (verl's kl_loss_type): low_var_kl = k3, whose gradient is that of KL(ref||pi); k2 (mse) and the straight-through k1+/k3+ (value of k1/k3) have the gradient of KL(pi||ref); k1 (kl) has zero expected gradient."""
     kd_coef: float = 0.0
     """On-policy distillation: weight of the reverse KL to the teacher (`teacher.*`) on the sampled tokens in the loss; 0 disables it and the teacher."""

@@ -42,12 +42,23 @@ def allocation_table(cfg: Config):
 
     table = Table(title="Allocation")
     for col in ("engine", "backend", "allocation", "dp", "tp", "pp", "cp", "ep", "etp", "world size"):
-        table.add_column(col, justify="right" if col not in ("engine", "backend", "allocation") else "left",
-                         no_wrap=True)
+        table.add_column(
+            col, justify="right" if col not in ("engine", "backend", "allocation") else "left", no_wrap=True
+        )
     for engine, alloc in cfg.allocations().items():
         p = alloc.parallel
-        table.add_row(engine, alloc.backend, str(alloc), str(p.dp_size), str(p.tp_size), str(p.pp_size),
-                      str(p.cp_size), str(p.ep_size), str(p.etp_size), str(alloc.world_size))
+        table.add_row(
+            engine,
+            alloc.backend,
+            str(alloc),
+            str(p.dp_size),
+            str(p.tp_size),
+            str(p.pp_size),
+            str(p.cp_size),
+            str(p.ep_size),
+            str(p.etp_size),
+            str(alloc.world_size),
+        )
     return table
 
 
@@ -76,12 +87,17 @@ def main(argv: typing.Sequence[str] | None = None) -> int:
     from rich.console import Console
     from rich.syntax import Syntax
 
-    parser = argparse.ArgumentParser(prog="python -m archon.config",
-                                     description="Print the resolved Archon config and its allocation table.")
+    parser = argparse.ArgumentParser(
+        prog="python -m archon.config", description="Print the resolved Archon config and its allocation table."
+    )
     parser.add_argument("--config", help="TOML config file")
     parser.add_argument("--describe", metavar="SECTION", help="list the documented keys of a section ('' = top level)")
-    parser.add_argument("--job", choices=("rl", "sft"), default="rl",
-                        help="the run's kind for the cluster check: sft starts no rollout server")
+    parser.add_argument(
+        "--job",
+        choices=("rl", "sft"),
+        default="rl",
+        help="the run's kind for the cluster check: sft starts no rollout server",
+    )
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
     args = parser.parse_args(argv)
     # Off a terminal rich assumes 80 columns and would truncate long (hybrid MoE) allocation strings.
@@ -97,4 +113,3 @@ def main(argv: typing.Sequence[str] | None = None) -> int:
     console.print(Syntax(to_toml(cfg), "toml", theme="ansi_dark", background_color="default"))
     console.print(allocation_table(cfg))
     return 0
-

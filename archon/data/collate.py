@@ -9,7 +9,6 @@ from typing import Any
 
 import torch
 
-
 _BUILTIN_NUMBERS = frozenset({bool, int, float})
 
 
@@ -26,8 +25,9 @@ def _as_list(value: Any) -> list[Any] | None:
     """A per-token field as a flat list, or None if ``value`` is not a sequence of numbers."""
     if isinstance(value, torch.Tensor):
         return value.tolist() if value.dim() == 1 else None
-    if isinstance(value, (list, tuple)) and (set(map(type, value)) <= _BUILTIN_NUMBERS
-                                             or all(isinstance(v, Number) for v in value)):
+    if isinstance(value, (list, tuple)) and (
+        set(map(type, value)) <= _BUILTIN_NUMBERS or all(isinstance(v, Number) for v in value)
+    ):
         return list(value)
     return None
 
@@ -60,8 +60,10 @@ def collate(
             for i, s in enumerate(samples):
                 row = _as_list(s.get(key))
                 if row is None or len(row) != lengths[i]:
-                    raise ValueError(f"sample {i}: per-token field '{key}' must be a list as long as its input_ids "
-                                     f"({lengths[i]}), got {None if row is None else len(row)} values")
+                    raise ValueError(
+                        f"sample {i}: per-token field '{key}' must be a list as long as its input_ids "
+                        f"({lengths[i]}), got {None if row is None else len(row)} values"
+                    )
                 rows.append(row)
             dtype = _dtype_of([v for row in rows for v in row] or [0])
             fill = pad_token_id if key == "input_ids" else 0
@@ -69,8 +71,9 @@ def collate(
             for b, row in enumerate(rows):
                 out[b, : len(row)] = torch.tensor(row, dtype=dtype)
             batch[key] = out
-        elif isinstance(samples[0][key], Number) or (isinstance(samples[0][key], torch.Tensor)
-                                                     and samples[0][key].dim() == 0):
+        elif isinstance(samples[0][key], Number) or (
+            isinstance(samples[0][key], torch.Tensor) and samples[0][key].dim() == 0
+        ):
             values = [s[key].item() if isinstance(s[key], torch.Tensor) else s[key] for s in samples]
             batch[key] = torch.tensor(values, dtype=_dtype_of(values))
     attention = torch.zeros((len(samples), width), dtype=torch.long)

@@ -14,8 +14,10 @@ def apply_prompt_template(text: str, prompt_template: str = PROMPT_PLACEHOLDER) 
     """``prompt_template`` with ``{prompt}`` replaced by ``text``; other braces are kept literally
     (so a template may say ``\\boxed{}``)."""
     if PROMPT_PLACEHOLDER not in prompt_template:
-        raise DataError(f"prompt_template {prompt_template!r} has no '{{prompt}}' placeholder; write e.g. "
-                        "'{prompt}\\nPut your final answer in \\\\boxed{}.'")
+        raise DataError(
+            f"prompt_template {prompt_template!r} has no '{{prompt}}' placeholder; write e.g. "
+            "'{prompt}\\nPut your final answer in \\\\boxed{}.'"
+        )
     return prompt_template.replace(PROMPT_PLACEHOLDER, text)
 
 
@@ -31,11 +33,7 @@ def _ids(result: Any) -> list[int]:
 
 
 def encode_prompt(
-    tokenizer: Any,
-    text: str,
-    *,
-    system_prompt: str | None = None,
-    use_chat_template: bool | None = None,
+    tokenizer: Any, text: str, *, system_prompt: str | None = None, use_chat_template: bool | None = None
 ) -> list[int]:
     """Token ids of a user prompt, ready for generation.
 
@@ -47,12 +45,16 @@ def encode_prompt(
     use_chat = has_chat_template(tokenizer) if use_chat_template is None else use_chat_template
     if use_chat:
         if not has_chat_template(tokenizer):
-            raise DataError("use_chat_template is on but the tokenizer has no chat_template; turn it off or "
-                            "use a tokenizer folder whose tokenizer_config.json defines one")
+            raise DataError(
+                "use_chat_template is on but the tokenizer has no chat_template; turn it off or "
+                "use a tokenizer folder whose tokenizer_config.json defines one"
+            )
         messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
-            {"role": "user", "content": text}]
-        return _ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False))
+            {"role": "user", "content": text}
+        ]
+        return _ids(
+            tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        )
     if system_prompt:
         text = f"{system_prompt}\n{text}"
     return _ids(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -70,11 +72,15 @@ def load_tokenizer(path: str, key: str = "actor.path") -> Any:
     from transformers import AutoTokenizer
 
     if not Path(path).is_dir():
-        raise DataError(f"{key} = '{path}' is not a folder; point it at a local Hugging Face model folder "
-                        "(config.json, *.safetensors and the tokenizer files)")
+        raise DataError(
+            f"{key} = '{path}' is not a folder; point it at a local Hugging Face model folder "
+            "(config.json, *.safetensors and the tokenizer files)"
+        )
     try:
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, KeyError) as exc:  # transformers' paragraph, cut to its first line
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise DataError(f"cannot load a tokenizer from {key} = '{path}' ({first}); the folder needs tokenizer.json or "
-                        "tokenizer_config.json with its vocabulary files") from None
+        raise DataError(
+            f"cannot load a tokenizer from {key} = '{path}' ({first}); the folder needs tokenizer.json or "
+            "tokenizer_config.json with its vocabulary files"
+        ) from None

@@ -22,10 +22,13 @@ def load_jsonl(path: str | Path) -> list[dict[str, Any]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{lineno} is not valid JSON ({exc.msg}); each line of a jsonl file "
-                                "must be one JSON object") from None
+                raise DataError(
+                    f"{path}:{lineno} is not valid JSON ({exc.msg}); each line of a jsonl file must be one JSON object"
+                ) from None
             if not isinstance(row, dict):
-                raise DataError(f"{path}:{lineno} holds a {type(row).__name__}, not a JSON object; write one "
-                                "object per line, e.g. {\"prompt\": ..., \"answer\": ...}")
+                raise DataError(
+                    f"{path}:{lineno} holds a {type(row).__name__}, not a JSON object; write one "
+                    'object per line, e.g. {"prompt": ..., "answer": ...}'
+                )
             rows.append(row)
     return rows

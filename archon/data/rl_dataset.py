@@ -46,8 +46,10 @@ def _row_fields(row: dict[str, Any], where: str) -> tuple[str, str, dict[str, An
     elif "question" in row:
         text_key = "question"
     else:
-        raise DataError(f"{where} has neither 'prompt' nor 'question' (keys: {sorted(row)}); RL data rows look "
-                        "like {\"prompt\": ..., \"answer\": ...} or GSM8K's {\"question\": ..., \"answer\": ...}")
+        raise DataError(
+            f"{where} has neither 'prompt' nor 'question' (keys: {sorted(row)}); RL data rows look "
+            'like {"prompt": ..., "answer": ...} or GSM8K\'s {"question": ..., "answer": ...}'
+        )
     if "answer" not in row:
         raise DataError(f"{where} has no 'answer'; every RL prompt needs a reference answer for the reward")
     text, answer = row[text_key], row["answer"]
@@ -74,8 +76,9 @@ class RLPromptDataset:
         if isinstance(rows, (str, Path)):
             rows = load_jsonl(rows)
         if not rows:
-            raise DataError(f"{source} has no rows; write one JSON object per line, e.g. "
-                            "{\"prompt\": \"1 + 1 =\", \"answer\": \"2\"}")
+            raise DataError(
+                f'{source} has no rows; write one JSON object per line, e.g. {{"prompt": "1 + 1 =", "answer": "2"}}'
+            )
         self.samples: list[PromptSample] = []
         self.n_dropped = 0
         for i, row in enumerate(rows):
@@ -87,11 +90,18 @@ class RLPromptDataset:
                 continue
             self.samples.append(PromptSample(i, ids, prompt, gsm8k_reference(answer), answer, extra))
         if self.n_dropped:
-            logger.warning("dropped %d of %d prompts from %s longer than max_prompt_length=%d tokens",
-                           self.n_dropped, len(rows), source, max_prompt_length)
+            logger.warning(
+                "dropped %d of %d prompts from %s longer than max_prompt_length=%d tokens",
+                self.n_dropped,
+                len(rows),
+                source,
+                max_prompt_length,
+            )
         if not self.samples:
-            raise DataError(f"no prompts left from {source} (read {len(rows)} rows, dropped {self.n_dropped} "
-                            f"longer than max_prompt_length={max_prompt_length}); raise train_dataset.max_length")
+            raise DataError(
+                f"no prompts left from {source} (read {len(rows)} rows, dropped {self.n_dropped} "
+                f"longer than max_prompt_length={max_prompt_length}); raise train_dataset.max_length"
+            )
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -103,8 +113,16 @@ class RLPromptDataset:
 class PromptLoader:
     """Global batches of prompts in a seeded order that is resumable and independent of ranks."""
 
-    def __init__(self, dataset: RLPromptDataset, batch_size: int, *, seed: int, shuffle: bool = True,
-                 drop_last: bool = True, group_size: int = 1):
+    def __init__(
+        self,
+        dataset: RLPromptDataset,
+        batch_size: int,
+        *,
+        seed: int,
+        shuffle: bool = True,
+        drop_last: bool = True,
+        group_size: int = 1,
+    ):
         self.dataset = dataset
         self.group_size = group_size
         self.sampler = EpochSampler(len(dataset), batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last)

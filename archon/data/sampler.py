@@ -31,8 +31,10 @@ class EpochSampler:
         if n == 0:
             raise DataError("the dataset is empty (after filtering); check the data file and max_length")
         if drop_last and batch_size > n:
-            raise DataError(f"batch_size = {batch_size} is larger than the dataset ({n} samples) with drop_last; "
-                            "lower the batch size, add data, or set drop_last = false")
+            raise DataError(
+                f"batch_size = {batch_size} is larger than the dataset ({n} samples) with drop_last; "
+                "lower the batch size, add data, or set drop_last = false"
+            )
         self.n = n
         self.batch_size = batch_size
         self.seed = seed
@@ -60,21 +62,30 @@ class EpochSampler:
             self.position = 0
             self._order = None
         order = self._epoch_order()
-        batch = order[self.position: self.position + self.batch_size]
+        batch = order[self.position : self.position + self.batch_size]
         self.position += len(batch)
         return batch
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "n": self.n,
-                "batch_size": self.batch_size}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "n": self.n,
+            "batch_size": self.batch_size,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("n", self.n) != self.n:
-            raise DataError(f"the checkpointed data sampler covered {state['n']} samples but the dataset now has "
-                            f"{self.n}; resume with the same data file and max_length")
+            raise DataError(
+                f"the checkpointed data sampler covered {state['n']} samples but the dataset now has "
+                f"{self.n}; resume with the same data file and max_length"
+            )
         if state.get("seed", self.seed) != self.seed:
-            raise DataError(f"the checkpoint was written with seed {state['seed']} but this run uses {self.seed}; "
-                            "resume with the same seed")
+            raise DataError(
+                f"the checkpoint was written with seed {state['seed']} but this run uses {self.seed}; "
+                "resume with the same seed"
+            )
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
         self._order = None

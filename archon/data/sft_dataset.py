@@ -48,14 +48,17 @@ class SFTDataset:
             raise DataError(f"truncation = '{truncation}' must be 'drop' or 'truncate'")
         eos = getattr(tokenizer, "eos_token_id", None)
         if eos is None:
-            raise DataError("the tokenizer has no eos_token; SFT appends EOS to every completion, so set "
-                            "eos_token in the tokenizer config")
+            raise DataError(
+                "the tokenizer has no eos_token; SFT appends EOS to every completion, so set "
+                "eos_token in the tokenizer config"
+            )
         source = str(rows) if isinstance(rows, (str, Path)) else "the given rows"
         if isinstance(rows, (str, Path)):
             rows = load_jsonl(rows)
         if not rows:
-            raise DataError(f"{source} has no rows; write one JSON object per line, e.g. "
-                            "{\"prompt\": \"1 + 1 =\", \"completion\": \"2\"}")
+            raise DataError(
+                f'{source} has no rows; write one JSON object per line, e.g. {{"prompt": "1 + 1 =", "completion": "2"}}'
+            )
         self.samples: list[dict[str, list[int]]] = []
         self.n_dropped = 0
         self.n_truncated = 0
@@ -64,8 +67,9 @@ class SFTDataset:
             if not isinstance(row.get("prompt"), str) or not isinstance(row.get("completion"), str):
                 raise DataError(f"{where} needs string fields 'prompt' and 'completion' (keys: {sorted(row)})")
             prompt = apply_prompt_template(row["prompt"], prompt_template)
-            prompt_ids = encode_prompt(tokenizer, prompt, system_prompt=system_prompt,
-                                       use_chat_template=use_chat_template)
+            prompt_ids = encode_prompt(
+                tokenizer, prompt, system_prompt=system_prompt, use_chat_template=use_chat_template
+            )
             sample = build_sft_sample(prompt_ids, encode_text(tokenizer, row["completion"]), eos)
             if max_length is not None and len(sample["input_ids"]) > max_length:
                 if truncation == "drop" or len(prompt_ids) >= max_length:
@@ -75,11 +79,18 @@ class SFTDataset:
                 self.n_truncated += 1
             self.samples.append(sample)
         if self.n_dropped or self.n_truncated:
-            logger.warning("SFT data %s: dropped %d and truncated %d of %d rows longer than max_length=%s tokens",
-                           source, self.n_dropped, self.n_truncated, len(rows), max_length)
+            logger.warning(
+                "SFT data %s: dropped %d and truncated %d of %d rows longer than max_length=%s tokens",
+                source,
+                self.n_dropped,
+                self.n_truncated,
+                len(rows),
+                max_length,
+            )
         if not self.samples:
-            raise DataError(f"no SFT samples left from {source} (read {len(rows)} rows, dropped {self.n_dropped}); "
-                            "raise max_length")
+            raise DataError(
+                f"no SFT samples left from {source} (read {len(rows)} rows, dropped {self.n_dropped}); raise max_length"
+            )
 
     def __len__(self) -> int:
         return len(self.samples)

@@ -22,8 +22,9 @@ from __future__ import annotations
 import io
 import json
 import pickle
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -62,7 +63,10 @@ _SAFE_GLOBALS = {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
     ("collections", "OrderedDict"),
 }
 
@@ -103,11 +107,14 @@ class _TensorOnlyLoadPlanner(DefaultLoadPlanner):
     """Archon's checkpoints hold tensors only; DCP would ``torch.load(weights_only=False)`` anything else."""
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        raise CheckpointError(f"the checkpoint stores '{read_item.dest_index.fqn}' as a pickled object, but Archon "
-                              "checkpoints hold tensors only; it was not written by Archon and is not loaded")
+        raise CheckpointError(
+            f"the checkpoint stores '{read_item.dest_index.fqn}' as a pickled object, but Archon "
+            "checkpoints hold tensors only; it was not written by Archon and is not loaded"
+        )
 
 
 # ---------------------------------------------------------------------------- state
+
 
 def _split(states: Mapping[str, Stateful]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The tensors DCP saves and loads (the model's, the optimizer's per-parameter state), and the
@@ -131,8 +138,13 @@ def dcp_state_dict(states: Mapping[str, Stateful]) -> dict[str, Any]:
     return _split(states)[0]
 
 
-def _engine_state(states: Mapping[str, Stateful], groups: list[dict[str, Any]], extra_state: dict[str, Any],
-                  name: str, allocation: str) -> tuple[str, dict[str, torch.Tensor]]:
+def _engine_state(
+    states: Mapping[str, Stateful],
+    groups: list[dict[str, Any]],
+    extra_state: dict[str, Any],
+    name: str,
+    allocation: str,
+) -> tuple[str, dict[str, torch.Tensor]]:
     """``engine_state.json``'s text and ``rng_state.safetensors``'s tensors."""
     train = states[TRAIN_STATE].state_dict()
     rng = {"torch": train["torch_rng"]}
@@ -149,8 +161,9 @@ def _engine_state(states: Mapping[str, Stateful], groups: list[dict[str, Any]], 
     try:
         return json.dumps(state, allow_nan=False), rng
     except (TypeError, ValueError) as exc:
-        raise CheckpointError(f"the state saved with {name}'s checkpoint must be JSON data (numbers, "
-                              f"strings, lists, dicts): {exc}") from None
+        raise CheckpointError(
+            f"the state saved with {name}'s checkpoint must be JSON data (numbers, strings, lists, dicts): {exc}"
+        ) from None
 
 
 def all_ranks_ok(ok: bool) -> bool:
@@ -160,8 +173,14 @@ def all_ranks_ok(ok: bool) -> bool:
     return bool(flag.item())
 
 
-def save_checkpoint(states: Mapping[str, Stateful], path: Path, extra_state: dict[str, Any], *,
-                    name: str = "the engine", allocation: str = "") -> None:
+def save_checkpoint(
+    states: Mapping[str, Stateful],
+    path: Path,
+    extra_state: dict[str, Any],
+    *,
+    name: str = "the engine",
+    allocation: str = "",
+) -> None:
     """Every rank writes its DCP shards of ``states`` under ``path/dcp``; rank 0 the rest.
 
     ``name`` (the engine's, for messages) and ``allocation`` (recorded for whoever reads the
@@ -172,8 +191,9 @@ def save_checkpoint(states: Mapping[str, Stateful], path: Path, extra_state: dic
     try:
         dcp.save(tensors, checkpoint_id=str(path / DCP_DIR))
     except CheckpointException as exc:  # DCP gathers every rank's failure and raises on all of them
-        raise CheckpointWriteError(f"writing {name}'s shards to {path / DCP_DIR} failed: "
-                                   f"{_first_failure(exc)}") from None
+        raise CheckpointWriteError(
+            f"writing {name}'s shards to {path / DCP_DIR} failed: {_first_failure(exc)}"
+        ) from None
     error: Exception | None = None
     if dist.get_rank() == 0:
         try:
@@ -185,8 +205,9 @@ def save_checkpoint(states: Mapping[str, Stateful], path: Path, extra_state: dic
     if not all_ranks_ok(error is None):
         if isinstance(error, CheckpointError):
             raise error
-        raise CheckpointWriteError(f"writing {name}'s engine state to {path} failed"
-                                   + (f": {error}" if error is not None else " on rank 0"))
+        raise CheckpointWriteError(
+            f"writing {name}'s engine state to {path} failed" + (f": {error}" if error is not None else " on rank 0")
+        )
 
 
 def _first_failure(exc: CheckpointException) -> str:
@@ -207,32 +228,38 @@ def load_checkpoint(states: Mapping[str, Stateful], path: Path, *, name: str = "
     """
     meta_file = path / ENGINE_STATE
     if not meta_file.is_file() or not (path / DCP_DIR).is_dir():
-        raise CheckpointError(f"'{path}' is not an Archon checkpoint (expected {ENGINE_STATE} and {DCP_DIR}/); "
-                              "pass a folder written by ArchonEngine.save")
+        raise CheckpointError(
+            f"'{path}' is not an Archon checkpoint (expected {ENGINE_STATE} and {DCP_DIR}/); "
+            "pass a folder written by ArchonEngine.save"
+        )
     try:
         meta = json.loads(meta_file.read_text())
         rng = load_file(str(path / RNG_STATE))
     except (OSError, ValueError, SafetensorError) as exc:
         raise CheckpointError(f"the engine state in '{path}' is damaged ({exc}); use an intact checkpoint") from None
     if OPTIMIZER in states and not meta.get("optimizer_param_groups"):
-        raise CheckpointError(f"'{path}' has no optimizer state for {name}; it was saved from an "
-                              "engine without an optimizer")
+        raise CheckpointError(
+            f"'{path}' has no optimizer state for {name}; it was saved from an engine without an optimizer"
+        )
     tensors, _ = _split(states)
     try:
-        dcp.load(tensors, storage_reader=_SafeFileSystemReader(str(path / DCP_DIR)),
-                 planner=_TensorOnlyLoadPlanner())
+        dcp.load(tensors, storage_reader=_SafeFileSystemReader(str(path / DCP_DIR)), planner=_TensorOnlyLoadPlanner())
     except CheckpointException as exc:
-        raise CheckpointError(f"reading the shards of '{path}' failed ({_first_failure(exc)}); the checkpoint "
-                              "is damaged or was written for another model") from None
+        raise CheckpointError(
+            f"reading the shards of '{path}' failed ({_first_failure(exc)}); the checkpoint "
+            "is damaged or was written for another model"
+        ) from None
     states[MODEL].load_state_dict(tensors["model"])
     if OPTIMIZER in states:
         try:
-            states[OPTIMIZER].load_state_dict({"state": tensors["optim"]["state"],
-                                               "param_groups": meta["optimizer_param_groups"]})
+            states[OPTIMIZER].load_state_dict(
+                {"state": tensors["optim"]["state"], "param_groups": meta["optimizer_param_groups"]}
+            )
         except ValueError as exc:
             raise CheckpointError(f"'{path}' does not fit {name}: {exc}") from None
     if LR_SCHEDULER in states and meta["lr_scheduler"] is not None:
         states[LR_SCHEDULER].load_state_dict(meta["lr_scheduler"])
-    states[TRAIN_STATE].load_state_dict({"step": meta["step"], "python_rng": meta["python_rng"],
-                                         "torch_rng": rng["torch"], "cuda_rng": rng.get("cuda")})
+    states[TRAIN_STATE].load_state_dict(
+        {"step": meta["step"], "python_rng": meta["python_rng"], "torch_rng": rng["torch"], "cuda_rng": rng.get("cuda")}
+    )
     return meta["extra"]

@@ -78,8 +78,11 @@ def _write_atomically(path: Path, text: str) -> None:
 
 def manifest(folder: Path) -> dict[str, int]:
     """Size in bytes of every file under ``folder`` (relative paths; the marker itself excluded)."""
-    return {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*"))
-            if p.is_file() and p.name != COMPLETE}
+    return {
+        str(p.relative_to(folder)): p.stat().st_size
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != COMPLETE
+    }
 
 
 def damage(folder: Path) -> str | None:
@@ -158,8 +161,10 @@ class CheckpointManager:
             error = exc
         if not all_ranks_ok(error is None):
             where = f"({error})" if error is not None else "on another rank"
-            raise ConfigError(f"output_dir {self.root.parent} cannot be written {where}; set output_dir to a folder "
-                              "this job can create files in")
+            raise ConfigError(
+                f"output_dir {self.root.parent} cannot be written {where}; set output_dir to a folder "
+                "this job can create files in"
+            )
 
     def check_space(self, engines: dict[str, Checkpointable]) -> None:
         """Collective: the disk has room for one more checkpoint of ``engines``, or every rank raises ``ConfigError``."""
@@ -171,9 +176,11 @@ class CheckpointManager:
         if all_ranks_ok(dist.get_rank() != 0 or free >= needed):
             return
         gib = 2**30
-        raise ConfigError(f"output_dir {self.root.parent} has {free / gib:.2f} GiB free, but one checkpoint of this "
-                          f"run takes about {needed / gib:.2f} GiB (model and optimizer state of "
-                          f"{', '.join(engines)}); free disk space or set output_dir to a larger disk")
+        raise ConfigError(
+            f"output_dir {self.root.parent} has {free / gib:.2f} GiB free, but one checkpoint of this "
+            f"run takes about {needed / gib:.2f} GiB (model and optimizer state of "
+            f"{', '.join(engines)}); free disk space or set output_dir to a larger disk"
+        )
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, engines: dict[str, Checkpointable], extra_state: dict[str, Any]) -> Path:
@@ -220,8 +227,10 @@ class CheckpointManager:
     def _write_failed(self, folder: Path, cause: object) -> str:
         previous = self.latest()
         kept = f"the previous checkpoint {previous} is intact" if previous is not None else "no checkpoint was kept"
-        return (f"writing checkpoint {folder} failed ({cause}); {kept}; free disk space under {self.root} (or point "
-                "output_dir at a larger, writable disk) and rerun the same command to resume")
+        return (
+            f"writing checkpoint {folder} failed ({cause}); {kept}; free disk space under {self.root} (or point "
+            "output_dir at a larger, writable disk) and rerun the same command to resume"
+        )
 
     def _complete(self, partial: Path, folder: Path, step: int) -> None:
         """Rank 0, after every rank wrote: the marker last, then the rename, then ``latest``."""
@@ -285,6 +294,7 @@ class CheckpointManager:
             self.loaded = folder
             return extra
         if first_error is not None:
-            raise CheckpointError(f"no checkpoint under {self.root} could be loaded; the newest failed with: "
-                                  f"{first_error}")
+            raise CheckpointError(
+                f"no checkpoint under {self.root} could be loaded; the newest failed with: {first_error}"
+            )
         return None

@@ -24,8 +24,9 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Mapping
 from datetime import timedelta
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -50,7 +51,7 @@ def resolve_device_type(device: str = "auto") -> str:
     return device
 
 
-def plan_gpu(plan: "ClusterPlan", env: Mapping[str, str] = os.environ) -> int:
+def plan_gpu(plan: ClusterPlan, env: Mapping[str, str] = os.environ) -> int:
     """The node-local GPU id ``plan`` gives this process's training rank (``RANK``), checked against ``LOCAL_RANK``."""
     rank = int(env.get("RANK", "0"))
     proc = plan.rank(rank)
@@ -60,7 +61,8 @@ def plan_gpu(plan: "ClusterPlan", env: Mapping[str, str] = os.environ) -> int:
             f"training rank {rank} was started as local rank {local}, but the cluster plan puts it on node "
             f"{proc.node} as local rank {proc.local_index} (GPU {proc.gpus[0]}); start "
             f"{len(plan.train_gpus(proc.node))} training processes on that node as `python -m archon.plan` shows, "
-            "or fix cluster.n_nodes / cluster.n_gpus_per_node")
+            "or fix cluster.n_nodes / cluster.n_gpus_per_node"
+        )
     return proc.gpus[0]
 
 
@@ -82,13 +84,16 @@ def cuda_device_index(gpu: int | None, env: Mapping[str, str] = os.environ) -> i
             raise DeviceSelectionError(
                 f"the cluster plan gives this training rank (RANK={env.get('RANK', '0')}) GPU {gpu} of its node, "
                 f"but CUDA_VISIBLE_DEVICES={visible_env!r} does not list it; export the node's GPU ids as the plan "
-                "gives them (or one GPU per process), or leave CUDA_VISIBLE_DEVICES unset")
+                "gives them (or one GPU per process), or leave CUDA_VISIBLE_DEVICES unset"
+            )
         where = f"the plan's GPU {gpu} (CUDA_VISIBLE_DEVICES={visible_env!r})"
     count = torch.cuda.device_count()
     if index >= count:
-        raise DeviceSelectionError(f"this training process should use CUDA device {index} ({where}), but only "
-                                   f"{count} are visible; set cluster.n_gpus_per_node to the node's GPU count and "
-                                   "check the launcher's CUDA_VISIBLE_DEVICES")
+        raise DeviceSelectionError(
+            f"this training process should use CUDA device {index} ({where}), but only "
+            f"{count} are visible; set cluster.n_gpus_per_node to the node's GPU count and "
+            "check the launcher's CUDA_VISIBLE_DEVICES"
+        )
     return index
 
 
@@ -116,7 +121,7 @@ def exit_with_launcher() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def init_distributed(device_type: str, timeout_s: float = 1800.0, plan: "ClusterPlan | None" = None) -> None:
+def init_distributed(device_type: str, timeout_s: float = 1800.0, plan: ClusterPlan | None = None) -> None:
     """Select this rank's GPU (``plan``: see the module docstring) and join the job's process group.
 
     Joins torchrun's group (env) or makes a one-process group: a single process still gets a
@@ -134,8 +139,9 @@ def init_distributed(device_type: str, timeout_s: float = 1800.0, plan: "Cluster
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend, timeout=timeout)
     else:
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
-                                world_size=1, timeout=timeout)
+        dist.init_process_group(
+            backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1, timeout=timeout
+        )
 
 
 def current_device(device_type: str) -> torch.device:

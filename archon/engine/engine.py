@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, ClassVar, Iterator
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -60,6 +61,7 @@ logger = logging.getLogger("archon.engine")
 # FSDP x TP gathers over two mesh dims in sequence; DTensor warns about it on every call.
 logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
+
 class EngineError(ArchonError, ValueError):
     """A user-caused problem with an engine's config, allocation or data."""
 
@@ -72,9 +74,19 @@ class ArchonEngine:
     engine_label: ClassVar[str] = "Archon"
     """How the initialization log names the engine."""
 
-    def __init__(self, config: TrainEngineConfig, *, name: str = "actor", is_critic: bool = False,
-                 seed: int = 1, device: str = "auto", temperature: float = 1.0, total_steps: int = 1,
-                 trainable: bool = True, allocation: ModelAllocation | None = None):
+    def __init__(
+        self,
+        config: TrainEngineConfig,
+        *,
+        name: str = "actor",
+        is_critic: bool = False,
+        seed: int = 1,
+        device: str = "auto",
+        temperature: float = 1.0,
+        total_steps: int = 1,
+        trainable: bool = True,
+        allocation: ModelAllocation | None = None,
+    ):
         self.config = config
         # ``build_engine`` parsed ``config.backend`` to pick this class and hands the result on.
         self._allocation = allocation
@@ -103,7 +115,7 @@ class ArchonEngine:
         self.train_state.step = value
 
     # ------------------------------------------------------------------ build
-    def initialize(self) -> "ArchonEngine":
+    def initialize(self) -> ArchonEngine:
         from models import get_model_spec
 
         cfg = self.config
@@ -118,8 +130,9 @@ class ArchonEngine:
             model, parts = self.pipeline.model, self.pipeline.parts
         else:
             try:
-                model = self.spec.parallelize_fn(model, parallel_dims=self.parallel_dims,
-                                                 options=self.parallelize_options)
+                model = self.spec.parallelize_fn(
+                    model, parallel_dims=self.parallel_dims, options=self.parallelize_options
+                )
             except ParallelConfigError as exc:  # parallel/ states what the layout cannot do to this model
                 raise EngineError(f"{self.name}.backend = '{cfg.backend}': {exc}") from None
             parts = [model]
@@ -134,8 +147,10 @@ class ArchonEngine:
         # The actor replays the experts the rollout servers chose when the batch carries them.
         self.routing_replay = bool(getattr(cfg, "moe_routing_replay", False))
         if self.routing_replay and self.moe is None:
-            raise EngineError(f"{self.name}.moe_routing_replay = true, but model type '{self.hf_config.model_type}' "
-                              "has no MoE layers to replay; turn it off")
+            raise EngineError(
+                f"{self.name}.moe_routing_replay = true, but model type '{self.hf_config.model_type}' "
+                "has no MoE layers to replay; turn it off"
+            )
         if not self.trainable:
             self.model.requires_grad_(False)
         else:
@@ -160,33 +175,45 @@ class ArchonEngine:
         # What parallel/ and pipeline/ are told besides the sizes (dtypes, AC, compile, offload).
         self.parallelize_options = parallelize_options(cfg)
         if self.allocation.backend != self.backend:
-            raise EngineError(f"{self.name}.backend = '{cfg.backend}' is a '{self.allocation.backend}:' allocation, "
-                              f"but {type(self).__name__} runs '{self.backend}:' ones; build engines with "
-                              "archon.engine.build_engine(config, ...), which picks the engine by backend")
+            raise EngineError(
+                f"{self.name}.backend = '{cfg.backend}' is a '{self.allocation.backend}:' allocation, "
+                f"but {type(self).__name__} runs '{self.backend}:' ones; build engines with "
+                "archon.engine.build_engine(config, ...), which picks the engine by backend"
+            )
         world = dist.get_world_size()
         if self.allocation.world_size != world:
-            raise EngineError(f"{self.name}.backend = '{cfg.backend}' needs {self.allocation.world_size} ranks but "
-                              f"the job has {world}; launch with --nproc_per_node={self.allocation.world_size} "
-                              f"or change the allocation")
+            raise EngineError(
+                f"{self.name}.backend = '{cfg.backend}' needs {self.allocation.world_size} ranks but "
+                f"the job has {world}; launch with --nproc_per_node={self.allocation.world_size} "
+                f"or change the allocation"
+            )
         try:
             self.parallel_dims = ParallelDims.from_allocation(self.allocation, dp_replicate=cfg.archon.dp_replicate)
         except ParallelConfigError as exc:  # parallel/ cannot raise Archon's errors
             raise EngineError(f"{self.name}.backend = '{cfg.backend}': {exc}") from None
         self.parallel_dims.build_meshes(self.device_type)
         if dist.get_rank() == 0:
-            logger.info("Initialized %s engine with parallel dims: %s", self.engine_label,
-                        self.parallel_dims.describe())
+            logger.info(
+                "Initialized %s engine with parallel dims: %s", self.engine_label, self.parallel_dims.describe()
+            )
 
     def _split_into_stages(self, model: torch.nn.Module) -> PipelinedModel:
         """This rank's pipeline stages of the meta-device ``model``, each parallelized."""
         if self.spec.pipelining_fn is None:
-            raise EngineError(f"{self.name}.backend = '{self.config.backend}' asks for pipeline parallel, but model "
-                              f"type '{self.hf_config.model_type}' has no pipelining function in its ModelSpec; "
-                              "use p1 or add one (see models/qwen3/spec.py)")
+            raise EngineError(
+                f"{self.name}.backend = '{self.config.backend}' asks for pipeline parallel, but model "
+                f"type '{self.hf_config.model_type}' has no pipelining function in its ModelSpec; "
+                "use p1 or add one (see models/qwen3/spec.py)"
+            )
         try:
-            return self.spec.pipelining_fn(model, parallel_dims=self.parallel_dims, options=self.parallelize_options,
-                                           pipeline=pipeline_options(self.config),
-                                           parallelize_fn=self.spec.parallelize_fn, device=self.device)
+            return self.spec.pipelining_fn(
+                model,
+                parallel_dims=self.parallel_dims,
+                options=self.parallelize_options,
+                pipeline=pipeline_options(self.config),
+                parallelize_fn=self.spec.parallelize_fn,
+                device=self.device,
+            )
         except (PipelineConfigError, ParallelConfigError) as exc:  # what the layout cannot do to this model
             raise EngineError(f"{self.name}.backend = '{self.config.backend}': {exc}") from None
 
@@ -195,13 +222,17 @@ class ArchonEngine:
 
         source = self.config.path or self.config.model_config
         if not source:
-            raise EngineError(f"{self.name}.path is empty and {self.name}.model_config is empty; set one to an "
-                              "HF model folder (path loads its weights, model_config only its architecture)")
+            raise EngineError(
+                f"{self.name}.path is empty and {self.name}.model_config is empty; set one to an "
+                "HF model folder (path loads its weights, model_config only its architecture)"
+            )
         p = Path(source)
         folder = p.parent if p.name == "config.json" else p
         if not (folder / "config.json").is_file():
-            raise EngineError(f"{self.name}: no config.json in '{folder}'; point {self.name}.path at a Hugging Face "
-                              "model folder (config.json + *.safetensors)")
+            raise EngineError(
+                f"{self.name}: no config.json in '{folder}'; point {self.name}.path at a Hugging Face "
+                "model folder (config.json + *.safetensors)"
+            )
         from models import get_model_spec, read_hf_config
 
         if self.backend == "archon":
@@ -217,10 +248,12 @@ class ArchonEngine:
         # Buffers (RoPE tables) and anything a checkpoint lacks (a critic's value head).
         self.model.init_weights(buffer_device=self.device)
         if self.config.path:
-            result = load_hf_weights(self.model, self.config.path,
-                                     self.spec.state_dict_adapter_class(self.model_args), strict=True)
-            init_unloaded(self.model, result.initialised, self.seed,
-                          std=getattr(self.model_args, "initializer_range", 0.02))
+            result = load_hf_weights(
+                self.model, self.config.path, self.spec.state_dict_adapter_class(self.model_args), strict=True
+            )
+            init_unloaded(
+                self.model, result.initialised, self.seed, std=getattr(self.model_args, "initializer_range", 0.02)
+            )
             return
         # From scratch: initialise the full model identically on every rank from the seed, then
         # shard it, so that the initial weights do not depend on the allocation.
@@ -243,8 +276,9 @@ class ArchonEngine:
 
     def _to_device(self, batch: Batch) -> Batch:
         # Replayed routing is large ([B, S, layers, top_k]); it moves per microbatch, packed.
-        return {k: v.to(self.device) if isinstance(v, torch.Tensor) and k != ROUTED_EXPERTS else v
-                for k, v in batch.items()}
+        return {
+            k: v.to(self.device) if isinstance(v, torch.Tensor) and k != ROUTED_EXPERTS else v for k, v in batch.items()
+        }
 
     def _pack(self, batch: Batch, indices: list[int], pad_to: int = 0) -> PackedMicrobatch:
         """Pack ``indices`` into one row: to ``max_tokens_per_mb`` under pad_to_maximum, else to ``pad_to``."""
@@ -306,7 +340,7 @@ class ArchonEngine:
         loss_mask = batch["loss_mask"]
         masked = torch.zeros(mb.total_len, dtype=torch.bool, device=loss_mask.device)
         if mb.indices:
-            masked[:mb.n_real_tokens] = torch.cat([loss_mask[i, :n] for i, n in zip(mb.indices, mb.seqlens)]) > 0
+            masked[: mb.n_real_tokens] = torch.cat([loss_mask[i, :n] for i, n in zip(mb.indices, mb.seqlens)]) > 0
         masked[mb.seq_starts] = False  # a sequence's first token has no predicting position (its logprob is 0)
         keep = masked.nonzero().squeeze(1) - 1
         return keep if keep.numel() < 0.9 * mb.total_len else None
@@ -332,8 +366,9 @@ class ArchonEngine:
         """Per-token outputs of ``forward``: a critic's values, or an LM's logprobs and entropy."""
         return ["values"] if self.is_critic else ["logprobs", "entropy"]
 
-    def _token_outputs(self, out: torch.Tensor, mb: PackedMicrobatch,
-                       keep: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    def _token_outputs(
+        self, out: torch.Tensor, mb: PackedMicrobatch, keep: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
         """The model's output for packed ``mb`` (logits or values) as token-aligned per-token rows.
 
         Next-token targets come from the full row; under context parallel the per-token outputs
@@ -375,8 +410,9 @@ class ArchonEngine:
         n_mbs = mb_spec.n_mbs if self.pipeline is None else self.pipeline.microbatch_count(mb_spec.n_mbs)
         try:
             plan = plan_microbatches(lens, self.dp_size, n_mbs, mb_spec.max_tokens_per_mb)
-            runnable = plan.n_microbatches if self.pipeline is None else \
-                self.pipeline.microbatch_count(plan.n_microbatches)
+            runnable = (
+                plan.n_microbatches if self.pipeline is None else self.pipeline.microbatch_count(plan.n_microbatches)
+            )
             if runnable != plan.n_microbatches:
                 # max_tokens_per_mb asked for a count the schedule cannot run: take the next one it can.
                 plan = plan_microbatches(lens, self.dp_size, runnable, mb_spec.max_tokens_per_mb)
@@ -384,8 +420,9 @@ class ArchonEngine:
             raise EngineError(f"{self.name}: {exc}") from None
         return plan.per_rank[self.dp_rank]
 
-    def _pipeline_microbatches(self, batch: Batch, mbs: list[list[int]]
-                               ) -> tuple[list[PackedMicrobatch], list[Microbatch]]:
+    def _pipeline_microbatches(
+        self, batch: Batch, mbs: list[list[int]]
+    ) -> tuple[list[PackedMicrobatch], list[Microbatch]]:
         """Packed microbatches of one shape (pipeline stages exchange fixed-size buffers) and their stage inputs.
 
         Every row is padded to the step's longest (a multiple of tp*cp); ``cu_seqlens`` are
@@ -406,8 +443,9 @@ class ArchonEngine:
         return packs, inputs
 
     # ------------------------------------------------------------------ train
-    def train_batch(self, batch: Batch, loss_fn: LossFn, loss_weight_fn: LossWeightFn = token_count_weight
-                    ) -> dict[str, float]:
+    def train_batch(
+        self, batch: Batch, loss_fn: LossFn, loss_weight_fn: LossWeightFn = token_count_weight
+    ) -> dict[str, float]:
         """Forward+backward over every microbatch, then one optimizer step; returns global stats."""
         assert self.model is not None and self.optimizer is not None, "initialize() a trainable engine first"
         t0 = time.perf_counter()
@@ -415,8 +453,9 @@ class ArchonEngine:
         batch = self._to_device(batch)
         total_weight = float(loss_weight_fn(batch))
         if total_weight <= 0:
-            raise EngineError(f"{self.name}: the batch has no loss weight (e.g. every loss_mask is 0); "
-                              "nothing to train on")
+            raise EngineError(
+                f"{self.name}: the batch has no loss weight (e.g. every loss_mask is 0); nothing to train on"
+            )
         my_mbs = self._plan(batch)
         grad_scale = float(self.parallel_dims.fsdp_gradient_divide_factor)
         self.optimizer.zero_grad(set_to_none=True)
@@ -433,8 +472,10 @@ class ArchonEngine:
 
             def last_stage_loss(out: torch.Tensor, i: int) -> torch.Tensor:
                 outputs = self._token_outputs(out, packs[i])
-                return microbatch_loss(outputs, batch, my_mbs[i], loss_fn, loss_weight_fn, total_weight,
-                                       totals) * grad_scale
+                return (
+                    microbatch_loss(outputs, batch, my_mbs[i], loss_fn, loss_weight_fn, total_weight, totals)
+                    * grad_scale
+                )
 
             with self._autocast():
                 self.pipeline.train_step(inputs, last_stage_loss)
@@ -456,24 +497,31 @@ class ArchonEngine:
         if finite:
             self.optimizer.step()
         else:
-            logger.warning("%s: non-finite gradient norm at step %d; the optimizer step is skipped",
-                           self.name, self.step)
+            logger.warning(
+                "%s: non-finite gradient norm at step %d; the optimizer step is skipped", self.name, self.step
+            )
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
         self.step += 1
         moe_stats = self.moe.end_step(optimizer_stepped=finite) if self.moe is not None else {}
 
         keys = sorted(totals.stats)
-        reduced = torch.tensor([totals.loss, float(totals.tokens)] + [totals.stats[k] for k in keys],
-                               dtype=torch.float64)
+        reduced = torch.tensor(
+            [totals.loss, float(totals.tokens)] + [totals.stats[k] for k in keys], dtype=torch.float64
+        )
         if self.dp_size > 1:
             dist.all_reduce(reduced, group=self._dp_group())
         if self.pipeline is not None:
             # The loss and its stats exist on the last stage only; every rank reports them.
             keys, reduced = self.pipeline.broadcast_from_last_stage((keys, reduced))
-        result = {"loss": float(reduced[0]), "grad_norm": float(grad_norm), "lr": lr,
-                  "tokens": float(reduced[1]), "update_skipped": float(not finite),
-                  "train_time_s": time.perf_counter() - t0}
+        result = {
+            "loss": float(reduced[0]),
+            "grad_norm": float(grad_norm),
+            "lr": lr,
+            "tokens": float(reduced[1]),
+            "update_skipped": float(not finite),
+            "train_time_s": time.perf_counter() - t0,
+        }
         result.update({k: float(v) for k, v in zip(keys, reduced[2:].tolist())})
         if moe_stats:
             # The load-balancing loss is part of what was minimised (it reached the gradients
@@ -542,8 +590,9 @@ class ArchonEngine:
         return result
 
     # ------------------------------------------------------------------ weights out
-    def named_full_tensors(self, dtype: torch.dtype | None = None, extras: bool = False
-                           ) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_full_tensors(
+        self, dtype: torch.dtype | None = None, extras: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) one at a time; a collective: every rank must iterate.
 
         Parameters are cast to ``dtype``.  ``extras`` adds the persistent buffers HF formats may
@@ -553,15 +602,25 @@ class ArchonEngine:
         adapter = self.spec.state_dict_adapter_class(self.model_args)
         yield from hf_full_tensors(self.model, adapter, self.pipeline, dtype, extras)
 
-    def export_hf(self, path: str | Path, dtype: torch.dtype | None = None, max_shard_size: str | int = "5GB",
-                  extras: bool = False) -> None:
+    def export_hf(
+        self,
+        path: str | Path,
+        dtype: torch.dtype | None = None,
+        max_shard_size: str | int = "5GB",
+        extras: bool = False,
+    ) -> None:
         """Write an HF folder (config.json + sharded safetensors) from the sharded model; rank 0 writes.
 
         ``extras`` also writes what the HF architecture has no field for (the MoE routing bias),
         for folders that only Archon's own server reads (disk weight sync).
         """
-        write_hf_folder(self.named_full_tensors(dtype, extras=extras), self._export_hf_config(), path,
-                        source=self.config.path, max_shard_size=max_shard_size)
+        write_hf_folder(
+            self.named_full_tensors(dtype, extras=extras),
+            self._export_hf_config(),
+            path,
+            source=self.config.path,
+            max_shard_size=max_shard_size,
+        )
 
     def _export_hf_config(self) -> dict[str, Any]:
         """The config.json ``export_hf`` writes."""
@@ -576,8 +635,9 @@ class ArchonEngine:
 
     def save(self, path: str | Path, extra_state: dict[str, Any] | None = None) -> None:
         """Write a resumable checkpoint to ``path`` (collective); ``extra_state`` is the caller's JSON data."""
-        save_checkpoint(self.checkpoint_states(), Path(path), extra_state or {}, name=self.name,
-                        allocation=str(self.allocation))
+        save_checkpoint(
+            self.checkpoint_states(), Path(path), extra_state or {}, name=self.name, allocation=str(self.allocation)
+        )
 
     def load(self, path: str | Path) -> dict[str, Any]:
         """Resume from a checkpoint written by ``save`` (any allocation; collective); returns its extra state."""

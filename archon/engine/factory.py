@@ -23,8 +23,7 @@ def _engine_class(alloc: ModelAllocation, backend: str) -> type[ArchonEngine]:
         return FSDPEngine
     if alloc.backend == "megatron":
         raise EngineError(megatron_refusal("backend", alloc))
-    raise EngineError(f"backend = '{backend}' is an inference allocation; a training engine needs 'archon:' or "
-                      "'fsdp:'")
+    raise EngineError(f"backend = '{backend}' is an inference allocation; a training engine needs 'archon:' or 'fsdp:'")
 
 
 def engine_class(backend: str) -> type[ArchonEngine]:
@@ -32,8 +31,7 @@ def engine_class(backend: str) -> type[ArchonEngine]:
     return _engine_class(ModelAllocation.from_str(backend), backend)
 
 
-def build_engine(config: TrainEngineConfig, allocation: ModelAllocation | None = None,
-                 **kwargs: Any) -> ArchonEngine:
+def build_engine(config: TrainEngineConfig, allocation: ModelAllocation | None = None, **kwargs: Any) -> ArchonEngine:
     """``ArchonEngine`` or ``FSDPEngine`` for ``config.backend`` (not initialized); ``kwargs`` go to the engine.
 
     ``allocation`` is ``config.backend`` already parsed (``Config.allocations()``); without it

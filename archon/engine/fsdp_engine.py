@@ -32,8 +32,9 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import ClassVar, Iterator
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -41,7 +42,6 @@ from torch.distributed.tensor import DTensor
 
 from archon.engine.engine import ArchonEngine, EngineError
 from archon.engine.microbatch import Batch, pack, rows_of
-from archon.engine.weights import named_state
 from archon.engine.optimizer import build_lr_scheduler, build_optimizer
 from archon.engine.transformers_model import (
     TransformersModelError,
@@ -57,6 +57,7 @@ from archon.engine.transformers_model import (
     wrap_blocks,
     zero_dropout,
 )
+from archon.engine.weights import named_state
 from parallel.activation_checkpoint import apply_ac
 from parallel.context_parallel import check_heads_divisible
 from parallel.errors import ParallelConfigError
@@ -89,7 +90,7 @@ class FSDPEngine(ArchonEngine):
     engine_label: ClassVar[str] = "FSDP"
 
     # ------------------------------------------------------------------ build
-    def initialize(self) -> "FSDPEngine":
+    def initialize(self) -> FSDPEngine:
         cfg = self.config
         self._init_parallel()
         # No MoE router bookkeeping or routing replay: those hook into Archon's own MoE layers.
@@ -102,8 +103,11 @@ class FSDPEngine(ArchonEngine):
         build_config = copy.deepcopy(self.hf_config)
         dropped = zero_dropout(build_config)
         if dropped and dist.get_rank() == 0:
-            logger.info("%s: dropout turned off (%s) so that training does not depend on the allocation",
-                        self.name, ", ".join(dropped))
+            logger.info(
+                "%s: dropout turned off (%s) so that training does not depend on the allocation",
+                self.name,
+                ", ".join(dropped),
+            )
         if self.is_critic:
             build_config = critic_config(build_config)
         attn = register_ulysses_attention() if pd.cp_enabled else None
@@ -122,9 +126,15 @@ class FSDPEngine(ArchonEngine):
         self.packed = pd.cp_enabled or self._packing_works()
         self._reshard()
         if dist.get_rank() == 0:
-            logger.info("%s: %s (%s) with %s", self.name, type(model).__name__, self.hf_config.model_type,
-                        "packed sequences (position_ids)" if self.packed else
-                        "right-padded rows: this model's attention does not take packed sequences")
+            logger.info(
+                "%s: %s (%s) with %s",
+                self.name,
+                type(model).__name__,
+                self.hf_config.model_type,
+                "packed sequences (position_ids)"
+                if self.packed
+                else "right-padded rows: this model's attention does not take packed sequences",
+            )
         if not self.trainable:
             self.model.requires_grad_(False)
         else:
@@ -150,18 +160,30 @@ class FSDPEngine(ArchonEngine):
                 block.compile(fullgraph=False)
         if pd.fsdp_enabled:
             mesh = pd.get_mesh("hsdp") if pd.dp_replicate_enabled else pd.get_mesh("dp_shard_cp")
-            apply_fsdp(model, mesh, fsdp_units(model), param_dtype=options.param_dtype,
-                       reduce_dtype=options.reduce_dtype, cpu_offload=options.cpu_offload,
-                       reshard_after_forward_policy=options.reshard_after_forward_policy)
+            apply_fsdp(
+                model,
+                mesh,
+                fsdp_units(model),
+                param_dtype=options.param_dtype,
+                reduce_dtype=options.reduce_dtype,
+                cpu_offload=options.cpu_offload,
+                reshard_after_forward_policy=options.reshard_after_forward_policy,
+            )
 
     def _apply_ac(self, model: torch.nn.Module) -> None:
         """Activation checkpointing of every block with ``options.ac_mode`` (the blocks of a ModuleDict view)."""
         options = self.parallelize_options
         blocks = fsdp_units(model)
         view = torch.nn.ModuleDict({str(i): block for i, block in enumerate(blocks)})
-        apply_ac(view, options.ac_mode, options.selective_ac_option, options.ac_memory_budget,
-                 compile_enabled=options.enable_compile, preserve_rng_state=options.deterministic,
-                 debug=options.ac_debug)
+        apply_ac(
+            view,
+            options.ac_mode,
+            options.selective_ac_option,
+            options.ac_memory_budget,
+            compile_enabled=options.enable_compile,
+            preserve_rng_state=options.deterministic,
+            debug=options.ac_debug,
+        )
         wrapped = {id(block): view[str(i)] for i, block in enumerate(blocks)}
         wrap_blocks(model, lambda block: wrapped[id(block)])
 
@@ -179,8 +201,9 @@ class FSDPEngine(ArchonEngine):
         full: dict[str, torch.Tensor] = {}
         if dist.get_rank() == 0:
             full = self._full_state_dict_on_cpu(build_config)
-        set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True,
-                                                                        broadcast_from_rank0=True, strict=True))
+        set_model_state_dict(
+            self.model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)
+        )
 
     def _full_state_dict_on_cpu(self, build_config) -> dict[str, torch.Tensor]:
         cls = model_class_for(build_config, self.is_critic)
@@ -188,12 +211,15 @@ class FSDPEngine(ArchonEngine):
         torch.manual_seed(self.seed)
         try:
             if self.config.path:
-                model, info = cls.from_pretrained(self.config.path, config=build_config, dtype=torch.float32,
-                                                  output_loading_info=True)
+                model, info = cls.from_pretrained(
+                    self.config.path, config=build_config, dtype=torch.float32, output_loading_info=True
+                )
                 missing = sorted(info["missing_keys"])
                 if missing and not self.is_critic:
-                    raise EngineError(f"{self.name}.path = '{self.config.path}' lacks weights {missing[:5]}; point "
-                                      "it at a complete Hugging Face checkpoint")
+                    raise EngineError(
+                        f"{self.name}.path = '{self.config.path}' lacks weights {missing[:5]}; point "
+                        "it at a complete Hugging Face checkpoint"
+                    )
             else:
                 model, missing = cls._from_config(build_config, dtype=torch.float32), []
         finally:
@@ -203,8 +229,11 @@ class FSDPEngine(ArchonEngine):
         for name in missing:
             # A critic's value head from a causal-LM checkpoint: seeded by the run seed and the name.
             gen = torch.Generator().manual_seed(self.seed * 1_000_003 + sum(map(ord, name)))
-            state[name] = torch.empty(state[name].shape).normal_(0.0, std, generator=gen) \
-                if not name.endswith("bias") else torch.zeros(state[name].shape)
+            state[name] = (
+                torch.empty(state[name].shape).normal_(0.0, std, generator=gen)
+                if not name.endswith("bias")
+                else torch.zeros(state[name].shape)
+            )
         return state
 
     # ------------------------------------------------------------------ packing
@@ -217,8 +246,9 @@ class FSDPEngine(ArchonEngine):
         positions = torch.cat([torch.arange(3), torch.arange(4)]).to(self.device)
         self.model.eval()
         packed = self._logits(self.model(input_ids=ids[None], position_ids=positions[None], use_cache=False))[0]
-        alone = torch.cat([self._logits(self.model(input_ids=part[None], use_cache=False))[0]
-                           for part in (first, second)])
+        alone = torch.cat(
+            [self._logits(self.model(input_ids=part[None], use_cache=False))[0] for part in (first, second)]
+        )
         scale = float(alone.abs().max()) + 1.0
         return float((packed - alone).abs().max()) <= 1e-3 * scale
 
@@ -257,8 +287,9 @@ class FSDPEngine(ArchonEngine):
         kwargs = {}
         cp_mesh = self.parallel_dims.get_optional_mesh("cp")
         if cp_mesh is not None:
-            kwargs = dict(archon_cp_group=cp_mesh.get_group(), archon_cp_size=cp_mesh.size(),
-                          archon_cu_seqlens=mb.cu_seqlens)
+            kwargs = dict(
+                archon_cp_group=cp_mesh.get_group(), archon_cp_size=cp_mesh.size(), archon_cu_seqlens=mb.cu_seqlens
+            )
         with self._autocast():
             out = self.model(input_ids=tokens, position_ids=positions, use_cache=False, **kwargs)
         return self._token_outputs(self._head_output(out), mb)
@@ -292,8 +323,9 @@ class FSDPEngine(ArchonEngine):
         return result
 
     # ------------------------------------------------------------------ weights out
-    def named_full_tensors(self, dtype: torch.dtype | None = None, extras: bool = False
-                           ) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_full_tensors(
+        self, dtype: torch.dtype | None = None, extras: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """(transformers name, full tensor) one parameter at a time; a collective: every rank must iterate.
 
         ``extras`` is accepted for the weight-sync interface; a transformers model has nothing beyond its HF fields.

@@ -76,14 +76,15 @@ class MicrobatchPlan:
         return len(self.per_rank[0])
 
 
-def plan_microbatches(seqlens: list[int], dp_size: int, n_mbs: int = 1,
-                      max_tokens_per_mb: int = 0) -> MicrobatchPlan:
+def plan_microbatches(seqlens: list[int], dp_size: int, n_mbs: int = 1, max_tokens_per_mb: int = 0) -> MicrobatchPlan:
     """Split samples over dp ranks, then into the same number of microbatches on every rank."""
     too_long = [i for i, n in enumerate(seqlens) if max_tokens_per_mb > 0 and n > max_tokens_per_mb]
     if too_long:
         i = too_long[0]
-        raise ConfigError(f"sample {i} has {seqlens[i]} tokens, more than mb_spec.max_tokens_per_mb="
-                          f"{max_tokens_per_mb}; raise max_tokens_per_mb or shorten the data")
+        raise ConfigError(
+            f"sample {i} has {seqlens[i]} tokens, more than mb_spec.max_tokens_per_mb="
+            f"{max_tokens_per_mb}; raise max_tokens_per_mb or shorten the data"
+        )
     shares = split_for_data_parallel(seqlens, dp_size)
     k = max(_count_microbatches(seqlens, share, n_mbs, max_tokens_per_mb) for share in shares)
     return MicrobatchPlan([balanced_partition(seqlens, share, k) for share in shares])
@@ -118,8 +119,9 @@ class PackedMicrobatch:
         return self.cu_seqlens[:-1].long()
 
 
-def pack(batch: Batch, indices: list[int], multiple_of: int = 1, pad_to: int = 0,
-         pad_token_id: int = 0) -> PackedMicrobatch:
+def pack(
+    batch: Batch, indices: list[int], multiple_of: int = 1, pad_to: int = 0, pad_token_id: int = 0
+) -> PackedMicrobatch:
     """Concatenate the real tokens of ``indices``; pad once at the end to a multiple or a fixed length.
 
     An empty ``indices`` gives a padding-only microbatch so that a rank with no samples still
@@ -128,13 +130,14 @@ def pack(batch: Batch, indices: list[int], multiple_of: int = 1, pad_to: int = 0
     input_ids = batch["input_ids"]
     lens = batch["attention_mask"].sum(dim=1)
     seqlens = [int(lens[i]) for i in indices]
-    pieces = [input_ids[i, : n] for i, n in zip(indices, seqlens)]
+    pieces = [input_ids[i, :n] for i, n in zip(indices, seqlens)]
     n_real = sum(seqlens)
     target = max(n_real, 1)
     if pad_to:
         if n_real > pad_to:
-            raise ValueError(f"a microbatch has {n_real} tokens but pad_to_maximum pads to {pad_to}; "
-                             "raise mb_spec.max_tokens_per_mb")
+            raise ValueError(
+                f"a microbatch has {n_real} tokens but pad_to_maximum pads to {pad_to}; raise mb_spec.max_tokens_per_mb"
+            )
         target = pad_to
     target = math.ceil(target / multiple_of) * multiple_of
     n_pad = target - n_real
@@ -154,7 +157,7 @@ def pack_token_values(values: torch.Tensor, mb: PackedMicrobatch, fill: float = 
     out = values.new_full((mb.total_len, *values.shape[2:]), fill)
     start = 0
     for i, n in zip(mb.indices, mb.seqlens):
-        out[start: start + n] = values[i, :n]
+        out[start : start + n] = values[i, :n]
         start += n
     return out.unsqueeze(0)
 
@@ -172,8 +175,9 @@ def rows_of(batch: Batch, indices: list[int]) -> Batch:
     return out
 
 
-def unpack(packed_values: torch.Tensor, mb: PackedMicrobatch, width: int | None = None,
-           fill: float = 0.0) -> torch.Tensor:
+def unpack(
+    packed_values: torch.Tensor, mb: PackedMicrobatch, width: int | None = None, fill: float = 0.0
+) -> torch.Tensor:
     """Per-token packed values ``[T]`` back to right-padded rows ``[len(indices), width]``."""
     width = width if width is not None else max(mb.seqlens, default=0)
     out = packed_values.new_full((len(mb.seqlens), width), fill)

@@ -66,8 +66,15 @@ def moe_layers(model: nn.Module) -> list[tuple[int, MoE]]:
 class MoEBalancer:
     """Per-step router bookkeeping of one engine: begin, (aux-loss pre-pass), end with stats and bias update."""
 
-    def __init__(self, model: nn.Module, model_args: Any, archon_cfg: ArchonEngineConfig, replication: int,
-                 fsdp_grad_scale: float, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        model_args: Any,
+        archon_cfg: ArchonEngineConfig,
+        replication: int,
+        fsdp_grad_scale: float,
+        device: torch.device,
+    ) -> None:
         self.layers = [_Layer(i, m) for i, m in moe_layers(model)]
         self.n_layers = int(model_args.n_layers)
         self.mode = archon_cfg.moe_load_balance
@@ -169,11 +176,18 @@ class MoEBalancer:
         return stats
 
 
-def build_moe_balancer(model: nn.Module, model_args: Any, archon_cfg: ArchonEngineConfig, parallel_dims: ParallelDims,
-                       device: torch.device) -> MoEBalancer | None:
+def build_moe_balancer(
+    model: nn.Module, model_args: Any, archon_cfg: ArchonEngineConfig, parallel_dims: ParallelDims, device: torch.device
+) -> MoEBalancer | None:
     """The balancer of an engine's model, or None when the model has no MoE block."""
     is_moe = getattr(model_args, "is_moe_layer", None)
     if is_moe is None or not any(is_moe(i) for i in range(int(model_args.n_layers))):
         return None
-    return MoEBalancer(model, model_args, archon_cfg, moe_token_replication(parallel_dims),
-                       float(parallel_dims.fsdp_gradient_divide_factor), device)
+    return MoEBalancer(
+        model,
+        model_args,
+        archon_cfg,
+        moe_token_replication(parallel_dims),
+        float(parallel_dims.fsdp_gradient_divide_factor),
+        device,
+    )

@@ -20,8 +20,14 @@ def build_optimizer(params, cfg: OptimizerConfig) -> torch.optim.Optimizer:
     # FSDP keeps its unplanned parameters plain): then the per-parameter loop.  One param group
     # either way, so optimizer checkpoints load under any allocation.
     mixed = any(isinstance(p, DTensor) for p in params) and not all(isinstance(p, DTensor) for p in params)
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay,
-                             **({"foreach": False} if mixed else {"fused": True}))
+    return torch.optim.AdamW(
+        params,
+        lr=cfg.lr,
+        betas=tuple(cfg.betas),
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        **({"foreach": False} if mixed else {"fused": True}),
+    )
 
 
 def lr_multiplier(step: int, cfg: OptimizerConfig, total_steps: int) -> float:

@@ -61,11 +61,15 @@ class OptimizerState:
         mine = get_optimizer_state_dict(self.model, self.optimizer)["param_groups"]
         saved = state_dict["param_groups"]
         if len(mine) != len(saved):
-            raise ValueError(f"it has {len(saved)} optimizer param group(s) but the engine has {len(mine)}; resume "
-                             "with the optimizer settings it was written with")
+            raise ValueError(
+                f"it has {len(saved)} optimizer param group(s) but the engine has {len(mine)}; resume "
+                "with the optimizer settings it was written with"
+            )
         # JSON turns tuples (AdamW's betas) into lists.
-        groups = [{**g, **{k: tuple(v) if isinstance(v, list) else v for k, v in s.items() if k != "params"}}
-                  for g, s in zip(mine, saved)]
+        groups = [
+            {**g, **{k: tuple(v) if isinstance(v, list) else v for k, v in s.items() if k != "params"}}
+            for g, s in zip(mine, saved)
+        ]
         set_optimizer_state_dict(self.model, self.optimizer, {"state": state_dict["state"], "param_groups": groups})
 
 
@@ -93,8 +97,11 @@ class TrainState:
 
     def state_dict(self) -> dict[str, Any]:
         version, internal, gauss = random.getstate()
-        state: dict[str, Any] = {"step": self.step, "python_rng": [version, list(internal), gauss],
-                                 "torch_rng": torch.get_rng_state()}
+        state: dict[str, Any] = {
+            "step": self.step,
+            "python_rng": [version, list(internal), gauss],
+            "torch_rng": torch.get_rng_state(),
+        }
         if self.device_type == "cuda":
             state["cuda_rng"] = torch.cuda.get_rng_state()
         return state
@@ -108,8 +115,9 @@ class TrainState:
             torch.cuda.set_rng_state(state_dict["cuda_rng"])
 
 
-def engine_states(model: nn.Module, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any,
-                  train_state: TrainState) -> dict[str, Stateful]:
+def engine_states(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any, train_state: TrainState
+) -> dict[str, Stateful]:
     """An engine's checkpointed parts: the model, the optimizer and LR scheduler when it has them, the train state."""
     states: dict[str, Stateful] = {MODEL: ModelState(model), TRAIN_STATE: train_state}
     if optimizer is not None:

@@ -7,8 +7,8 @@ allocation and the microbatching.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -37,8 +37,15 @@ class StepTotals:
     """Real (unpadded) tokens."""
 
 
-def microbatch_loss(outputs: dict[str, torch.Tensor], batch: Batch, indices: list[int], loss_fn: LossFn,
-                    loss_weight_fn: LossWeightFn, total_weight: float, totals: StepTotals) -> torch.Tensor:
+def microbatch_loss(
+    outputs: dict[str, torch.Tensor],
+    batch: Batch,
+    indices: list[int],
+    loss_fn: LossFn,
+    loss_weight_fn: LossWeightFn,
+    total_weight: float,
+    totals: StepTotals,
+) -> torch.Tensor:
     """This microbatch's share of the global loss (its weight / the batch's); stats are added to ``totals``.
 
     ``outputs`` carries ``_anchor``, a zero with a graph through the model: a rank without

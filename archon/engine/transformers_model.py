@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -87,7 +88,8 @@ def model_class_for(config: Any, is_critic: bool) -> type:
         kind = "ForTokenClassification (a critic's value head)" if is_critic else "ForCausalLM"
         raise TransformersModelError(
             f"transformers has no *{kind} class for model_type '{config.model_type}'; the fsdp: engine builds "
-            f"models through {auto.__name__}, so use a model type it supports") from None
+            f"models through {auto.__name__}, so use a model type it supports"
+        ) from None
 
 
 def critic_config(config: Any) -> Any:
@@ -100,8 +102,9 @@ def critic_config(config: Any) -> Any:
     return config
 
 
-def build_meta_model(config: Any, is_critic: bool, attn_implementation: str | None
-                     ) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+def build_meta_model(
+    config: Any, is_critic: bool, attn_implementation: str | None
+) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     """The model with meta parameters, and a CPU copy of every buffer to restore after ``to_empty``."""
     cls = model_class_for(config, is_critic)
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
@@ -141,16 +144,19 @@ def decoder_blocks(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
     """``(parent, attribute, block)`` for every repeated block named in ``_no_split_modules``."""
     names = set(getattr(model, "_no_split_modules", None) or [])
     if not names:
-        raise TransformersModelError(f"{type(model).__name__} names no _no_split_modules, so the fsdp: engine cannot "
-                                     "tell which modules are its transformer blocks")
+        raise TransformersModelError(
+            f"{type(model).__name__} names no _no_split_modules, so the fsdp: engine cannot "
+            "tell which modules are its transformer blocks"
+        )
     found = []
     for parent in model.modules():
         for attr, child in parent.named_children():
             if type(child).__name__ in names:
                 found.append((parent, attr, child))
     if not found:
-        raise TransformersModelError(f"{type(model).__name__} has no module of the classes {sorted(names)} it "
-                                     "lists in _no_split_modules")
+        raise TransformersModelError(
+            f"{type(model).__name__} has no module of the classes {sorted(names)} it lists in _no_split_modules"
+        )
     return found
 
 
@@ -205,8 +211,10 @@ def check_tp_sizes(config: Any, tp: int, plan: dict[str, str]) -> None:
                 sizes[key] = value
     for key, value in sizes.items():
         if value % tp:
-            raise TransformersModelError(f"model_type '{config.model_type}': {key}={value} is not divisible by the "
-                                         f"tensor-parallel size t{tp}; choose t from the divisors of {value}")
+            raise TransformersModelError(
+                f"model_type '{config.model_type}': {key}={value} is not divisible by the "
+                f"tensor-parallel size t{tp}; choose t from the divisors of {value}"
+            )
 
 
 def apply_tp_plan(model: nn.Module, tp_mesh, loss_parallel: bool = True) -> None:
@@ -220,15 +228,19 @@ def apply_tp_plan(model: nn.Module, tp_mesh, loss_parallel: bool = True) -> None
     plan = tp_plan_of(model)
     config = model.config
     if not plan:
-        raise TransformersModelError(f"transformers ships no tensor-parallel plan for model_type "
-                                     f"'{config.model_type}' ({type(model).__name__}); use t1 with the fsdp: backend, "
-                                     "or an archon: allocation if Archon has this model type")
+        raise TransformersModelError(
+            f"transformers ships no tensor-parallel plan for model_type "
+            f"'{config.model_type}' ({type(model).__name__}); use t1 with the fsdp: backend, "
+            "or an archon: allocation if Archon has this model type"
+        )
     styles = _styles(loss_parallel)
     unknown = sorted({style for style in plan.values() if style not in styles})
     if unknown:
-        raise TransformersModelError(f"the tensor-parallel plan of model_type '{config.model_type}' uses styles "
-                                     f"{unknown}, which the fsdp: engine does not apply; use t1, or an archon: "
-                                     "allocation if Archon has this model type")
+        raise TransformersModelError(
+            f"the tensor-parallel plan of model_type '{config.model_type}' uses styles "
+            f"{unknown}, which the fsdp: engine does not apply; use t1, or an archon: "
+            "allocation if Archon has this model type"
+        )
     check_tp_sizes(config, tp_mesh.size(), plan)
     tied = embeddings_tied(model)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -241,8 +253,10 @@ def apply_tp_plan(model: nn.Module, tp_mesh, loss_parallel: bool = True) -> None
         else:
             torch_plan[path] = styles[style]
     if tied and head_name not in torch_plan:
-        raise TransformersModelError(f"model_type '{config.model_type}' ties its LM head to the embedding, but the "
-                                     "tensor-parallel plan splits only one of them; use t1")
+        raise TransformersModelError(
+            f"model_type '{config.model_type}' ties its LM head to the embedding, but the "
+            "tensor-parallel plan splits only one of them; use t1"
+        )
     parallelize_module(model, tp_mesh, torch_plan)
     if tied:
         # The embedding (rowwise: Shard(0) over the vocabulary) and the head (colwise: Shard(0))
@@ -251,9 +265,16 @@ def apply_tp_plan(model: nn.Module, tp_mesh, loss_parallel: bool = True) -> None
 
 
 # ------------------------------------------------------------------------------ context parallel
-def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                      **kwargs: Any) -> tuple[torch.Tensor, None]:
+def ulysses_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """transformers attention function for Ulysses context parallel over packed rows.
 
     ``query/key/value`` are ``[batch, heads, seq/cp, head_dim]`` (this rank's chunk, RoPE
@@ -266,27 +287,45 @@ def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     group, cp, cu_seqlens = (kwargs.get(k) for k in ("archon_cp_group", "archon_cp_size", "archon_cu_seqlens"))
     name = type(module).__name__
     if group is None or cu_seqlens is None:
-        raise TransformersModelError(f"{name} did not pass the engine's keyword arguments to its attention function, "
-                                     "so Ulysses context parallel cannot run on this model; use c1")
+        raise TransformersModelError(
+            f"{name} did not pass the engine's keyword arguments to its attention function, "
+            "so Ulysses context parallel cannot run on this model; use c1"
+        )
     if dropout:
-        raise TransformersModelError(f"{name} asks for attention dropout {dropout}; context parallel attention "
-                                     "has none")
+        raise TransformersModelError(
+            f"{name} asks for attention dropout {dropout}; context parallel attention has none"
+        )
     if kwargs.get("s_aux") is not None:
-        raise TransformersModelError(f"{name} uses attention sinks, which context parallel attention does not "
-                                     "implement; use c1")
+        raise TransformersModelError(
+            f"{name} uses attention sinks, which context parallel attention does not implement; use c1"
+        )
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [b, s/cp, h, d]
     repeats = kv_repeats_for_cp(q.shape[2], k.shape[2], cp)
     if repeats > 1:
         k = k.repeat_interleave(repeats, dim=2)
         v = v.repeat_interleave(repeats, dim=2)
     q, k, v = (sequence_to_heads(t, group, cp) for t in (q, k, v))  # [b, s, h/cp, d]
-    out = packed_attention(q, k, v, cu_seqlens, scale=scaling if scaling is not None else q.shape[-1] ** -0.5,
-                           sliding_window=kwargs.get("sliding_window"), softcap=kwargs.get("softcap"))
+    out = packed_attention(
+        q,
+        k,
+        v,
+        cu_seqlens,
+        scale=scaling if scaling is not None else q.shape[-1] ** -0.5,
+        sliding_window=kwargs.get("sliding_window"),
+        softcap=kwargs.get("softcap"),
+    )
     return heads_to_sequence(out, group, cp).contiguous(), None
 
 
-def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
-                     sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+def packed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """Causal attention inside each packed sequence, ``[b, s, h, d]`` in and out (kv may have fewer heads).
 
     The plain case is Archon's ``CoreAttention`` (FlashAttention varlen on CUDA, masked SDPA on

@@ -8,8 +8,9 @@ rank and each rank keeps its shard.  Going out, every tensor is gathered to its 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,8 +43,9 @@ def named_state(model: torch.nn.Module, buffers: bool = False) -> Iterator[tuple
 def copy_full_into(target: torch.Tensor, full: torch.Tensor) -> None:
     """Copy a full tensor into a parameter that may be a DTensor shard (no communication)."""
     if isinstance(target, DTensor):
-        local = distribute_tensor(full.to(target.device, target.dtype), target.device_mesh, target.placements,
-                                  src_data_rank=None).to_local()
+        local = distribute_tensor(
+            full.to(target.device, target.dtype), target.device_mesh, target.placements, src_data_rank=None
+        ).to_local()
         target.to_local().copy_(local)
     else:
         target.copy_(full.to(target.device, target.dtype))
@@ -77,8 +79,13 @@ def init_unloaded(model: torch.nn.Module, names: Iterable[str], seed: int, std: 
         copy_full_into(target, full)
 
 
-def hf_full_tensors(model: torch.nn.Module, adapter: Any, pipeline: PipelinedModel | None,
-                    dtype: torch.dtype | None = None, extras: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def hf_full_tensors(
+    model: torch.nn.Module,
+    adapter: Any,
+    pipeline: PipelinedModel | None,
+    dtype: torch.dtype | None = None,
+    extras: bool = False,
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) of ``model`` one at a time, through its state-dict ``adapter``; a collective.
 
     Parameters are cast to ``dtype``.  ``extras`` adds the persistent buffers HF formats may
@@ -105,8 +112,13 @@ def hf_full_tensors(model: torch.nn.Module, adapter: Any, pipeline: PipelinedMod
                 yield hf_name, value
 
 
-def write_hf_folder(tensors: Iterator[tuple[str, torch.Tensor]], hf_config: dict[str, Any], path: str | Path,
-                    source: str = "", max_shard_size: str | int = "5GB") -> None:
+def write_hf_folder(
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    hf_config: dict[str, Any],
+    path: str | Path,
+    source: str = "",
+    max_shard_size: str | int = "5GB",
+) -> None:
     """Rank 0 writes ``tensors`` (a collective iterator every rank drains) and ``hf_config`` as an HF folder.
 
     ``source``'s ``generation_config.json`` (EOS ids, sampling defaults) is copied along.

@@ -18,8 +18,8 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from archon.errors import user_error_types
 
@@ -27,8 +27,11 @@ COMMANDS = ("slurm", "ray", "serve-node", "prepare")
 
 
 def _parser(command: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=f"python -m archon.launch {command}", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=f"python -m archon.launch {command}",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--config", help="TOML config file")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides (a leading + is accepted)")
     if command in ("slurm", "ray"):
@@ -38,13 +41,19 @@ def _parser(command: str) -> argparse.ArgumentParser:
         parser.add_argument("--dry-run", action="store_true", help="print each node's commands and environment")
         parser.add_argument("--script", help="where to write the script (default <run_dir>/launch/slurm.sbatch)")
         parser.add_argument("--rdzv-port", type=int, default=29500, help="torchrun's c10d rendezvous port")
-        parser.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG",
-                            help="an extra #SBATCH line, e.g. --sbatch-arg=--partition=gpu (repeatable)")
+        parser.add_argument(
+            "--sbatch-arg",
+            action="append",
+            default=[],
+            metavar="ARG",
+            help="an extra #SBATCH line, e.g. --sbatch-arg=--partition=gpu (repeatable)",
+        )
     elif command == "ray":
         parser.add_argument("--address", help="a running Ray cluster's head (host:port); omitted: a local Ray")
         parser.add_argument("--cpus-per-gpu", type=float, default=1.0, help="CPUs reserved with each GPU bundle")
-        parser.add_argument("--placement-timeout", type=float, default=120.0,
-                            help="seconds to wait for Ray to reserve a node's GPUs")
+        parser.add_argument(
+            "--placement-timeout", type=float, default=120.0, help="seconds to wait for Ray to reserve a node's GPUs"
+        )
     elif command == "serve-node":
         parser.add_argument("--node", type=int, required=True, help="plan node whose servers to start")
         parser.add_argument("--server", type=int, action="append", help="only this server of the node (repeatable)")
@@ -79,8 +88,9 @@ def _ray(args: argparse.Namespace) -> int:
     from archon.launch.ray_cluster import launch_ray
 
     cfg, plan = load_run(args.config, args.overrides, args.job)
-    return launch_ray(cfg, plan, args.config, args.overrides, args.job, args.address, args.cpus_per_gpu,
-                      args.placement_timeout)
+    return launch_ray(
+        cfg, plan, args.config, args.overrides, args.job, args.address, args.cpus_per_gpu, args.placement_timeout
+    )
 
 
 def _serve_node(args: argparse.Namespace) -> int:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from archon.alloc import AllocationError
 from archon.config import Config, ConfigError, load_config
 from archon.errors import ArchonError, ClusterError
 from archon.plan import ClusterPlan, Job, plan_for_config
+
 
 class LaunchError(ArchonError, RuntimeError):
     """A process of a launched run failed; the message names it, its node and the last lines of its log."""
@@ -24,8 +25,10 @@ def entry_point(job: Job) -> Path:
     """``scripts/train_rl.py`` (or ``train_sft.py``) of this checkout, which every training rank runs."""
     path = REPO_ROOT / "scripts" / _ENTRY_POINTS[job]
     if not path.is_file():
-        raise ClusterError(f"{path} does not exist: the cluster launchers start the training ranks with the entry "
-                           "points of a source checkout; install Archon from its repository (pip install -e .)")
+        raise ClusterError(
+            f"{path} does not exist: the cluster launchers start the training ranks with the entry "
+            "points of a source checkout; install Archon from its repository (pip install -e .)"
+        )
     return path
 
 

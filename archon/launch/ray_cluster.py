@@ -43,9 +43,10 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from archon.config import Config
 from archon.errors import ClusterError
@@ -82,16 +83,21 @@ class ProcessSlot:
         """The Ray node, its address and the GPU ids Ray gave this slot."""
         import ray
 
-        return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
-                "hostname": socket.gethostname(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+            "hostname": socket.gethostname(),
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+        }
 
     def free_port(self) -> int:
         with socket.socket() as s:
             s.bind(("", 0))
             return s.getsockname()[1]
 
-    def start(self, name: str, argv: list[str], env: dict[str, str], cwd: str, log_path: str,
-              echo: bool) -> dict[str, Any]:
+    def start(
+        self, name: str, argv: list[str], env: dict[str, str], cwd: str, log_path: str, echo: bool
+    ) -> dict[str, Any]:
         """Start ``argv`` (``python`` is this node's interpreter) in its own session; what it got."""
         from archon.rollout.launcher import _die_with_parent
 
@@ -99,9 +105,16 @@ class ProcessSlot:
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         self._log_path = log_path
         # Ray's own variables stay: the run's processes connect back to the cluster with them.
-        self._proc = subprocess.Popen(argv, env={**os.environ, **env}, cwd=cwd, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                                      preexec_fn=_die_with_parent)
+        self._proc = subprocess.Popen(
+            argv,
+            env={**os.environ, **env},
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
         threading.Thread(target=self._copy_output, args=(name, log_path, echo), daemon=True).start()
         return {"pid": self._proc.pid, "CUDA_VISIBLE_DEVICES": self._environ().get("CUDA_VISIBLE_DEVICES")}
 
@@ -169,21 +182,33 @@ def check_reachable(address: str | None, timeout_s: float = 5.0) -> None:
         return
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit():
-        raise ClusterError(f"--address {address!r} is not host:port (the head node's address that `ray start --head` "
-                           "printed, e.g. 10.0.0.1:6379)")
+        raise ClusterError(
+            f"--address {address!r} is not host:port (the head node's address that `ray start --head` "
+            "printed, e.g. 10.0.0.1:6379)"
+        )
     try:
         socket.create_connection((host, int(port)), timeout=timeout_s).close()
     except OSError as exc:
-        raise ClusterError(f"cannot reach the Ray cluster at {address} ({exc.strerror or exc}); start it with `ray "
-                           "start --head` on the head node and pass the address it prints, or leave --address out to "
-                           "start a local Ray instance") from None
+        raise ClusterError(
+            f"cannot reach the Ray cluster at {address} ({exc.strerror or exc}); start it with `ray "
+            "start --head` on the head node and pass the address it prints, or leave --address out to "
+            "start a local Ray instance"
+        ) from None
 
 
 class RayLaunch:
     """One run on a Ray cluster (see the module docstring); ``run()`` returns the exit status."""
 
-    def __init__(self, cfg: Config, plan: ClusterPlan, config: str | None, overrides: Sequence[str],
-                 job: Job = "rl", cpus_per_gpu: float = 1.0, placement_timeout: float = 120.0):
+    def __init__(
+        self,
+        cfg: Config,
+        plan: ClusterPlan,
+        config: str | None,
+        overrides: Sequence[str],
+        job: Job = "rl",
+        cpus_per_gpu: float = 1.0,
+        placement_timeout: float = 120.0,
+    ):
         self.ray = _import_ray()
         self.cfg = cfg
         self.plan = plan
@@ -209,21 +234,25 @@ class RayLaunch:
 
     def assign_nodes(self) -> dict[int, dict[str, Any]]:
         """Plan node -> a distinct alive Ray node with at least the GPUs the plan uses there."""
-        ray_nodes = sorted((n for n in self.ray.nodes() if n.get("Alive")),
-                           key=lambda n: (n["NodeManagerAddress"], n["NodeID"]))
+        ray_nodes = sorted(
+            (n for n in self.ray.nodes() if n.get("Alive")), key=lambda n: (n["NodeManagerAddress"], n["NodeID"])
+        )
         wanted = {n: len(self._node_gpus(n)) for n in range(self.plan.n_nodes) if self._node_gpus(n)}
         free = list(ray_nodes)
         assigned: dict[int, dict[str, Any]] = {}
         for node in sorted(wanted, key=lambda n: -wanted[n]):
             match = next((r for r in free if r["Resources"].get("GPU", 0) >= wanted[node]), None)
             if match is None:
-                have = ", ".join(f"{r['NodeManagerAddress']} ({r['Resources'].get('GPU', 0):g} GPUs)"
-                                 for r in ray_nodes) or "none"
+                have = (
+                    ", ".join(f"{r['NodeManagerAddress']} ({r['Resources'].get('GPU', 0):g} GPUs)" for r in ray_nodes)
+                    or "none"
+                )
                 raise ClusterError(
                     f"the plan needs {len(wanted)} node(s) with {', '.join(map(str, sorted(wanted.values())))} GPUs "
                     f"(cluster.n_nodes = {self.plan.n_nodes} x cluster.n_gpus_per_node = "
                     f"{self.plan.n_gpus_per_node}), but the Ray cluster at {self.address} has nodes: {have}; add Ray "
-                    "nodes with GPUs, or make cluster.n_nodes and cluster.n_gpus_per_node describe this cluster")
+                    "nodes with GPUs, or make cluster.n_nodes and cluster.n_gpus_per_node describe this cluster"
+                )
             free.remove(match)
             assigned[node] = match
         return dict(sorted(assigned.items()))
@@ -237,9 +266,12 @@ class RayLaunch:
         for node, ray_node in self.assign_nodes().items():
             gpus = self._node_gpus(node)
             bundle = {"GPU": 1.0, **({"CPU": self.cpus_per_gpu} if self.cpus_per_gpu else {})}
-            pg = placement_group([dict(bundle) for _ in gpus], strategy="STRICT_PACK",
-                                 name=f"{self.namespace}-node{node}",
-                                 bundle_label_selector=[{"ray.io/node-id": ray_node["NodeID"]} for _ in gpus])
+            pg = placement_group(
+                [dict(bundle) for _ in gpus],
+                strategy="STRICT_PACK",
+                name=f"{self.namespace}-node{node}",
+                bundle_label_selector=[{"ray.io/node-id": ray_node["NodeID"]} for _ in gpus],
+            )
             self.groups[node] = pg
             try:
                 ray.get(pg.ready(), timeout=self.placement_timeout)
@@ -251,14 +283,19 @@ class RayLaunch:
                 ) from None
             placed = set(placement_group_table(pg)["bundles_to_node_id"].values())
             if placed != {ray_node["NodeID"]}:
-                raise ClusterError(f"Ray placed plan node {node}'s bundles on {sorted(placed)}, not on the one node "
-                                   f"{ray_node['NodeID']}; this Ray does not honour bundle label selectors, use "
-                                   "Ray >= 2.50 (pip install 'archon[ray]')")
+                raise ClusterError(
+                    f"Ray placed plan node {node}'s bundles on {sorted(placed)}, not on the one node "
+                    f"{ray_node['NodeID']}; this Ray does not honour bundle label selectors, use "
+                    "Ray >= 2.50 (pip install 'archon[ray]')"
+                )
             slot_cls = ray.remote(ProcessSlot)
             for i, gpu in enumerate(gpus):
                 self.slots[(node, gpu)] = slot_cls.options(
-                    num_cpus=0, num_gpus=1, name=f"node{node}-gpu{gpu}",
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)).remote()
+                    num_cpus=0,
+                    num_gpus=1,
+                    name=f"node{node}-gpu{gpu}",
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+                ).remote()
         keys = list(self.slots)
         self.where = dict(zip(keys, ray.get([self.slots[k].where.remote() for k in keys])))
 
@@ -272,41 +309,83 @@ class RayLaunch:
         slot = self.slots[key]
         got = self.ray.get(slot.start.remote(name, argv, env, os.getcwd(), log_path, echo))
         self.running.append(_Running(proc, name, slot, log_path, self.where[key]["ip"]))
-        self.report.append({"role": proc.role, "index": proc.index, "plan_node": proc.node,
-                            "plan_gpus": list(proc.gpus),
-                            "ray_node_id": self.where[key]["node_id"], "ip": self.where[key]["ip"],
-                            "CUDA_VISIBLE_DEVICES": got["CUDA_VISIBLE_DEVICES"], "pid": got["pid"], "log": log_path})
+        self.report.append(
+            {
+                "role": proc.role,
+                "index": proc.index,
+                "plan_node": proc.node,
+                "plan_gpus": list(proc.gpus),
+                "ray_node_id": self.where[key]["node_id"],
+                "ip": self.where[key]["ip"],
+                "CUDA_VISIBLE_DEVICES": got["CUDA_VISIBLE_DEVICES"],
+                "pid": got["pid"],
+                "log": log_path,
+            }
+        )
 
     def start(self) -> None:
         common = {"PYTHONUNBUFFERED": "1", LAUNCH_ID_ENV: self.namespace, "RAY_ADDRESS": self.address}
         if self.with_servers:
-            self.directory = self.ray.remote(num_cpus=0)(ServerDirectory).options(
-                name=DIRECTORY_NAME, namespace=self.namespace).remote()
+            self.directory = (
+                self.ray.remote(num_cpus=0)(ServerDirectory)
+                .options(name=DIRECTORY_NAME, namespace=self.namespace)
+                .remote()
+            )
             common.update({REGISTRY_ENV: f"ray:{self.namespace}", API_KEY_ENV: generate_api_key()})
             for s in self.plan.servers:
                 visible = self._visible(s)
-                argv = ["python", "-m", "archon.launch", "serve-node", "--node", str(s.node), "--server", str(s.index),
-                        "--gpus", visible, "--host", self.where[(s.node, s.gpus[0])]["ip"], *self.args]
+                argv = [
+                    "python",
+                    "-m",
+                    "archon.launch",
+                    "serve-node",
+                    "--node",
+                    str(s.node),
+                    "--server",
+                    str(s.index),
+                    "--gpus",
+                    visible,
+                    "--host",
+                    self.where[(s.node, s.gpus[0])]["ip"],
+                    *self.args,
+                ]
                 self._start(s, f"server {s.index}", argv, {**common, "CUDA_VISIBLE_DEVICES": visible}, echo=True)
         ranks = self.plan.train_ranks
         master = (ranks[0].node, ranks[0].gpus[0])
         port = self.ray.get(self.slots[master].free_port.remote())
         train_nodes = self.plan.train_nodes
         for r in ranks:
-            env = {**common, "MASTER_ADDR": self.where[master]["ip"], "MASTER_PORT": str(port), "RANK": str(r.index),
-                   "WORLD_SIZE": str(len(ranks)), "LOCAL_RANK": str(r.local_index),
-                   "LOCAL_WORLD_SIZE": str(len(self.plan.train_ranks_on(r.node))),
-                   "GROUP_RANK": str(train_nodes.index(r.node)), "ROLE_RANK": str(r.index),
-                   "ROLE_WORLD_SIZE": str(len(ranks)), "CUDA_VISIBLE_DEVICES": self._visible(r)}
-            self._start(r, f"rank {r.index}", ["python", str(entry_point(self.job)), *self.args], env,
-                        echo=r.index == 0)
+            env = {
+                **common,
+                "MASTER_ADDR": self.where[master]["ip"],
+                "MASTER_PORT": str(port),
+                "RANK": str(r.index),
+                "WORLD_SIZE": str(len(ranks)),
+                "LOCAL_RANK": str(r.local_index),
+                "LOCAL_WORLD_SIZE": str(len(self.plan.train_ranks_on(r.node))),
+                "GROUP_RANK": str(train_nodes.index(r.node)),
+                "ROLE_RANK": str(r.index),
+                "ROLE_WORLD_SIZE": str(len(ranks)),
+                "CUDA_VISIBLE_DEVICES": self._visible(r),
+            }
+            self._start(
+                r, f"rank {r.index}", ["python", str(entry_point(self.job)), *self.args], env, echo=r.index == 0
+            )
         path = self.run_dir / "launch" / "ray_placement.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(self.report, indent=1))
         for row in self.report:
-            logger.info("%s %d: plan node %d GPUs %s -> Ray node %s (%s), CUDA_VISIBLE_DEVICES=%s, log %s",
-                        row["role"], row["index"], row["plan_node"], row["plan_gpus"], row["ray_node_id"][:12],
-                        row["ip"], row["CUDA_VISIBLE_DEVICES"], row["log"])
+            logger.info(
+                "%s %d: plan node %d GPUs %s -> Ray node %s (%s), CUDA_VISIBLE_DEVICES=%s, log %s",
+                row["role"],
+                row["index"],
+                row["plan_node"],
+                row["plan_gpus"],
+                row["ray_node_id"][:12],
+                row["ip"],
+                row["CUDA_VISIBLE_DEVICES"],
+                row["log"],
+            )
 
     # ------------------------------------------------------------------ watching
     def _poll(self) -> list[int | None]:
@@ -323,8 +402,15 @@ class RayLaunch:
             for run, code in zip(self.running, codes):
                 if run.proc.role == "rollout" and code is not None and not run.reported:
                     run.reported = True
-                    logger.error("%s (plan node %d, %s) exited with code %s; last lines of %s:\n%s", run.name,
-                                 run.proc.node, run.node_ip, code, run.log_path, ray.get(run.slot.tail.remote()))
+                    logger.error(
+                        "%s (plan node %d, %s) exited with code %s; last lines of %s:\n%s",
+                        run.name,
+                        run.proc.node,
+                        run.node_ip,
+                        code,
+                        run.log_path,
+                        ray.get(run.slot.tail.remote()),
+                    )
             ranks = [(r, c) for r, c in zip(self.running, codes) if r.proc.role == "train"]
             if any(c not in (None, 0) for _, c in ranks):
                 raise self._failure()
@@ -343,8 +429,10 @@ class RayLaunch:
             time.sleep(0.2)
         failed = [(r, c, self.ray.get(r.slot.tail.remote())) for r, c in ranks if c not in (None, 0)]
         run, code, tail = next((f for f in failed if "\nerror: " in f"\n{f[2]}"), failed[0])
-        return LaunchError(f"training {run.name} (plan node {run.proc.node}, {run.node_ip}) exited with code {code}; "
-                           f"last lines of {run.log_path}:\n{tail}")
+        return LaunchError(
+            f"training {run.name} (plan node {run.proc.node}, {run.node_ip}) exited with code {code}; "
+            f"last lines of {run.log_path}:\n{tail}"
+        )
 
     def stop(self) -> None:
         """Stop every process, then the slots, the directory and the placement groups (idempotent)."""
@@ -373,8 +461,16 @@ class RayLaunch:
             self.stop()
 
 
-def launch_ray(cfg: Config, plan: ClusterPlan, config: str | None, overrides: Sequence[str], job: Job = "rl",
-               address: str | None = None, cpus_per_gpu: float = 1.0, placement_timeout: float = 120.0) -> int:
+def launch_ray(
+    cfg: Config,
+    plan: ClusterPlan,
+    config: str | None,
+    overrides: Sequence[str],
+    job: Job = "rl",
+    address: str | None = None,
+    cpus_per_gpu: float = 1.0,
+    placement_timeout: float = 120.0,
+) -> int:
     """Connect to the Ray cluster at ``address`` (None: start a local one) and run there; the exit status."""
     ray = _import_ray()
     check_reachable(address)
@@ -390,6 +486,7 @@ def launch_ray(cfg: Config, plan: ClusterPlan, config: str | None, overrides: Se
         ray.init(**kwargs)
     except ConnectionError as exc:
         raise ClusterError(f"cannot connect to the Ray cluster at {address}: {exc}") from None
+
     def interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt  # SIGTERM (e.g. from a job scheduler) stops the run like Ctrl-C
 

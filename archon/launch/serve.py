@@ -23,7 +23,7 @@ import os
 import signal
 import socket
 import time
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from archon.config import Config, ConfigError
 from archon.rollout.auth import generate_api_key, write_api_key
@@ -50,8 +50,10 @@ def prepare_run(cfg: Config, env: Mapping[str, str] = os.environ) -> FileRegistr
     """Create the server folder of a Slurm job in the shared run directory, and a fresh API key."""
     registry = registry_from_env(env)
     if not isinstance(registry, FileRegistry):
-        raise ConfigError(f"`python -m archon.launch prepare` sets up a Slurm job's run directory and needs "
-                          f"{REGISTRY_ENV}=file:<folder> and {LAUNCH_ID_ENV} (the sbatch script exports them)")
+        raise ConfigError(
+            f"`python -m archon.launch prepare` sets up a Slurm job's run directory and needs "
+            f"{REGISTRY_ENV}=file:<folder> and {LAUNCH_ID_ENV} (the sbatch script exports them)"
+        )
     registry = FileRegistry.prepare(registry.folder, registry.launch_id)
     write_api_key(cfg.run_dir / "rollout" / "api_key", generate_api_key())
     logger.info("run directory %s prepared for launch %s", cfg.run_dir.absolute(), registry.launch_id)
@@ -64,13 +66,16 @@ def _select(specs: list, node: int, servers: Sequence[int] | None) -> list:
     known = {s.index for s in specs}
     unknown = [i for i in servers if i not in known]
     if unknown:
-        raise ConfigError(f"--server {','.join(map(str, unknown))}: the plan puts servers "
-                          f"{sorted(known) or 'none'} on node {node} (`python -m archon.plan` shows the layout)")
+        raise ConfigError(
+            f"--server {','.join(map(str, unknown))}: the plan puts servers "
+            f"{sorted(known) or 'none'} on node {node} (`python -m archon.plan` shows the layout)"
+        )
     return [s for s in specs if s.index in servers]
 
 
-def serve_node(cfg: Config, node: int, servers: Sequence[int] | None = None, gpus: str | None = None,
-               host: str | None = None) -> int:
+def serve_node(
+    cfg: Config, node: int, servers: Sequence[int] | None = None, gpus: str | None = None, host: str | None = None
+) -> int:
     """Start node ``node``'s servers (or ``servers`` of them), publish them, watch them until stopped.
 
     ``gpus``: the GPU ids of the one selected server's process, when the launcher bound GPUs
@@ -80,8 +85,10 @@ def serve_node(cfg: Config, node: int, servers: Sequence[int] | None = None, gpu
     """
     registry = registry_from_env()
     if registry is None:
-        raise ConfigError(f"serve-node publishes its servers for a trainer started by a cluster launcher, but "
-                          f"{REGISTRY_ENV} is unset; start runs with `python -m archon.launch slurm|ray`")
+        raise ConfigError(
+            f"serve-node publishes its servers for a trainer started by a cluster launcher, but "
+            f"{REGISTRY_ENV} is unset; start runs with `python -m archon.launch slurm|ray`"
+        )
     registry.check()
     api_key = run_api_key(cfg.run_dir)
     specs = _select(build_launch_specs(cfg, cfg.run_dir, node=node, api_key=api_key), node, servers)
@@ -114,16 +121,26 @@ def serve_node(cfg: Config, node: int, servers: Sequence[int] | None = None, gpu
             raise
         for spec in specs:
             registry.publish(record(spec, addr=spec.addr))
-        logger.info("node %d: published rollout server(s) %s in %s", node,
-                    ", ".join(f"{s.index} at {s.addr}" for s in specs), registry.describe())
+        logger.info(
+            "node %d: published rollout server(s) %s in %s",
+            node,
+            ", ".join(f"{s.index} at {s.addr}" for s in specs),
+            registry.describe(),
+        )
         alive = {s.index for s in specs}
         while alive:
             time.sleep(_WATCH_INTERVAL_S)
             for index, code in sorted(launcher.exited().items()):
                 if index in alive:
                     alive.discard(index)
-                    logger.error("rollout server %d on node %d exited with code %s; last lines of %s:\n%s", index,
-                                 node, code, launcher.log_path(index), launcher.log_tail(index, 20))
+                    logger.error(
+                        "rollout server %d on node %d exited with code %s; last lines of %s:\n%s",
+                        index,
+                        node,
+                        code,
+                        launcher.log_path(index),
+                        launcher.log_tail(index, 20),
+                    )
         raise RolloutLaunchError(f"every rollout server of node {node} has exited (their logs are above)")
     except _Stopped:
         logger.info("node %d: stopping its rollout servers", node)
@@ -131,4 +148,3 @@ def serve_node(cfg: Config, node: int, servers: Sequence[int] | None = None, gpu
     finally:
         launcher.stop()
         registry.close()
-

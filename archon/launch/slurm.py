@@ -26,9 +26,9 @@ from __future__ import annotations
 import shlex
 import shutil
 import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 from archon.config import Config
 from archon.errors import ClusterError
@@ -90,14 +90,23 @@ def check_torchrun_layout(plan: ClusterPlan) -> None:
     layouts = {n: plan.train_gpus(n) for n in plan.train_nodes}
     if len(set(layouts.values())) > 1:
         shown = ", ".join(f"node {n}: GPUs {describe_gpus(g)}" for n, g in layouts.items())
-        raise ClusterError(f"the plan gives the training nodes different GPUs ({shown}), but torchrun's c10d "
-                           "rendezvous numbers nodes in its own order, so each training node must hold the same "
-                           "training GPUs; give rollout and training whole nodes (add a node, or resize an "
-                           "allocation: `python -m archon.plan` shows the layout), or launch with Ray")
+        raise ClusterError(
+            f"the plan gives the training nodes different GPUs ({shown}), but torchrun's c10d "
+            "rendezvous numbers nodes in its own order, so each training node must hold the same "
+            "training GPUs; give rollout and training whole nodes (add a node, or resize an "
+            "allocation: `python -m archon.plan` shows the layout), or launch with Ray"
+        )
 
 
-def build_job(cfg: Config, plan: ClusterPlan, config: str | None, overrides: Sequence[str], job: Job = "rl",
-              rdzv_port: int = DEFAULT_RDZV_PORT, sbatch_args: Sequence[str] = ()) -> SlurmJob:
+def build_job(
+    cfg: Config,
+    plan: ClusterPlan,
+    config: str | None,
+    overrides: Sequence[str],
+    job: Job = "rl",
+    rdzv_port: int = DEFAULT_RDZV_PORT,
+    sbatch_args: Sequence[str] = (),
+) -> SlurmJob:
     """The job that runs ``cfg`` as ``plan`` says."""
     check_torchrun_layout(plan)
     py = python_executable()
@@ -110,32 +119,59 @@ def build_job(cfg: Config, plan: ClusterPlan, config: str | None, overrides: Seq
         env[REGISTRY_ENV] = f"file:{run_dir / 'rollout' / 'servers'}"
         for node in plan.rollout_nodes:
             on = plan.servers_on(node)
-            steps.append(Step(f"node {node}: rollout servers {', '.join(str(s.index) for s in on)} (GPUs "
-                              f"{' | '.join(describe_gpus(s.gpus) for s in on)})", (node,),
-                              [py, "-m", "archon.launch", "serve-node", "--node", str(node), *args]))
+            steps.append(
+                Step(
+                    f"node {node}: rollout servers {', '.join(str(s.index) for s in on)} (GPUs "
+                    f"{' | '.join(describe_gpus(s.gpus) for s in on)})",
+                    (node,),
+                    [py, "-m", "archon.launch", "serve-node", "--node", str(node), *args],
+                )
+            )
     nodes = plan.train_nodes
     first = nodes[0]
     per_node = len(plan.train_gpus(first))
-    torchrun = [py, "-m", "torch.distributed.run", f"--nnodes={len(nodes)}", f"--nproc_per_node={per_node}",
-                "--rdzv_backend=c10d", Shell(f"--rdzv_endpoint=${{NODES[{first}]}}:{rdzv_port}"),
-                Shell("--rdzv_id=${SLURM_JOB_ID}"), "--max_restarts=0", str(entry_point(job)), *args]
+    torchrun = [
+        py,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={len(nodes)}",
+        f"--nproc_per_node={per_node}",
+        "--rdzv_backend=c10d",
+        Shell(f"--rdzv_endpoint=${{NODES[{first}]}}:{rdzv_port}"),
+        Shell("--rdzv_id=${SLURM_JOB_ID}"),
+        "--max_restarts=0",
+        str(entry_point(job)),
+        *args,
+    ]
     where = f"node {first}" if len(nodes) == 1 else f"nodes {first}-{nodes[-1]}"
-    steps.append(Step(f"{where}: training ranks 0-{plan.train_world_size - 1}, {per_node} per node on GPUs "
-                      f"{describe_gpus(plan.train_gpus(first))}; torchrun's c10d rendezvous on node {first}",
-                      nodes, torchrun, {"CUDA_VISIBLE_DEVICES": ",".join(map(str, plan.train_gpus(first)))}))
+    steps.append(
+        Step(
+            f"{where}: training ranks 0-{plan.train_world_size - 1}, {per_node} per node on GPUs "
+            f"{describe_gpus(plan.train_gpus(first))}; torchrun's c10d rendezvous on node {first}",
+            nodes,
+            torchrun,
+            {"CUDA_VISIBLE_DEVICES": ",".join(map(str, plan.train_gpus(first)))},
+        )
+    )
     prepare = [py, "-m", "archon.launch", "prepare", *args] if servers else []
     name = f"archon-{cfg.experiment_name}-{cfg.trial_name}"
-    return SlurmJob(plan, job, Path.cwd(), run_dir, env, prepare, steps, cfg.device != "cpu", name,
-                    list(sbatch_args))
+    return SlurmJob(plan, job, Path.cwd(), run_dir, env, prepare, steps, cfg.device != "cpu", name, list(sbatch_args))
 
 
 def _srun(job: SlurmJob, step: Step) -> str:
     hosts = ",".join(f"${{NODES[{n}]}}" for n in step.nodes)
-    opts = [f"--nodes={len(step.nodes)}", f"--ntasks={len(step.nodes)}", "--ntasks-per-node=1",
-            f'--nodelist="{hosts}"', '--cpus-per-task="${SLURM_CPUS_ON_NODE}"', "--overlap", "--kill-on-bad-exit=1"]
+    opts = [
+        f"--nodes={len(step.nodes)}",
+        f"--ntasks={len(step.nodes)}",
+        "--ntasks-per-node=1",
+        f'--nodelist="{hosts}"',
+        '--cpus-per-task="${SLURM_CPUS_ON_NODE}"',
+        "--overlap",
+        "--kill-on-bad-exit=1",
+    ]
     if job.gpus:
         opts.append(f"--gpus-per-node={job.plan.n_gpus_per_node}")
-    command = ([ "env"] + [f"{k}={v}" for k, v in step.env.items()] if step.env else []) + step.argv
+    command = (["env"] + [f"{k}={v}" for k, v in step.env.items()] if step.env else []) + step.argv
     lines = ["srun " + " ".join(opts)] + ["    " + " ".join(_word(t) for t in command)]
     return " \\\n".join(lines)
 
@@ -145,36 +181,45 @@ def render_script(job: SlurmJob) -> str:
     plan = job.plan
     n = plan.n_nodes
     log = job.run_dir / "launch" / "slurm-%j.log"
-    head = ["#!/bin/bash",
-            "# An Archon run on Slurm, written by `python -m archon.launch slurm`; its steps follow the cluster plan",
-            "# (`python -m archon.plan` with the same config and overrides prints it).",
-            f"#SBATCH --job-name={job.name}",
-            f"#SBATCH --nodes={n}",
-            "#SBATCH --ntasks-per-node=1",
-            "#SBATCH --exclusive",
-            f"#SBATCH --output={log}"]
+    head = [
+        "#!/bin/bash",
+        "# An Archon run on Slurm, written by `python -m archon.launch slurm`; its steps follow the cluster plan",
+        "# (`python -m archon.plan` with the same config and overrides prints it).",
+        f"#SBATCH --job-name={job.name}",
+        f"#SBATCH --nodes={n}",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --exclusive",
+        f"#SBATCH --output={log}",
+    ]
     if job.gpus:
         head.append(f"#SBATCH --gpus-per-node={plan.n_gpus_per_node}")
     head += [f"#SBATCH {arg}" for arg in job.sbatch_args]
     body = ["", "set -euo pipefail", f"cd {shlex.quote(str(job.workdir))}"]
     body += [f'export {k}="{v}"' if "$" in v else f"export {k}={shlex.quote(v)}" for k, v in job.env.items()]
-    body += ['mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
-             f"if (( ${{#NODES[@]}} < {n} )); then",
-             f'    echo "archon: this job has ${{#NODES[@]}} node(s) but the plan needs {n} (cluster.n_nodes)" >&2',
-             "    exit 2", "fi", "",
-             "# Every step runs in the background; whatever ends the script stops the ones still running.",
-             "STEPS=()",
-             "stop_steps() {",
-             "    trap - EXIT INT TERM",
-             '    for pid in "${STEPS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done',
-             "    wait || true",
-             "}",
-             "trap stop_steps EXIT",
-             "trap 'exit 130' INT",
-             "trap 'exit 143' TERM"]
+    body += [
+        'mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
+        f"if (( ${{#NODES[@]}} < {n} )); then",
+        f'    echo "archon: this job has ${{#NODES[@]}} node(s) but the plan needs {n} (cluster.n_nodes)" >&2',
+        "    exit 2",
+        "fi",
+        "",
+        "# Every step runs in the background; whatever ends the script stops the ones still running.",
+        "STEPS=()",
+        "stop_steps() {",
+        "    trap - EXIT INT TERM",
+        '    for pid in "${STEPS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done',
+        "    wait || true",
+        "}",
+        "trap stop_steps EXIT",
+        "trap 'exit 130' INT",
+        "trap 'exit 143' TERM",
+    ]
     if job.prepare:
-        body += ["", "# The server folder and a fresh API key, in the run directory on the shared filesystem.",
-                 " ".join(_word(t) for t in job.prepare)]
+        body += [
+            "",
+            "# The server folder and a fresh API key, in the run directory on the shared filesystem.",
+            " ".join(_word(t) for t in job.prepare),
+        ]
     for step in job.steps:
         body += ["", f"# {step.title}", _srun(job, step) + " &", "STEPS+=($!)"]
     body += ["", "# The run ends with training: its exit status is the job's.", 'wait "${STEPS[-1]}"', ""]
@@ -191,8 +236,11 @@ def dry_run_text(job: SlurmJob, cfg: Config) -> str:
     from archon.rollout.launcher import build_launch_specs
 
     plan = job.plan
-    out = [f"Slurm job '{job.name}': {plan.n_nodes} node(s); plan node n runs on ${{NODES[n]}}, the n-th host of "
-           "`scontrol show hostnames $SLURM_JOB_NODELIST`.", "Every step's environment:"]
+    out = [
+        f"Slurm job '{job.name}': {plan.n_nodes} node(s); plan node n runs on ${{NODES[n]}}, the n-th host of "
+        "`scontrol show hostnames $SLURM_JOB_NODELIST`.",
+        "Every step's environment:",
+    ]
     out += [f"  {k}={v}" for k, v in job.env.items()]
     if job.prepare:
         out += ["On the batch node, first:", "  " + _display(job.prepare)]
@@ -203,8 +251,10 @@ def dry_run_text(job: SlurmJob, cfg: Config) -> str:
                 what = f"rollout servers {', '.join(str(s.index) for s in servers)}"
             else:
                 ranks = plan.train_ranks_on(node)
-                what = (f"training ranks {ranks[0].index}-{ranks[-1].index} in the plan (torchrun numbers the nodes "
-                        "in its own order)")
+                what = (
+                    f"training ranks {ranks[0].index}-{ranks[-1].index} in the plan (torchrun numbers the nodes "
+                    "in its own order)"
+                )
             out += ["", f"node {node} (${{NODES[{node}]}}): {what}"]
             out += [f"  {k}={v}" for k, v in step.env.items()]
             out.append("  " + _display(step.argv))
@@ -225,8 +275,10 @@ def default_script_path(job: SlurmJob) -> Path:
 def submit(script: Path) -> str:
     """``sbatch <script>``; sbatch's answer ('Submitted batch job N')."""
     if shutil.which("sbatch") is None:
-        raise ClusterError(f"sbatch is not on PATH, so {script} cannot be submitted from here; run "
-                           f"`sbatch {script}` on a Slurm login node")
+        raise ClusterError(
+            f"sbatch is not on PATH, so {script} cannot be submitted from here; run "
+            f"`sbatch {script}` on a Slurm login node"
+        )
     done = subprocess.run(["sbatch", str(script)], capture_output=True, text=True)
     if done.returncode != 0:
         raise ClusterError(f"sbatch refused {script}: {done.stderr.strip() or done.stdout.strip()}")

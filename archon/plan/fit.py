@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from archon.alloc import AllocationError, ModelAllocation
 from archon.plan.memory import (
-    GiB,
     Estimate,
+    GiB,
     Term,
     Workload,
     estimate_training_rank,
@@ -66,13 +66,16 @@ class FitReport:
         if est.total <= limit:
             return f"fits, {(limit - est.total) / GiB:.1f} GiB headroom"
         dom = est.dominant
-        return (f"does not fit: {est.total / GiB:.1f} GiB > {limit / GiB:.1f} GiB; the largest term is "
-                f"{dom.name} ({dom.bytes / GiB:.1f} GiB){'; ' + dom.fix if dom.fix else ''}")
+        return (
+            f"does not fit: {est.total / GiB:.1f} GiB > {limit / GiB:.1f} GiB; the largest term is "
+            f"{dom.name} ({dom.bytes / GiB:.1f} GiB){'; ' + dom.fix if dom.fix else ''}"
+        )
 
 
 # ---------------------------------------------------------------------------------- training
 
-def _engines(cfg: "Config", job: str) -> list[tuple[str, "TrainEngineConfig", bool, bool]]:
+
+def _engines(cfg: Config, job: str) -> list[tuple[str, TrainEngineConfig, bool, bool]]:
     """(name, engine config, is_critic, trainable) of every engine a training rank holds."""
     engines = [("actor", cfg.actor, False, True)]
     if job == "rl" and (cfg.actor.kl_ctl or cfg.actor.kl_loss_coef):
@@ -89,15 +92,18 @@ def _states(est: Estimate) -> list[Term]:
     return [t for t in est.terms if t.name.startswith(("parameters", "optimizer state"))]
 
 
-def estimate_train_gpu(cfg: "Config", job: str, hf: dict[str, Any], device_type: str = "cuda",
-                       actor: "TrainEngineConfig | None" = None) -> Estimate:
+def estimate_train_gpu(
+    cfg: Config, job: str, hf: dict[str, Any], device_type: str = "cuda", actor: TrainEngineConfig | None = None
+) -> Estimate:
     """One training GPU: each engine's peak while the others hold their parameters and optimizer state."""
     workload = workload_of(cfg, job)
     engines = _engines(cfg, job)
     if actor is not None:
         engines[0] = ("actor", actor, False, True)
-    ests = {name: estimate_training_rank(eng, hf, workload, device_type=device_type, is_critic=critic,
-                                         trainable=trainable) for name, eng, critic, trainable in engines}
+    ests = {
+        name: estimate_training_rank(eng, hf, workload, device_type=device_type, is_critic=critic, trainable=trainable)
+        for name, eng, critic, trainable in engines
+    }
     if len(ests) == 1:
         return ests["actor"]
     best: Estimate | None = None
@@ -112,11 +118,15 @@ def estimate_train_gpu(cfg: "Config", job: str, hf: dict[str, Any], device_type:
     return best
 
 
-def _replace_engine(engine: "TrainEngineConfig", **changes: Any) -> "TrainEngineConfig":
+def _replace_engine(engine: TrainEngineConfig, **changes: Any) -> TrainEngineConfig:
     archon = {k.split(".", 1)[1]: changes.pop(k) for k in list(changes) if k.startswith("archon.")}
     mb = {k.split(".", 1)[1]: changes.pop(k) for k in list(changes) if k.startswith("mb_spec.")}
-    return dataclasses.replace(engine, archon=dataclasses.replace(engine.archon, **archon),
-                               mb_spec=dataclasses.replace(engine.mb_spec, **mb), **changes)
+    return dataclasses.replace(
+        engine,
+        archon=dataclasses.replace(engine.archon, **archon),
+        mb_spec=dataclasses.replace(engine.mb_spec, **mb),
+        **changes,
+    )
 
 
 def _allocation_variants(alloc: ModelAllocation, args: Any) -> list[str]:
@@ -143,7 +153,7 @@ def _allocation_variants(alloc: ModelAllocation, args: Any) -> list[str]:
     return out
 
 
-def _candidate_fixes(engine: "TrainEngineConfig", args: Any, workload: Workload) -> list[tuple[str, dict[str, Any]]]:
+def _candidate_fixes(engine: TrainEngineConfig, args: Any, workload: Workload) -> list[tuple[str, dict[str, Any]]]:
     arch = engine.archon
     alloc = ModelAllocation.from_str(engine.backend)
     fixes: list[tuple[str, dict[str, Any]]] = []
@@ -157,23 +167,27 @@ def _candidate_fixes(engine: "TrainEngineConfig", args: Any, workload: Workload)
     elif arch.ac_mode == "selective":
         fixes.append(("actor.archon.ac_mode=full", {"archon.ac_mode": "full"}))
     if alloc.parallel.pp_size > 1 and arch.pp_schedule == "InterleavedZeroBubble":
-        fixes.append(("actor.archon.pp_schedule=ZBVZeroBubble",
-                      {"archon.pp_schedule": "ZBVZeroBubble", "archon.pp_layers_per_stage": 0}))
+        fixes.append(
+            (
+                "actor.archon.pp_schedule=ZBVZeroBubble",
+                {"archon.pp_schedule": "ZBVZeroBubble", "archon.pp_layers_per_stage": 0},
+            )
+        )
     per_rank = math.ceil(workload.sequences / alloc.parallel.dp_size)
     for factor in (2, 4):
         n = engine.mb_spec.n_mbs * factor
         if n <= per_rank:
             fixes.append((f"actor.mb_spec.n_mbs={n}", {"mb_spec.n_mbs": n}))
     if alloc.parallel.pp_size > 1 and arch.reshard_after_forward_policy != "always":
-        fixes.append(("actor.archon.reshard_after_forward_policy=always",
-                      {"archon.reshard_after_forward_policy": "always"}))
+        fixes.append(
+            ("actor.archon.reshard_after_forward_policy=always", {"archon.reshard_after_forward_policy": "always"})
+        )
     for variant in _allocation_variants(alloc, args):
         fixes.append((f"actor.backend={variant}", {"backend": variant}))
     return fixes
 
 
-def _checked_fixes(cfg: "Config", job: str, hf: dict[str, Any], gpu: int, device_type: str,
-                   limit: int = 2) -> list[str]:
+def _checked_fixes(cfg: Config, job: str, hf: dict[str, Any], gpu: int, device_type: str, limit: int = 2) -> list[str]:
     """Up to ``limit`` single changes whose estimate fits, with that estimate."""
     from pipeline.split import PipelineConfigError
 
@@ -194,7 +208,8 @@ def _checked_fixes(cfg: "Config", job: str, hf: dict[str, Any], gpu: int, device
 
 # ---------------------------------------------------------------------------------- rollout
 
-def estimate_server_gpu(cfg: "Config", hf: dict[str, Any], gpu: int) -> Estimate | None:
+
+def estimate_server_gpu(cfg: Config, hf: dict[str, Any], gpu: int) -> Estimate | None:
     """One GPU of an SGLang server: its share of the weights and the KV cache in mem_fraction_static."""
     rollout = cfg.allocations()["rollout"]
     if rollout.backend != "sglang":
@@ -206,26 +221,37 @@ def estimate_server_gpu(cfg: "Config", hf: dict[str, Any], gpu: int) -> Estimate
     weight_bytes = _KV_BYTES.get(cfg.sglang.dtype, 2)
     weights = sum(g.numel for g in param_groups(spec, args)) * weight_bytes / (t * p)
     static = cfg.sglang.mem_fraction_static * gpu
-    kv_heads = math.ceil(args.n_kv_heads / t)   # SGLang replicates KV heads when t exceeds them
+    kv_heads = math.ceil(args.n_kv_heads / t)  # SGLang replicates KV heads when t exceeds them
     per_token = 2 * (args.n_layers / p) * kv_heads * args.head_dim * weight_bytes
     seq = cfg.train_dataset.max_length + cfg.gconfig.max_new_tokens
     kv = max(0.0, static - weights)
-    terms = [Term(f"weights ({cfg.sglang.dtype}, split t{t}" + (f" x p{p}" if p > 1 else "") + ")", int(weights),
-                  "raise the t of rollout.backend (fewer, larger servers)"),
-             Term(f"KV cache ({int(kv // per_token)} tokens, {int(kv // (per_token * seq))} sequences of {seq})",
-                  int(kv), "")]
-    est = Estimate(f"rollout server GPU (sglang.mem_fraction_static = {cfg.sglang.mem_fraction_static})", terms,
-                   limit=int(static))
+    terms = [
+        Term(
+            f"weights ({cfg.sglang.dtype}, split t{t}" + (f" x p{p}" if p > 1 else "") + ")",
+            int(weights),
+            "raise the t of rollout.backend (fewer, larger servers)",
+        ),
+        Term(
+            f"KV cache ({int(kv // per_token)} tokens, {int(kv // (per_token * seq))} sequences of {seq})", int(kv), ""
+        ),
+    ]
+    est = Estimate(
+        f"rollout server GPU (sglang.mem_fraction_static = {cfg.sglang.mem_fraction_static})", terms, limit=int(static)
+    )
     if kv < per_token * seq:
         # Not even one sequence's KV cache fits beside the weights: report the shortfall.
-        est.terms[1] = Term(f"KV cache for one sequence of {seq} tokens", int(per_token * seq),
-                            "raise sglang.mem_fraction_static or the t of rollout.backend")
+        est.terms[1] = Term(
+            f"KV cache for one sequence of {seq} tokens",
+            int(per_token * seq),
+            "raise sglang.mem_fraction_static or the t of rollout.backend",
+        )
     return est
 
 
 # ---------------------------------------------------------------------------------- the check
 
-def check_fit(cfg: "Config", job: str = "rl", device_type: str = "cuda") -> FitReport:
+
+def check_fit(cfg: Config, job: str = "rl", device_type: str = "cuda") -> FitReport:
     """Estimate a training GPU and a rollout GPU of ``cfg`` against ``cluster.gpu_memory_gb``."""
     gpu = int(cfg.cluster.gpu_memory_gb * GiB)
     hf = read_model_config(cfg.actor)
@@ -236,8 +262,10 @@ def check_fit(cfg: "Config", job: str = "rl", device_type: str = "cuda") -> FitR
     if job == "rl" and not cfg.rollout.server_addrs:
         report.rollout = estimate_server_gpu(cfg, hf, gpu)
     w = workload_of(cfg, job)
-    report.notes.append(f"every sequence assumed {w.seq_len} tokens long, {w.sequences} per optimizer step"
-                        + (" (a ppo minibatch)" if job == "rl" else ""))
+    report.notes.append(
+        f"every sequence assumed {w.seq_len} tokens long, {w.sequences} per optimizer step"
+        + (" (a ppo minibatch)" if job == "rl" else "")
+    )
     if cfg.actor.archon.enable_compile:
         report.notes.append("estimated for eager mode; torch.compile usually keeps fewer activations")
     return report

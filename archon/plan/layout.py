@@ -149,17 +149,25 @@ class ClusterPlan:
 
     def to_dict(self) -> dict:
         """The plan as plain data (what ``python -m archon.plan --json`` prints), e.g. for a launcher's script."""
-        return {"n_nodes": self.n_nodes, "n_gpus_per_node": self.n_gpus_per_node, "rollout": self.rollout,
-                "train": self.train,
-                "processes": [{"role": p.role, "index": p.index, "node": p.node, "gpus": list(p.gpus),
-                               "local_index": p.local_index} for p in self.processes]}
+        return {
+            "n_nodes": self.n_nodes,
+            "n_gpus_per_node": self.n_gpus_per_node,
+            "rollout": self.rollout,
+            "train": self.train,
+            "processes": [
+                {"role": p.role, "index": p.index, "node": p.node, "gpus": list(p.gpus), "local_index": p.local_index}
+                for p in self.processes
+            ],
+        }
 
     def rank(self, rank: int) -> Process:
         """Training rank ``rank``'s process."""
         ranks = self.train_ranks
         if not 0 <= rank < len(ranks):
-            raise ValueError(f"training rank {rank} is not in the plan, which has {len(ranks)} training ranks "
-                             f"({self.train or 'none'})")
+            raise ValueError(
+                f"training rank {rank} is not in the plan, which has {len(ranks)} training ranks "
+                f"({self.train or 'none'})"
+            )
         return ranks[rank]
 
 
@@ -173,9 +181,11 @@ def _training_world(allocs: dict[str, ModelAllocation]) -> tuple[int, str]:
     if len(set(sizes.values())) > 1:
         first = next(iter(train))
         other = next(k for k in train if sizes[k] != sizes[first])
-        raise AllocationError(f"{first}.backend '{train[first]}' needs {sizes[first]} ranks but {other}.backend "
-                              f"'{train[other]}' needs {sizes[other]}; actor, critic, ref and teacher share the "
-                              "training ranks, so give them allocations of the same world size")
+        raise AllocationError(
+            f"{first}.backend '{train[first]}' needs {sizes[first]} ranks but {other}.backend "
+            f"'{train[other]}' needs {sizes[other]}; actor, critic, ref and teacher share the "
+            "training ranks, so give them allocations of the same world size"
+        )
     if not train:
         return 0, ""
     return next(iter(sizes.values())), str(next(iter(train.values())))
@@ -187,8 +197,9 @@ def plan_cluster(allocs: dict[str, ModelAllocation], n_nodes: int, n_gpus_per_no
     Raises ``AllocationError`` (one sentence) when the run does not fit without sharing a GPU.
     """
     if n_nodes < 1 or n_gpus_per_node < 1:
-        raise AllocationError(f"cluster.n_nodes={n_nodes} and cluster.n_gpus_per_node={n_gpus_per_node} must both "
-                              "be at least 1")
+        raise AllocationError(
+            f"cluster.n_nodes={n_nodes} and cluster.n_gpus_per_node={n_gpus_per_node} must both be at least 1"
+        )
     n_train, train_str = _training_world(allocs)
     rollout = allocs.get("rollout")
     n_servers = rollout.parallel.dp_size if rollout is not None else 0
@@ -196,20 +207,26 @@ def plan_cluster(allocs: dict[str, ModelAllocation], n_nodes: int, n_gpus_per_no
     cluster = f"cluster.n_nodes={n_nodes} x cluster.n_gpus_per_node={n_gpus_per_node}"
     total = n_nodes * n_gpus_per_node
     if n_servers and size > n_gpus_per_node:
-        raise AllocationError(f"rollout '{rollout}' gives each server {size} GPUs (t*p), more than a node's "
-                              f"cluster.n_gpus_per_node={n_gpus_per_node}, and a server never spans nodes; lower t/p "
-                              "(use d for more servers) or use nodes with more GPUs")
+        raise AllocationError(
+            f"rollout '{rollout}' gives each server {size} GPUs (t*p), more than a node's "
+            f"cluster.n_gpus_per_node={n_gpus_per_node}, and a server never spans nodes; lower t/p "
+            "(use d for more servers) or use nodes with more GPUs"
+        )
     per_node = n_gpus_per_node // size if n_servers else 0
     rollout_gpus = n_servers * size
     if n_servers and n_servers > per_node * n_nodes:
-        raise AllocationError(f"rollout '{rollout}' needs {n_servers} servers of {size} GPUs, but a node of "
-                              f"{n_gpus_per_node} GPUs holds {per_node} whole servers, {per_node * n_nodes} on "
-                              f"{cluster}; add nodes or choose a server size that divides {n_gpus_per_node}")
+        raise AllocationError(
+            f"rollout '{rollout}' needs {n_servers} servers of {size} GPUs, but a node of "
+            f"{n_gpus_per_node} GPUs holds {per_node} whole servers, {per_node * n_nodes} on "
+            f"{cluster}; add nodes or choose a server size that divides {n_gpus_per_node}"
+        )
     if rollout_gpus + n_train > total:
-        raise AllocationError(f"rollout '{rollout}' needs {rollout_gpus} devices and training "
-                              f"{repr(train_str) if train_str else 'none'} needs {n_train}; together "
-                              f"{rollout_gpus + n_train}, but {cluster} gives {total}; add nodes or shrink an "
-                              "allocation")
+        raise AllocationError(
+            f"rollout '{rollout}' needs {rollout_gpus} devices and training "
+            f"{repr(train_str) if train_str else 'none'} needs {n_train}; together "
+            f"{rollout_gpus + n_train}, but {cluster} gives {total}; add nodes or shrink an "
+            "allocation"
+        )
 
     servers = []
     for i in range(n_servers):
@@ -227,11 +244,12 @@ def plan_cluster(allocs: dict[str, ModelAllocation], n_nodes: int, n_gpus_per_no
     for rank, (node, gpu) in enumerate(free[:n_train]):
         ranks.append(Process("train", rank, node, (gpu,), local.get(node, 0)))
         local[node] = local.get(node, 0) + 1
-    return ClusterPlan(n_nodes, n_gpus_per_node, tuple(servers) + tuple(ranks),
-                       str(rollout) if n_servers else "", train_str)
+    return ClusterPlan(
+        n_nodes, n_gpus_per_node, tuple(servers) + tuple(ranks), str(rollout) if n_servers else "", train_str
+    )
 
 
-def plan_for_config(cfg: "Config", job: Job = "rl") -> ClusterPlan:
+def plan_for_config(cfg: Config, job: Job = "rl") -> ClusterPlan:
     """The plan of a run of ``cfg``: with its rollout servers for RL, training ranks only for SFT.
 
     Servers given by address (``rollout.server_addrs``) keep their place in the plan: started by

@@ -83,6 +83,7 @@ class Estimate:
 
 # ---------------------------------------------------------------------------------- model shape
 
+
 def read_model_config(cfg_or_path: Any) -> dict[str, Any]:
     """config.json of ``actor.path`` (when it is a local folder) or ``actor.model_config``, as a dict."""
     if isinstance(cfg_or_path, (str, Path)):
@@ -95,10 +96,11 @@ def read_model_config(cfg_or_path: Any) -> dict[str, Any]:
         if file.is_file():
             return json.loads(file.read_text())
     raise MemoryEstimateError(
-        f"no config.json at actor.path = '{sources[0]}'" + (f" or actor.model_config = '{sources[1]}'"
-                                                          if len(sources) > 1 else "")
+        f"no config.json at actor.path = '{sources[0]}'"
+        + (f" or actor.model_config = '{sources[1]}'" if len(sources) > 1 else "")
         + "; the memory estimate reads the model's architecture from it: set actor.model_config to a folder "
-        "(or config.json) of the same model, e.g. the ones in configs/models/")
+        "(or config.json) of the same model, e.g. the ones in configs/models/"
+    )
 
 
 def model_args_of(hf: dict[str, Any], is_critic: bool = False):
@@ -153,6 +155,7 @@ def param_groups(spec: Any, args: Any) -> list[ParamGroup]:
 
 # ---------------------------------------------------------------------------------- workload
 
+
 @dataclass(frozen=True)
 class Workload:
     """What one optimizer step of an engine trains on."""
@@ -163,16 +166,18 @@ class Workload:
     """Tokens of the longest sequence (every sequence is assumed this long)."""
 
 
-def workload_of(cfg: "Config", job: str) -> Workload:
+def workload_of(cfg: Config, job: str) -> Workload:
     """RL: a minibatch of the rollout batch (prompt + completion); SFT: a batch of max_length sequences."""
     if job == "sft":
         return Workload(cfg.train_dataset.batch_size, cfg.train_dataset.max_length)
     rows = cfg.train_dataset.batch_size * cfg.gconfig.n_samples
-    return Workload(max(1, rows // max(1, cfg.actor.ppo_n_minibatches)),
-                    cfg.train_dataset.max_length + cfg.gconfig.max_new_tokens)
+    return Workload(
+        max(1, rows // max(1, cfg.actor.ppo_n_minibatches)), cfg.train_dataset.max_length + cfg.gconfig.max_new_tokens
+    )
 
 
 # ---------------------------------------------------------------------------------- training rank
+
 
 @dataclass(frozen=True)
 class _Layout:
@@ -185,7 +190,7 @@ class _Layout:
     etp: int
 
     @classmethod
-    def of(cls, alloc: ModelAllocation, dp_replicate: int) -> "_Layout":
+    def of(cls, alloc: ModelAllocation, dp_replicate: int) -> _Layout:
         p = alloc.parallel
         return cls(p.dp_size // dp_replicate, dp_replicate, p.tp_size, p.pp_size, p.cp_size, p.ep_size, p.etp_size)
 
@@ -209,8 +214,9 @@ class _Layout:
         return n
 
 
-def _rank_layers(n_layers: int, lay: _Layout, engine: "TrainEngineConfig",
-                 pp_rank: int) -> tuple[list[int], list[int], int]:
+def _rank_layers(
+    n_layers: int, lay: _Layout, engine: TrainEngineConfig, pp_rank: int
+) -> tuple[list[int], list[int], int]:
     """(this pp rank's stage ids, its layer ids, stage count)."""
     if lay.pp == 1:
         return [0], list(range(n_layers)), 1
@@ -225,34 +231,35 @@ def _rank_layers(n_layers: int, lay: _Layout, engine: "TrainEngineConfig",
     return stages, [i for s in stages for i in range(s * per, (s + 1) * per)], n_stages
 
 
-def _layer_activations(args: Any, layer: int, tokens: int, b: int, lay: _Layout, engine: "TrainEngineConfig",
-                       device_type: str) -> tuple[float, float]:
+def _layer_activations(
+    args: Any, layer: int, tokens: int, b: int, lay: _Layout, engine: TrainEngineConfig, device_type: str
+) -> tuple[float, float]:
     """(bytes autograd keeps for one block over a microbatch of ``tokens``, bytes of one full block).
 
     The second is what activation checkpointing rebuilds, one block at a time, in backward.
     """
     t, cp = lay.tp, lay.cp
-    tc = tokens / cp                     # tokens this rank sees (Ulysses splits the sequence)
-    tsp = tc / t                         # sequence-parallel region (norms, residual)
+    tc = tokens / cp  # tokens this rank sees (Ulysses splits the sequence)
+    tsp = tc / t  # sequence-parallel region (norms, residual)
     h, hd = args.dim, args.head_dim
     q, kv = args.n_heads * hd / t, args.n_kv_heads * hd / t
     heads, kvheads = args.n_heads / t, args.n_kv_heads / t
-    norm = 4 * h + 4 + b * h             # float32 input, rsqrt, normalised (the norm computes in float32)
-    full = 2 * tsp * norm + tc * b * h   # both norms; the attention input (all-gathered under TP)
+    norm = 4 * h + 4 + b * h  # float32 input, rsqrt, normalised (the norm computes in float32)
+    full = 2 * tsp * norm + tc * b * h  # both norms; the attention input (all-gathered under TP)
     if args.qk_norm:
         full += tc * ((4 + b) * (q + kv) + 4 * (heads + kvheads))
-    full += tc * (b * (q + 2 * kv) + b * q + 4 * heads)   # q, k, v after RoPE; attention output, logsumexp
+    full += tc * (b * (q + 2 * kv) + b * q + 4 * heads)  # q, k, v after RoPE; attention output, logsumexp
     if device_type != "cuda" or cp > 1:
-        full += tc * b * q               # the output re-laid out for wo (CPU SDPA layout, or CP's all-to-all)
+        full += tc * b * q  # the output re-laid out for wo (CPU SDPA layout, or CP's all-to-all)
     if device_type != "cuda":
-        full += tokens * tokens * b      # CPU SDPA keeps the packed causal mask as a float matrix
+        full += tokens * tokens * b  # CPU SDPA keeps the packed causal mask as a float matrix
     moe = args.is_moe_layer(layer)
     if moe:
         k, experts = args.top_k, args.num_experts
         n = tsp if (lay.ep > 1 and lay.etp == 1 and t > 1) else tc
         fm = args.moe_hidden_dim / (lay.etp if lay.ep > 1 else t)
-        full += n * (b * h + 4 * experts + 28 * k)        # input, router softmax, top-k, sort order
-        full += n * k * (2 * b * h + 4 * b * fm + b)       # routed copies in and out, SwiGLU of each expert
+        full += n * (b * h + 4 * experts + 28 * k)  # input, router softmax, top-k, sort order
+        full += n * k * (2 * b * h + 4 * b * fm + b)  # routed copies in and out, SwiGLU of each expert
     else:
         full += tc * (b * h + 4 * b * args.hidden_dim / t)  # input; gate, up, silu, product
     if not engine.gradient_checkpointing or engine.archon.ac_mode == "none":
@@ -266,18 +273,19 @@ def _layer_activations(args: Any, layer: int, tokens: int, b: int, lay: _Layout,
     option = engine.archon.selective_ac_option
     if option != "op":
         return (block_input if layer % int(option) == 0 else full), full
-    saved = block_input + tc * (b * (q + 2 * kv) + b * q + 4 * heads + b * h)   # q/k/v, attention, wo out
+    saved = block_input + tc * (b * (q + 2 * kv) + b * q + 4 * heads + b * h)  # q/k/v, attention, wo out
     if moe:
         saved += n * b * experts + n * k * (2 * b * fm + b * h)
     else:
         saved += tc * (2 * b * args.hidden_dim / t + b * h)
     if cp > 1:
-        saved += tc * b * (2 * q + 2 * kv)   # CP's all-to-all outputs are kept, not re-sent
+        saved += tc * b * (2 * q + 2 * kv)  # CP's all-to-all outputs are kept, not re-sent
     return saved, full
 
 
-def _in_flight(engine: "TrainEngineConfig", lay: _Layout, n_stages: int, n_mbs: int, pp_rank: int,
-               unit_bytes: dict[int, float]) -> float:
+def _in_flight(
+    engine: TrainEngineConfig, lay: _Layout, n_stages: int, n_mbs: int, pp_rank: int, unit_bytes: dict[int, float]
+) -> float:
     """Peak bytes of the stage forwards whose backward has not finished, walking torch's schedule."""
     from pipeline.schedules import microbatch_count
 
@@ -308,39 +316,62 @@ def _rank_actions(schedule: str, pp: int, n_stages: int, n_mbs: int, rank: int) 
         return out
     from torch.distributed.pipelining import schedules as torch_schedules
 
-    cls = {"Interleaved1F1B": torch_schedules.ScheduleInterleaved1F1B,
-           "InterleavedZeroBubble": torch_schedules.ScheduleInterleavedZeroBubble,
-           "ZBVZeroBubble": torch_schedules.ScheduleZBVZeroBubble,
-           "DualPipeV": torch_schedules.ScheduleDualPipeV}[schedule]
+    cls = {
+        "Interleaved1F1B": torch_schedules.ScheduleInterleaved1F1B,
+        "InterleavedZeroBubble": torch_schedules.ScheduleInterleavedZeroBubble,
+        "ZBVZeroBubble": torch_schedules.ScheduleZBVZeroBubble,
+        "DualPipeV": torch_schedules.ScheduleDualPipeV,
+    }[schedule]
     # The action lists are computed from these attributes only; no stage or process group is needed.
     sched = cls.__new__(cls)
     rounds = max(1, n_mbs // pp)
-    sched.__dict__.update(pp_group_size=pp, n_local_stages=per_rank, _n_microbatches=n_mbs, rank=rank,
-                          number_of_rounds=rounds, microbatches_per_round=n_mbs // rounds, num_stages=n_stages,
-                          _num_stages=n_stages)
+    sched.__dict__.update(
+        pp_group_size=pp,
+        n_local_stages=per_rank,
+        _n_microbatches=n_mbs,
+        rank=rank,
+        number_of_rounds=rounds,
+        microbatches_per_round=n_mbs // rounds,
+        num_stages=n_stages,
+        _num_stages=n_stages,
+    )
     out = []
     for action in sched._calculate_single_rank_operations(rank):
         if action is None:
             continue
         kind = action.computation_type.value
         if kind == "OVERLAP_F_B":  # DualPipeV: a forward and a backward of two chunks at once
-            out.extend((sub.stage_index, sub.computation_type.value, sub.microbatch_index)
-                       for sub in action.sub_actions or ())
+            out.extend(
+                (sub.stage_index, sub.computation_type.value, sub.microbatch_index) for sub in action.sub_actions or ()
+            )
         elif kind in ("F", "B", "I", "W"):
             out.append((action.stage_index, kind, action.microbatch_index))
     return out
 
 
-def estimate_training_rank(engine: "TrainEngineConfig", hf: dict[str, Any], workload: Workload, *,
-                           device_type: str = "cuda", is_critic: bool = False, trainable: bool = True,
-                           pp_rank: int | None = None) -> Estimate:
+def estimate_training_rank(
+    engine: TrainEngineConfig,
+    hf: dict[str, Any],
+    workload: Workload,
+    *,
+    device_type: str = "cuda",
+    is_critic: bool = False,
+    trainable: bool = True,
+    pp_rank: int | None = None,
+) -> Estimate:
     """Peak memory of one training rank of ``engine`` (the largest over its pipeline ranks unless ``pp_rank``)."""
     alloc = ModelAllocation.from_str(engine.backend)
     lay = _Layout.of(alloc, engine.archon.dp_replicate)
     if pp_rank is None:
-        return max((estimate_training_rank(engine, hf, workload, device_type=device_type, is_critic=is_critic,
-                                           trainable=trainable, pp_rank=r) for r in range(lay.pp)),
-                   key=lambda e: e.total)
+        return max(
+            (
+                estimate_training_rank(
+                    engine, hf, workload, device_type=device_type, is_critic=is_critic, trainable=trainable, pp_rank=r
+                )
+                for r in range(lay.pp)
+            ),
+            key=lambda e: e.total,
+        )
     spec, args = model_args_of(hf, is_critic)
     groups = param_groups(spec, args)
     stages, layers, n_stages = _rank_layers(args.n_layers, lay, engine, pp_rank)
@@ -362,12 +393,18 @@ def estimate_training_rank(engine: "TrainEngineConfig", hf: dict[str, Any], work
             terms.append(Term("optimizer state (AdamW, float32)", int(8 * n_local), "raise t, e or p (or d)"))
     # Unsharded parameters while a unit computes.
     reshard = engine.archon.reshard_after_forward_policy == "always" or (
-        engine.archon.reshard_after_forward_policy == "default" and lay.pp == 1)
+        engine.archon.reshard_after_forward_policy == "default" and lay.pp == 1
+    )
     if lay.fsdp:
         biggest = sorted(units.values(), reverse=True)[:2]
         gathered = sum(biggest) if reshard else n_tp
-        terms.append(Term("unsharded parameters (FSDP all-gather)", int(gathered * pb),
-                          "reshard_after_forward_policy = 'always'" if not reshard else "raise t, e or p"))
+        terms.append(
+            Term(
+                "unsharded parameters (FSDP all-gather)",
+                int(gathered * pb),
+                "reshard_after_forward_policy = 'always'" if not reshard else "raise t, e or p",
+            )
+        )
     elif pb != 4:
         terms.append(Term("low-precision weight copies (autocast)", int(n_tp * pb), "raise t, e or p"))
     # Gradients: float32, unsharded while FSDP accumulates over microbatches (A.4), else sharded.
@@ -378,8 +415,13 @@ def estimate_training_rank(engine: "TrainEngineConfig", hf: dict[str, Any], work
     accumulate = trainable and (n_mbs > 1 or lay.pp > 1)
     if accumulate:
         unsharded = lay.fsdp
-        terms.append(Term("gradients (float32" + (", unsharded until the last microbatch)" if unsharded else ")"),
-                      int(4 * (n_tp if unsharded else n_local)), "raise t, e or p"))
+        terms.append(
+            Term(
+                "gradients (float32" + (", unsharded until the last microbatch)" if unsharded else ")"),
+                int(4 * (n_tp if unsharded else n_local)),
+                "raise t, e or p",
+            )
+        )
     # Activations of the microbatches in flight.
     mbs = n_mbs
     if lay.pp > 1:
@@ -396,13 +438,16 @@ def estimate_training_rank(engine: "TrainEngineConfig", hf: dict[str, Any], work
     vocab = 1 if is_critic else args.vocab_size / lay.tp
     tc = tokens / lay.cp
     head_saved = (tc / lay.tp) * (4 * args.dim + 4 + b * args.dim) + tc * (b * args.dim + 8 * vocab)
-    loss_peak = tc * (b + 12) * vocab   # logits, float32 copies and the loss's backward temporaries
+    loss_peak = tc * (b + 12) * vocab  # logits, float32 copies and the loss's backward temporaries
     per_stage_layers = len(layers) // len(stages)
     unit_bytes = {}
     for k, s in enumerate(stages):
-        own = layers[k * per_stage_layers:(k + 1) * per_stage_layers]
-        unit_bytes[s] = sum(per_layer[i][0] for i in own) + (head_saved if s == n_stages - 1 else 0.0) \
-            + (tc / lay.tp) * b * args.dim   # the stage input kept for backward
+        own = layers[k * per_stage_layers : (k + 1) * per_stage_layers]
+        unit_bytes[s] = (
+            sum(per_layer[i][0] for i in own)
+            + (head_saved if s == n_stages - 1 else 0.0)
+            + (tc / lay.tp) * b * args.dim
+        )  # the stage input kept for backward
     if not trainable:
         # Forward only (no_grad): one block's tensors at a time, and the last stage's logits.
         acts = max(full for _, full in per_layer.values()) + (tc * (b + 12) * vocab if last else 0.0)
@@ -411,12 +456,22 @@ def estimate_training_rank(engine: "TrainEngineConfig", hf: dict[str, Any], work
     else:
         acts = sum(unit_bytes.values())
     recompute = max(full for _, full in per_layer.values()) - max(saved for saved, _ in per_layer.values())
-    terms.append(Term(f"activations ({tokens} tokens per microbatch)", int(acts),
-                      "raise mb_spec.n_mbs, turn on gradient_checkpointing, or raise t, c or p"))
+    terms.append(
+        Term(
+            f"activations ({tokens} tokens per microbatch)",
+            int(acts),
+            "raise mb_spec.n_mbs, turn on gradient_checkpointing, or raise t, c or p",
+        )
+    )
     if trainable:
         # The loss's float32 softmax temporaries come first, then one recomputed block at a time.
-        terms.append(Term("backward transients (loss softmax, recomputed block)",
-                          int(max(recompute, loss_peak if last else 0)), "raise t or n_mbs"))
+        terms.append(
+            Term(
+                "backward transients (loss softmax, recomputed block)",
+                int(max(recompute, loss_peak if last else 0)),
+                "raise t or n_mbs",
+            )
+        )
     where = f"training rank, pipeline rank {pp_rank} of {lay.pp}" if lay.pp > 1 else "training rank"
     compute = Estimate(where, terms)
     if not trainable or offload:

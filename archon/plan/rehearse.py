@@ -28,9 +28,10 @@ import tempfile
 import time
 import traceback
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from archon.alloc import ModelAllocation
 
@@ -80,11 +81,12 @@ class RehearsalResult:
 
 # ---------------------------------------------------------------------------------- shrinking
 
+
 def _multiple(value: int, of: int) -> int:
     return max(of, math.ceil(value / of) * of)
 
 
-def shrink(hf: dict[str, Any], engine: "TrainEngineConfig") -> Rehearsal:
+def shrink(hf: dict[str, Any], engine: TrainEngineConfig) -> Rehearsal:
     """The smallest model of ``hf``'s type that ``engine.backend`` still splits, and the CPU engine config."""
     from models.model_args import read_num_experts
     from pipeline.schedules import microbatch_count, required_stages_per_rank
@@ -103,35 +105,61 @@ def shrink(hf: dict[str, Any], engine: "TrainEngineConfig") -> Rehearsal:
     if heads0 > kv0 and heads == kv:
         heads *= 2  # keep grouped-query attention
     small = dict(hf)
-    small.update(num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv, head_dim=16,
-                 hidden_size=32, intermediate_size=_multiple(32, tp), vocab_size=_multiple(128, tp),
-                 max_position_embeddings=256, torch_dtype="float32")
-    for stale in ("layer_types", "max_window_layers", "_name_or_path", "auto_map", "bos_token_id", "eos_token_id",
-                  "pad_token_id"):
+    small.update(
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=16,
+        hidden_size=32,
+        intermediate_size=_multiple(32, tp),
+        vocab_size=_multiple(128, tp),
+        max_position_embeddings=256,
+        torch_dtype="float32",
+    )
+    for stale in (
+        "layer_types",
+        "max_window_layers",
+        "_name_or_path",
+        "auto_map",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+    ):
         small.pop(stale, None)
-    what = [f"{layers} layers (was {hf['num_hidden_layers']})", f"{heads} heads / {kv} kv heads (was {heads0} / {kv0})",
-            "hidden 32, head_dim 16, vocab " + str(small["vocab_size"])]
+    what = [
+        f"{layers} layers (was {hf['num_hidden_layers']})",
+        f"{heads} heads / {kv} kv heads (was {heads0} / {kv0})",
+        "hidden 32, head_dim 16, vocab " + str(small["vocab_size"]),
+    ]
     experts = read_num_experts(hf) if "num_experts_per_tok" in hf else 0
     if experts:
         n_experts = max(ep, 2)
-        small.update(num_experts=n_experts, num_experts_per_tok=min(int(hf["num_experts_per_tok"]), 2, n_experts),
-                     moe_intermediate_size=_multiple(16, max(tp, etp)), decoder_sparse_step=1, mlp_only_layers=[])
+        small.update(
+            num_experts=n_experts,
+            num_experts_per_tok=min(int(hf["num_experts_per_tok"]), 2, n_experts),
+            moe_intermediate_size=_multiple(16, max(tp, etp)),
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
         small.pop("num_local_experts", None)
-        what.append(f"{n_experts} experts, top-{small['num_experts_per_tok']} (was {experts}, "
-                    f"top-{hf['num_experts_per_tok']})")
+        what.append(
+            f"{n_experts} experts, top-{small['num_experts_per_tok']} (was {experts}, top-{hf['num_experts_per_tok']})"
+        )
     changes.append("model: " + ", ".join(what))
     n_mbs = engine.mb_spec.n_mbs
     if pp > 1:
         mbs = microbatch_count(arch.pp_schedule, 1, n_stages, pp)
         if mbs != n_mbs:
-            changes.append(f"mb_spec.n_mbs = {mbs} (was {n_mbs}): the fewest {arch.pp_schedule} runs with "
-                           f"{n_stages} stages")
+            changes.append(
+                f"mb_spec.n_mbs = {mbs} (was {n_mbs}): the fewest {arch.pp_schedule} runs with {n_stages} stages"
+            )
     else:
         mbs = min(n_mbs, 2)
         if mbs != n_mbs:
             changes.append(f"mb_spec.n_mbs = {mbs} (was {n_mbs})")
-    new_arch = dataclasses.replace(arch, enable_compile=False, use_deterministic_algorithms=False,
-                                   pp_layers_per_stage=0)
+    new_arch = dataclasses.replace(
+        arch, enable_compile=False, use_deterministic_algorithms=False, pp_layers_per_stage=0
+    )
     if arch.enable_compile:
         changes.append("archon.enable_compile = false (CPU)")
     if arch.use_deterministic_algorithms:
@@ -143,13 +171,21 @@ def shrink(hf: dict[str, Any], engine: "TrainEngineConfig") -> Rehearsal:
     optimizer = dataclasses.replace(engine.optimizer, lr=1e-2, warmup_steps=0, lr_schedule="constant")
     changes.append(f"optimizer.lr = 0.01 (was {engine.optimizer.lr:g}), constant: updates show in the next loss")
     small_engine = dataclasses.replace(
-        engine, path="", model_config="", dtype="float32", pad_to_maximum=False, archon=new_arch,
-        optimizer=optimizer, mb_spec=dataclasses.replace(engine.mb_spec, n_mbs=mbs, max_tokens_per_mb=0))
+        engine,
+        path="",
+        model_config="",
+        dtype="float32",
+        pad_to_maximum=False,
+        archon=new_arch,
+        optimizer=optimizer,
+        mb_spec=dataclasses.replace(engine.mb_spec, n_mbs=mbs, max_tokens_per_mb=0),
+    )
     sequences = p.dp_size * mbs * 2
     return Rehearsal(small, small_engine, sequences, changes)
 
 
 # ---------------------------------------------------------------------------------- running
+
 
 def _batch(step: int, sequences: int, vocab: int) -> dict[str, Any]:
     import torch
@@ -163,12 +199,13 @@ def _batch(step: int, sequences: int, vocab: int) -> dict[str, Any]:
     for i, n in enumerate(lens):
         ids[i, :n] = torch.randint(1, vocab, (n,), generator=g)
         attn[i, :n] = 1
-        mask[i, n // 2:n] = 1.0
+        mask[i, n // 2 : n] = 1.0
     return {"input_ids": ids, "attention_mask": attn, "loss_mask": mask}
 
 
-def _train(engine_cfg: Any, model_dir: str, steps: int, sequences: int, vocab: int,
-           seed: int) -> list[dict[str, float]]:
+def _train(
+    engine_cfg: Any, model_dir: str, steps: int, sequences: int, vocab: int, seed: int
+) -> list[dict[str, float]]:
     import torch.distributed as dist
 
     from archon.engine.engine import ArchonEngine
@@ -195,8 +232,14 @@ def _child(conn: Any, rank: int, world: int, port: int, fn: Callable, args: tupl
     import torch
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+    )
     # torch's pipeline runtime logs the whole schedule of every rank on a failure, and DTensor/FSDP warn
     # about CPU meshes once per rank; the report says what matters.
     logging.getLogger("torch.distributed.pipelining").setLevel(logging.CRITICAL)
@@ -245,8 +288,9 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout_s: float = 3600.0) -
                 try:
                     status, payload = json.loads(conn.recv_bytes())
                 except EOFError:
-                    raise RehearsalError(f"rank {rank} died without reporting (exit code {procs[rank].exitcode})"
-                                         ) from None
+                    raise RehearsalError(
+                        f"rank {rank} died without reporting (exit code {procs[rank].exitcode})"
+                    ) from None
                 if status == "err":
                     last = payload.strip().splitlines()[-1] if payload.strip() else "unknown error"
                     raise RehearsalError(f"rank {rank} failed: {last}", payload)
@@ -267,12 +311,14 @@ def _first_difference(layout: list[dict[str, float]], reference: list[dict[str, 
     for step, (a, b) in enumerate(zip(layout, reference), start=1):
         for key in ("loss", "grad_norm"):
             if abs(a[key] - b[key]) > TOLERANCE * max(1.0, abs(b[key])):
-                return (f"step {step}: {key} {a[key]:.8g} under the layout but {b[key]:.8g} on one device "
-                        f"(difference {abs(a[key] - b[key]):.3g})")
+                return (
+                    f"step {step}: {key} {a[key]:.8g} under the layout but {b[key]:.8g} on one device "
+                    f"(difference {abs(a[key] - b[key]):.3g})"
+                )
     return None
 
 
-def rehearse(cfg: "Config", steps: int = 3) -> tuple[Rehearsal, RehearsalResult]:
+def rehearse(cfg: Config, steps: int = 3) -> tuple[Rehearsal, RehearsalResult]:
     """Train the shrunken model under the actor's allocation and under archon:d1; compare the steps."""
     from archon.plan.memory import read_model_config
 
@@ -297,10 +343,12 @@ def main(argv: Sequence[str]) -> int:
     from archon.config import load_config
     from archon.errors import user_error_types
 
-    parser = argparse.ArgumentParser(prog="python -m archon.plan rehearse",
-                                     description="Train a shrunken model of the actor's architecture under its "
-                                                 "allocation with one CPU process per rank and compare with one "
-                                                 "device (no GPU needed).")
+    parser = argparse.ArgumentParser(
+        prog="python -m archon.plan rehearse",
+        description="Train a shrunken model of the actor's architecture under its "
+        "allocation with one CPU process per rank and compare with one "
+        "device (no GPU needed).",
+    )
     parser.add_argument("--config", help="TOML config file")
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps to compare (default 3)")
     parser.add_argument("--traceback", action="store_true", help="print a failing rank's whole traceback")
@@ -310,16 +358,20 @@ def main(argv: Sequence[str]) -> int:
     try:
         cfg = load_config(args.config, args.overrides, job="sft")
         world = cfg.allocations()["actor"].world_size
-        console.print(f"rehearsing actor.backend = '{cfg.actor.backend}' with {world} CPU processes (gloo)",
-                      highlight=False)
+        console.print(
+            f"rehearsing actor.backend = '{cfg.actor.backend}' with {world} CPU processes (gloo)", highlight=False
+        )
         plan, result = rehearse(cfg, args.steps)
     except user_error_types() as exc:
         Console(stderr=True).print(f"[bold red]error:[/] {exc}", highlight=False)
         return 2
     except RehearsalError as exc:
         err = Console(stderr=True)
-        err.print(f"[bold red]the layout failed to train:[/] {exc}"
-                  + ("" if args.traceback else " (--traceback shows where)"), highlight=False)
+        err.print(
+            f"[bold red]the layout failed to train:[/] {exc}"
+            + ("" if args.traceback else " (--traceback shows where)"),
+            highlight=False,
+        )
         if args.traceback:
             err.print(exc.details, highlight=False, markup=False)
         return 1
@@ -327,11 +379,17 @@ def main(argv: Sequence[str]) -> int:
     for line in plan.changes:
         console.print(f"  {line}", highlight=False)
     for i, (a, b) in enumerate(zip(result.layout, result.reference), start=1):
-        console.print(f"  step {i}: loss {a['loss']:.6f} (one device {b['loss']:.6f}), grad norm "
-                      f"{a['grad_norm']:.6f} ({b['grad_norm']:.6f})", highlight=False)
+        console.print(
+            f"  step {i}: loss {a['loss']:.6f} (one device {b['loss']:.6f}), grad norm "
+            f"{a['grad_norm']:.6f} ({b['grad_norm']:.6f})",
+            highlight=False,
+        )
     if result.ok:
-        console.print(f"[bold green]the layout trains like one device[/] ({len(result.layout)} steps within "
-                      f"{TOLERANCE:g}, {result.seconds:.0f} s)", highlight=False)
+        console.print(
+            f"[bold green]the layout trains like one device[/] ({len(result.layout)} steps within "
+            f"{TOLERANCE:g}, {result.seconds:.0f} s)",
+            highlight=False,
+        )
         return 0
     console.print(f"[bold red]the layout differs from one device:[/] {result.first_difference}", highlight=False)
     return 1

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from archon.plan.layout import ClusterPlan, Process
 
@@ -26,8 +26,11 @@ def _coordinates(rank: int, alloc: str) -> str:
     tp, rest = rank % p.tp_size, rank // p.tp_size
     cp, rest = rest % p.cp_size, rest // p.cp_size
     dp, pp = rest % p.dp_size, rest // p.dp_size
-    parts = [(n, v, s) for n, v, s in (("pp", pp, p.pp_size), ("dp", dp, p.dp_size), ("cp", cp, p.cp_size),
-                                      ("tp", tp, p.tp_size)) if s > 1]
+    parts = [
+        (n, v, s)
+        for n, v, s in (("pp", pp, p.pp_size), ("dp", dp, p.dp_size), ("cp", cp, p.cp_size), ("tp", tp, p.tp_size))
+        if s > 1
+    ]
     return " ".join(f"{n}{v}" for n, v, _ in parts)
 
 
@@ -65,8 +68,10 @@ def _print_memory(console, cfg, job: str, device: str) -> bool:
     except MemoryEstimateError as exc:
         console.print(f"[bold]memory check skipped:[/] {exc}", highlight=False)
         return True
-    console.print(f"\n[bold]Memory check[/] against cluster.gpu_memory_gb = {cfg.cluster.gpu_memory_gb:g} GiB "
-                  f"per GPU ({device})", highlight=False)
+    console.print(
+        f"\n[bold]Memory check[/] against cluster.gpu_memory_gb = {cfg.cluster.gpu_memory_gb:g} GiB per GPU ({device})",
+        highlight=False,
+    )
     for est in (report.train, report.rollout):
         if est is None:
             continue
@@ -81,12 +86,18 @@ def _print_memory(console, cfg, job: str, device: str) -> bool:
         for fix in report.fixes:
             console.print(f"    {fix}", highlight=False)
     elif not report.fits_train():
-        console.print("  no single change tried (activation checkpointing, ZBV, more microbatches, resharding, "
-                      "a larger t, p or e) makes it fit; add GPUs", highlight=False)
+        console.print(
+            "  no single change tried (activation checkpointing, ZBV, more microbatches, resharding, "
+            "a larger t, p or e) makes it fit; add GPUs",
+            highlight=False,
+        )
     for note in report.notes:
         console.print(f"  [dim]({note})[/]", highlight=False)
-    console.print(("[bold green]the run fits[/]" if report.fits else "[bold red]the run does not fit[/]")
-                  + f" on {cfg.cluster.gpu_memory_gb:g} GiB GPUs", highlight=False)
+    console.print(
+        ("[bold green]the run fits[/]" if report.fits else "[bold red]the run does not fit[/]")
+        + f" on {cfg.cluster.gpu_memory_gb:g} GiB GPUs",
+        highlight=False,
+    )
     return report.fits
 
 
@@ -97,14 +108,20 @@ def main_plan(argv: Sequence[str]) -> int:
     from archon.errors import user_error_types
     from archon.plan.layout import plan_for_config
 
-    parser = argparse.ArgumentParser(prog="python -m archon.plan",
-                                     description="Print where every process of a run goes and whether it fits "
-                                                 "in GPU memory (no GPU needed).  `python -m archon.plan rehearse "
-                                                 "--help` rehearses a layout on this machine.")
+    parser = argparse.ArgumentParser(
+        prog="python -m archon.plan",
+        description="Print where every process of a run goes and whether it fits "
+        "in GPU memory (no GPU needed).  `python -m archon.plan rehearse "
+        "--help` rehearses a layout on this machine.",
+    )
     parser.add_argument("--config", help="TOML config file")
     parser.add_argument("--job", choices=("rl", "sft"), default="rl", help="sft starts no rollout server")
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                        help="estimate memory for GPU ranks (default) or CPU processes")
+    parser.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="estimate memory for GPU ranks (default) or CPU processes",
+    )
     parser.add_argument("--json", action="store_true", help="print only the plan, as JSON (for launchers)")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
     args = parser.parse_args(argv)
@@ -120,8 +137,11 @@ def main_plan(argv: Sequence[str]) -> int:
         return 0
     console.print(plan_table(plan))
     if plan.shared_nodes:
-        console.print(f"node(s) {', '.join(map(str, plan.shared_nodes))} hold both rollout servers and training "
-                      "ranks (the cluster has too few nodes for whole rollout nodes)", highlight=False)
+        console.print(
+            f"node(s) {', '.join(map(str, plan.shared_nodes))} hold both rollout servers and training "
+            "ranks (the cluster has too few nodes for whole rollout nodes)",
+            highlight=False,
+        )
     try:
         fits = _print_memory(console, cfg, args.job, args.device)
     except user_error_types() as exc:

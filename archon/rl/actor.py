@@ -55,11 +55,17 @@ class PPOActor:
             agg_mode=cfg.loss_agg_mode,
             max_response_len=max_new_tokens,
         )
-        if cfg.importance_sampling_level == "sequence" and cfg.loss_agg_mode != "seq-mean-token-mean" and \
-                (not dist.is_initialized() or dist.get_rank() == 0):
-            logger.warning("GSPO (importance_sampling_level = 'sequence') with loss_agg_mode = '%s' weighs each "
-                           "sequence by its length, as AReaL's GSPO does; the GSPO objective (verl's gspo loss) "
-                           "needs loss_agg_mode = 'seq-mean-token-mean'", cfg.loss_agg_mode)
+        if (
+            cfg.importance_sampling_level == "sequence"
+            and cfg.loss_agg_mode != "seq-mean-token-mean"
+            and (not dist.is_initialized() or dist.get_rank() == 0)
+        ):
+            logger.warning(
+                "GSPO (importance_sampling_level = 'sequence') with loss_agg_mode = '%s' weighs each "
+                "sequence by its length, as AReaL's GSPO does; the GSPO objective (verl's gspo loss) "
+                "needs loss_agg_mode = 'seq-mean-token-mean'",
+                cfg.loss_agg_mode,
+            )
 
     @torch.no_grad()
     def compute_logprobs(self, batch: Batch) -> torch.Tensor:
@@ -71,14 +77,20 @@ class PPOActor:
         if self.cfg.kd_coef:
             # On-policy distillation toward the teacher's logprobs of the sampled tokens.
             kd, stats["kd_loss"] = distillation_loss(
-                outputs["logprobs"], mb["teacher_logprobs"], mb["loss_mask"], estimator=self.cfg.kd_estimator,
-                agg_mode=self.agg_mode, max_response_len=self.max_new_tokens)
+                outputs["logprobs"],
+                mb["teacher_logprobs"],
+                mb["loss_mask"],
+                estimator=self.cfg.kd_estimator,
+                agg_mode=self.agg_mode,
+                max_response_len=self.max_new_tokens,
+            )
             loss = loss + self.cfg.kd_coef * kd
             stats["loss"] = loss.detach().float()
         # The training/inference mismatch before this update: |trainer - rollout server| logprob.
         diff = (outputs["logprobs"].detach() - mb["logprobs"]).abs()
-        stats["behav_logprob_diff"] = aggregate(diff, mb["loss_mask"], "token-mean"
-                                                if self.agg_mode == "token-mean" else "seq-mean-token-mean")
+        stats["behav_logprob_diff"] = aggregate(
+            diff, mb["loss_mask"], "token-mean" if self.agg_mode == "token-mean" else "seq-mean-token-mean"
+        )
         return loss, stats
 
     def ppo_update(self, batch: Batch) -> dict[str, float]:
@@ -100,8 +112,13 @@ class PPOActor:
         first_diff = None
         # The shuffle seed is the run seed and the optimizer step this update starts at: the
         # same for every allocation, and restored with the engine on resume.
-        for mb in ppo_minibatches(batch, cfg.ppo_n_minibatches, epochs=cfg.ppo_epochs, shuffle=cfg.shuffle,
-                                  seed=self.engine.seed * 65_537 + self.engine.step):
+        for mb in ppo_minibatches(
+            batch,
+            cfg.ppo_n_minibatches,
+            epochs=cfg.ppo_epochs,
+            shuffle=cfg.shuffle,
+            seed=self.engine.seed * 65_537 + self.engine.step,
+        ):
             stats = self.engine.train_batch(mb, self._loss_with_mismatch, lambda m: loss_weight(m, self.agg_mode))
             if first_diff is None:
                 first_diff = stats.get("behav_logprob_diff")

@@ -66,8 +66,14 @@ class NormConfig:
         None, or both levels 'none', gives None (no normalisation)."""
         if cfg is None:
             return None
-        norm = cls(mean_level=cfg.mean_level, std_level=cfg.std_level, mean_leave1out=cfg.mean_leave1out,
-                   std_unbiased=cfg.std_unbiased, eps=cfg.eps, group_size=getattr(cfg, "group_size", 0) or 0)
+        norm = cls(
+            mean_level=cfg.mean_level,
+            std_level=cfg.std_level,
+            mean_leave1out=cfg.mean_leave1out,
+            std_unbiased=cfg.std_unbiased,
+            eps=cfg.eps,
+            group_size=getattr(cfg, "group_size", 0) or 0,
+        )
         return None if norm.is_identity else norm
 
 
@@ -78,8 +84,10 @@ def _units(x: torch.Tensor, level: str, group_size: int) -> torch.Tensor:
     if group_size < 1:
         raise ValueError(f"group-level normalisation needs group_size >= 1, got {group_size}")
     if x.shape[0] % group_size:
-        raise ValueError(f"batch of {x.shape[0]} rows is not a multiple of group_size={group_size}; samples "
-                         "of one prompt must be consecutive rows, group_size of them per prompt")
+        raise ValueError(
+            f"batch of {x.shape[0]} rows is not a multiple of group_size={group_size}; samples "
+            "of one prompt must be consecutive rows, group_size of them per prompt"
+        )
     return x.reshape(x.shape[0] // group_size, -1)
 
 
@@ -148,8 +156,10 @@ def overlong_penalty(
     if overlong_tokens <= 0:
         raise ValueError(f"overlong_tokens = {overlong_tokens} must be positive when overlong_reward_penalty is on")
     if overlong_tokens > max_new_tokens:
-        raise ValueError(f"overlong_tokens = {overlong_tokens} is larger than max_new_tokens = {max_new_tokens}; "
-                         "the penalty window must fit inside the generation budget")
+        raise ValueError(
+            f"overlong_tokens = {overlong_tokens} is larger than max_new_tokens = {max_new_tokens}; "
+            "the penalty window must fit inside the generation budget"
+        )
     exceed = response_lengths.to(torch.float32) - (max_new_tokens - overlong_tokens)
     return (-exceed / overlong_tokens * overlong_penalty_factor).clamp(max=0.0)
 
@@ -172,8 +182,12 @@ def shape_rewards(
     if overlong_reward_penalty:
         if response_lengths is None or max_new_tokens is None:
             raise ValueError("overlong_reward_penalty needs the response lengths and max_new_tokens")
-        r = r + overlong_penalty(response_lengths, overlong_tokens=overlong_tokens,
-                                 overlong_penalty_factor=overlong_penalty_factor, max_new_tokens=max_new_tokens)
+        r = r + overlong_penalty(
+            response_lengths,
+            overlong_tokens=overlong_tokens,
+            overlong_penalty_factor=overlong_penalty_factor,
+            max_new_tokens=max_new_tokens,
+        )
     r = (r + reward_bias) * reward_scaling
     if reward_clip is not None and reward_clip > 0:
         r = r.clamp(min=-reward_clip, max=reward_clip)
@@ -247,8 +261,9 @@ def gae_advantages(
 
 def discounted_returns(rewards: torch.Tensor, loss_mask: torch.Tensor, *, discount: float) -> torch.Tensor:
     """Reward-to-go ``G_t = r_t + discount * G_{t'}`` over the loss positions of each row."""
-    adv, _ = gae_advantages(rewards, torch.zeros_like(rewards, dtype=torch.float32), loss_mask,
-                            discount=discount, gae_lambda=1.0)
+    adv, _ = gae_advantages(
+        rewards, torch.zeros_like(rewards, dtype=torch.float32), loss_mask, discount=discount, gae_lambda=1.0
+    )
     return adv
 
 
@@ -264,12 +279,15 @@ def group_normalized_rewards(seq_rewards: torch.Tensor, norm: NormConfig | None)
 
 def rloo_rewards(seq_rewards: torch.Tensor, *, group_size: int) -> torch.Tensor:
     """RLOO: each reward minus the mean reward of the other samples of its prompt (no std)."""
-    return normalize(seq_rewards, None, mean_level="group", std_level=None, mean_leave1out=True,
-                     group_size=group_size)
+    return normalize(seq_rewards, None, mean_level="group", std_level=None, mean_leave1out=True, group_size=group_size)
 
 
 def reinforce_pp_advantages(
-    rewards: torch.Tensor, loss_mask: torch.Tensor, *, discount: float, eps: float = 1e-5,
+    rewards: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    discount: float,
+    eps: float = 1e-5,
     norm_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++: discounted token returns, normalised by their mean and std over all loss
@@ -277,8 +295,9 @@ def reinforce_pp_advantages(
     (sequence reward on the last loss token, optionally minus a KL penalty).  Returns
     ``(advantages, returns)``."""
     returns = discounted_returns(rewards, loss_mask, discount=discount)
-    adv = normalize(returns, loss_mask if norm_mask is None else norm_mask, mean_level="batch", std_level="batch",
-                    eps=eps)
+    adv = normalize(
+        returns, loss_mask if norm_mask is None else norm_mask, mean_level="batch", std_level="batch", eps=eps
+    )
     return adv, returns
 
 
@@ -341,8 +360,9 @@ class AdvantageConfig:
 
     def __post_init__(self) -> None:
         if self.adv_estimator not in ADV_ESTIMATORS:
-            raise ValueError(f"adv_estimator = '{self.adv_estimator}' is unknown; choose one of "
-                             f"{', '.join(ADV_ESTIMATORS)}")
+            raise ValueError(
+                f"adv_estimator = '{self.adv_estimator}' is unknown; choose one of {', '.join(ADV_ESTIMATORS)}"
+            )
         reward_norm, adv_norm = default_norms(self.adv_estimator)
         if self.reward_norm == "default":
             object.__setattr__(self, "reward_norm", reward_norm)
@@ -356,14 +376,17 @@ class AdvantageConfig:
                 continue
             size = norm.group_size or self.group_size
             if size == 1:
-                raise ValueError(f"{name} normalises over groups of samples of one prompt, but every group has "
-                                 "one sample, so each value would be normalised against itself (GRPO would learn "
-                                 "nothing); sample several completions per prompt (gconfig.n_samples > 1, and "
-                                 f"actor.group_size 0 or > 1) or set {name}.mean_level/std_level to 'batch' or "
-                                 "'none'")
+                raise ValueError(
+                    f"{name} normalises over groups of samples of one prompt, but every group has "
+                    "one sample, so each value would be normalised against itself (GRPO would learn "
+                    "nothing); sample several completions per prompt (gconfig.n_samples > 1, and "
+                    f"actor.group_size 0 or > 1) or set {name}.mean_level/std_level to 'batch' or "
+                    "'none'"
+                )
         if self.kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(f"kl_estimator = '{self.kl_estimator}' is unknown; choose one of "
-                             f"{', '.join(KL_ESTIMATORS)}")
+            raise ValueError(
+                f"kl_estimator = '{self.kl_estimator}' is unknown; choose one of {', '.join(KL_ESTIMATORS)}"
+            )
         if self.group_size < 1:
             raise ValueError(f"group_size = {self.group_size} must be at least 1")
 
@@ -372,9 +395,12 @@ class AdvantageConfig:
         """From an object with the actor config's field names (``archon.config.ActorConfig``)."""
         names = [f.name for f in dataclasses.fields(cls) if f.name not in ("reward_norm", "adv_norm", "max_new_tokens")]
         kwargs = {n: getattr(actor, n) for n in names if hasattr(actor, n)}
-        return cls(**kwargs, max_new_tokens=max_new_tokens,
-                   reward_norm=NormConfig.from_config(getattr(actor, "reward_norm", None)),
-                   adv_norm=NormConfig.from_config(getattr(actor, "adv_norm", None)))
+        return cls(
+            **kwargs,
+            max_new_tokens=max_new_tokens,
+            reward_norm=NormConfig.from_config(getattr(actor, "reward_norm", None)),
+            adv_norm=NormConfig.from_config(getattr(actor, "adv_norm", None)),
+        )
 
 
 def _with_group_size(norm: NormConfig | None, group_size: int) -> NormConfig | None:
@@ -403,13 +429,22 @@ def compute_advantages(batch: dict[str, torch.Tensor], cfg: AdvantageConfig) -> 
     truncated = None
     if cfg.mask_no_eos_with_zero or cfg.overlong_filtering or (cfg.adv_estimator == "gae" and cfg.bootstrap_truncated):
         if "seq_no_eos_mask" not in batch:
-            raise ValueError("mask_no_eos_with_zero, overlong_filtering and GAE bootstrapping need "
-                             "'seq_no_eos_mask' [B] in the batch")
+            raise ValueError(
+                "mask_no_eos_with_zero, overlong_filtering and GAE bootstrapping need "
+                "'seq_no_eos_mask' [B] in the batch"
+            )
         truncated = batch["seq_no_eos_mask"].bool()
-    seq = shape_rewards(batch["rewards"], reward_bias=cfg.reward_bias, reward_scaling=cfg.reward_scaling,
-                        reward_clip=cfg.reward_clip, response_lengths=m.sum(dim=1),
-                        overlong_reward_penalty=cfg.overlong_reward_penalty, overlong_tokens=cfg.overlong_tokens,
-                        overlong_penalty_factor=cfg.overlong_penalty_factor, max_new_tokens=cfg.max_new_tokens)
+    seq = shape_rewards(
+        batch["rewards"],
+        reward_bias=cfg.reward_bias,
+        reward_scaling=cfg.reward_scaling,
+        reward_clip=cfg.reward_clip,
+        response_lengths=m.sum(dim=1),
+        overlong_reward_penalty=cfg.overlong_reward_penalty,
+        overlong_tokens=cfg.overlong_tokens,
+        overlong_penalty_factor=cfg.overlong_penalty_factor,
+        max_new_tokens=cfg.max_new_tokens,
+    )
     if cfg.adv_estimator in ("grpo", "gae"):
         seq = group_normalized_rewards(seq, _with_group_size(cfg.reward_norm, cfg.group_size))
     elif cfg.adv_estimator == "rloo":
@@ -420,8 +455,9 @@ def compute_advantages(batch: dict[str, torch.Tensor], cfg: AdvantageConfig) -> 
     kl = torch.zeros_like(m, dtype=torch.float32)
     if cfg.kl_ctl != 0.0:
         if "ref_logprobs" not in batch:
-            raise ValueError("kl_ctl is set but the batch has no 'ref_logprobs'; configure a reference model "
-                             "or set kl_ctl = 0")
+            raise ValueError(
+                "kl_ctl is set but the batch has no 'ref_logprobs'; configure a reference model or set kl_ctl = 0"
+            )
         logp = batch["old_logprobs"] if "old_logprobs" in batch else batch["logprobs"]
         kl = torch.where(m, kl_estimate(logp, batch["ref_logprobs"], cfg.kl_estimator), 0.0)
     rewards = token_rewards(seq, loss_mask, kl=kl, kl_ctl=cfg.kl_ctl)
@@ -431,16 +467,21 @@ def compute_advantages(batch: dict[str, torch.Tensor], cfg: AdvantageConfig) -> 
 
     if cfg.adv_estimator == "gae":
         if "values" not in batch:
-            raise ValueError("adv_estimator = 'gae' needs critic 'values' in the batch; add a critic "
-                             "or use 'grpo'/'rloo'/'reinforce++'")
+            raise ValueError(
+                "adv_estimator = 'gae' needs critic 'values' in the batch; add a critic "
+                "or use 'grpo'/'rloo'/'reinforce++'"
+            )
         end_values = None
         if cfg.bootstrap_truncated:
             if "values_after" not in batch:
-                raise ValueError("bootstrap_truncated needs the critic's 'values_after' [B] in the batch "
-                                 "(PPOCritic.compute_values returns them)")
+                raise ValueError(
+                    "bootstrap_truncated needs the critic's 'values_after' [B] in the batch "
+                    "(PPOCritic.compute_values returns them)"
+                )
             end_values = torch.where(truncated, batch["values_after"].to(torch.float32), 0.0)
-        adv, returns = gae_advantages(rewards, batch["values"], loss_mask, discount=cfg.discount,
-                                      gae_lambda=cfg.gae_lambda, end_values=end_values)
+        adv, returns = gae_advantages(
+            rewards, batch["values"], loss_mask, discount=cfg.discount, gae_lambda=cfg.gae_lambda, end_values=end_values
+        )
     elif cfg.adv_estimator == "reinforce++":
         adv, returns = reinforce_pp_advantages(rewards, loss_mask, discount=cfg.discount, norm_mask=adv_mask)
     else:

@@ -21,9 +21,13 @@ class PPOCritic:
         self.engine = engine
         self.cfg = cfg
         self.agg_mode = agg_mode
-        self.loss_fn = make_critic_loss_fn(value_eps_clip=cfg.eps_clip or None, loss_fn_type=cfg.loss_fn_type,
-                                           huber_delta=cfg.huber_delta, agg_mode=agg_mode,
-                                           max_response_len=max_new_tokens)
+        self.loss_fn = make_critic_loss_fn(
+            value_eps_clip=cfg.eps_clip or None,
+            loss_fn_type=cfg.loss_fn_type,
+            huber_delta=cfg.huber_delta,
+            agg_mode=agg_mode,
+            max_response_len=max_new_tokens,
+        )
 
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,8 +42,10 @@ class PPOCritic:
         ids, attn = batch["input_ids"], batch["attention_mask"]
         rows, width = ids.shape
         lengths = attn.sum(dim=1).long()
-        grown = {"input_ids": torch.cat([ids, ids.new_zeros(rows, 1)], dim=1),
-                 "attention_mask": torch.cat([attn, attn.new_zeros(rows, 1)], dim=1)}
+        grown = {
+            "input_ids": torch.cat([ids, ids.new_zeros(rows, 1)], dim=1),
+            "attention_mask": torch.cat([attn, attn.new_zeros(rows, 1)], dim=1),
+        }
         grown["attention_mask"][torch.arange(rows), lengths] = 1
         values = self.engine.forward(grown)["values"]
         # The placeholder's own position is padding of the original rows: 0 there, as forward gives.
@@ -54,8 +60,14 @@ class PPOCritic:
             batch = {**batch, "loss_mask": mb_loss_mask * keep}
         if float(batch["loss_mask"].sum()) == 0:
             return {}
-        per_step = [self.engine.train_batch(mb, self.loss_fn, lambda m: loss_weight(m, self.agg_mode))
-                    for mb in ppo_minibatches(batch, self.cfg.ppo_n_minibatches, epochs=self.cfg.ppo_epochs,
-                                              shuffle=self.cfg.shuffle,
-                                              seed=self.engine.seed * 65_537 + self.engine.step)]
+        per_step = [
+            self.engine.train_batch(mb, self.loss_fn, lambda m: loss_weight(m, self.agg_mode))
+            for mb in ppo_minibatches(
+                batch,
+                self.cfg.ppo_n_minibatches,
+                epochs=self.cfg.ppo_epochs,
+                shuffle=self.cfg.shuffle,
+                seed=self.engine.seed * 65_537 + self.engine.step,
+            )
+        ]
         return mean_stats(per_step, "critic")

@@ -17,7 +17,8 @@ accounts for them and a resumed run repeats an uninterrupted one.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 logger = logging.getLogger("archon.rl")
 
@@ -29,11 +30,12 @@ def mixed_groups(rewards: Sequence[float], group_size: int) -> list[bool]:
     """For each group of ``group_size`` consecutive rewards: whether they are not all equal."""
     if group_size < 1 or len(rewards) % group_size:
         raise ValueError(f"{len(rewards)} rewards do not split into groups of {group_size}")
-    return [len(set(rewards[i:i + group_size])) > 1 for i in range(0, len(rewards), group_size)]
+    return [len(set(rewards[i : i + group_size])) > 1 for i in range(0, len(rewards), group_size)]
 
 
-def collect_mixed_groups(draw: Callable[[int], Round], *, group_size: int, max_rounds: int = 0,
-                         n_groups: int | None = None) -> Round:
+def collect_mixed_groups(
+    draw: Callable[[int], Round], *, group_size: int, max_rounds: int = 0, n_groups: int | None = None
+) -> Round:
     """Rounds ``draw(0), draw(1), ...`` until ``n_groups`` groups with differing rewards are in hand
     (default: as many groups as the first round has) or ``max_rounds`` were drawn (0: no limit).
 
@@ -64,9 +66,14 @@ def collect_mixed_groups(draw: Callable[[int], Round], *, group_size: int, max_r
     assert n_groups is not None
     taken_back = max(0, n_groups - len(kept))
     if taken_back:
-        logger.warning("dynamic filter: only %d of %d prompt groups had differing rewards after %d rounds "
-                       "(dynamic_filter.max_num_gen_batches); %d equal-reward groups complete the batch",
-                       len(kept), n_groups, rounds, taken_back)
+        logger.warning(
+            "dynamic filter: only %d of %d prompt groups had differing rewards after %d rounds "
+            "(dynamic_filter.max_num_gen_batches); %d equal-reward groups complete the batch",
+            len(kept),
+            n_groups,
+            rounds,
+            taken_back,
+        )
     groups = kept[:n_groups] + dropped[:taken_back]
     metrics = {
         "dynamic_filter/rounds": float(rounds),

@@ -37,7 +37,7 @@ it by that size.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -60,8 +60,10 @@ def _check_agg_mode(agg_mode: str, max_response_len: int | None = None) -> None:
     if agg_mode not in AGG_MODES:
         raise ValueError(f"loss aggregation mode '{agg_mode}' is unknown; choose one of {', '.join(AGG_MODES)}")
     if agg_mode == "seq-mean-token-sum-norm" and not max_response_len:
-        raise ValueError("loss_agg_mode 'seq-mean-token-sum-norm' divides by a constant max_response_len; "
-                         "pass max_response_len (normally gconfig.max_new_tokens)")
+        raise ValueError(
+            "loss_agg_mode 'seq-mean-token-sum-norm' divides by a constant max_response_len; "
+            "pass max_response_len (normally gconfig.max_new_tokens)"
+        )
 
 
 def aggregate(
@@ -325,23 +327,42 @@ def make_actor_loss_fn(*, use_decoupled_loss: bool = False, **ppo_kwargs) -> Los
     def loss_fn(outputs: Batch, mb: Batch) -> tuple[torch.Tensor, Batch]:
         old = mb["old_logprobs"] if "old_logprobs" in mb else mb["logprobs"]
         return ppo_actor_loss(
-            outputs["logprobs"], old, mb["advantages"], mb["loss_mask"],
+            outputs["logprobs"],
+            old,
+            mb["advantages"],
+            mb["loss_mask"],
             behav_logprobs=mb["logprobs"] if use_decoupled_loss else None,
-            entropy=outputs.get("entropy"), ref_logprobs=mb.get("ref_logprobs"), **ppo_kwargs)
+            entropy=outputs.get("entropy"),
+            ref_logprobs=mb.get("ref_logprobs"),
+            **ppo_kwargs,
+        )
 
     return loss_fn
 
 
-def make_critic_loss_fn(*, value_eps_clip: float | None = None, loss_fn_type: str = "mse",
-                        huber_delta: float = 10.0, agg_mode: str = "token-mean",
-                        max_response_len: int | None = None) -> LossFn:
+def make_critic_loss_fn(
+    *,
+    value_eps_clip: float | None = None,
+    loss_fn_type: str = "mse",
+    huber_delta: float = 10.0,
+    agg_mode: str = "token-mean",
+    max_response_len: int | None = None,
+) -> LossFn:
     """A ``loss_fn(outputs, mb)`` for the critic engine: ``outputs['values']``, ``mb['old_values']``,
     ``mb['returns']``, ``mb['loss_mask']``."""
     _check_agg_mode(agg_mode, max_response_len)
 
     def loss_fn(outputs: Batch, mb: Batch) -> tuple[torch.Tensor, Batch]:
-        return ppo_critic_loss(outputs["values"], mb["old_values"], mb["returns"], mb["loss_mask"],
-                               value_eps_clip=value_eps_clip, loss_fn_type=loss_fn_type, huber_delta=huber_delta,
-                               agg_mode=agg_mode, max_response_len=max_response_len)
+        return ppo_critic_loss(
+            outputs["values"],
+            mb["old_values"],
+            mb["returns"],
+            mb["loss_mask"],
+            value_eps_clip=value_eps_clip,
+            loss_fn_type=loss_fn_type,
+            huber_delta=huber_delta,
+            agg_mode=agg_mode,
+            max_response_len=max_response_len,
+        )
 
     return loss_fn

@@ -24,8 +24,7 @@ def head_staleness(completions: Sequence[Completion], trained_version: int) -> l
     return [trained_version - c.output_versions[0] for c in completions if c.output_versions]
 
 
-def staleness_metrics(completions: Sequence[Completion], trained_version: int,
-                      max_staleness: int) -> dict[str, float]:
+def staleness_metrics(completions: Sequence[Completion], trained_version: int, max_staleness: int) -> dict[str, float]:
     """``async/*`` metrics of a batch trained at policy version ``trained_version``.
 
     ``staleness_mean`` / ``staleness_max``: head staleness over the trajectories;
@@ -51,8 +50,9 @@ def staleness_metrics(completions: Sequence[Completion], trained_version: int,
 
 
 @torch.no_grad()
-def behaviour_ratio_metrics(prox_logprobs: torch.Tensor, behav_logprobs: torch.Tensor,
-                            loss_mask: torch.Tensor) -> dict[str, float]:
+def behaviour_ratio_metrics(
+    prox_logprobs: torch.Tensor, behav_logprobs: torch.Tensor, loss_mask: torch.Tensor
+) -> dict[str, float]:
     """Statistics of ``pi_prox / pi_behav`` over the loss tokens (before any rejection sampling).
 
     This is the importance weight of decoupled PPO: 1 for on-policy data that the rollout
@@ -65,6 +65,9 @@ def behaviour_ratio_metrics(prox_logprobs: torch.Tensor, behav_logprobs: torch.T
     log_ratio = (prox_logprobs.double() - behav_logprobs.double())[mask]
     log_ratio = torch.where(torch.isfinite(log_ratio), log_ratio, 0.0).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     ratio = log_ratio.exp()
-    return {"behav_ratio/mean": float(ratio.mean()),
-            "behav_ratio/std": float(ratio.std()) if ratio.numel() > 1 else 0.0,
-            "behav_ratio/min": float(ratio.min()), "behav_ratio/max": float(ratio.max())}
+    return {
+        "behav_ratio/mean": float(ratio.mean()),
+        "behav_ratio/std": float(ratio.std()) if ratio.numel() > 1 else 0.0,
+        "behav_ratio/min": float(ratio.min()),
+        "behav_ratio/max": float(ratio.max()),
+    }

@@ -57,23 +57,27 @@ class RejectionSampling:
     """Lower bound of the metric; None: no lower bound."""
 
     def __post_init__(self) -> None:
-        for name, choices in (("level", RS_LEVELS), ("action", RS_ACTIONS), ("metric", RS_METRICS),
-                              ("agg", RS_AGGS)):
+        for name, choices in (("level", RS_LEVELS), ("action", RS_ACTIONS), ("metric", RS_METRICS), ("agg", RS_AGGS)):
             if getattr(self, name) not in choices:
-                raise ValueError(f"rejection_sampling.{name} = {getattr(self, name)!r} must be one of "
-                                 f"{', '.join(choices)}")
+                raise ValueError(
+                    f"rejection_sampling.{name} = {getattr(self, name)!r} must be one of {', '.join(choices)}"
+                )
         if self.lower is not None and self.lower > self.upper:
             raise ValueError(f"rejection_sampling.lower = {self.lower} is above upper = {self.upper}")
         if self.metric == "ratio" and self.upper <= 1.0:
-            raise ValueError(f"rejection_sampling.upper = {self.upper} must be above 1 for metric 'ratio' "
-                             "(otherwise every token whose policies differ is rejected)")
+            raise ValueError(
+                f"rejection_sampling.upper = {self.upper} must be above 1 for metric 'ratio' "
+                "(otherwise every token whose policies differ is rejected)"
+            )
         if self.metric == "ratio" and self.lower is not None and self.lower <= 0:
             raise ValueError(f"rejection_sampling.lower = {self.lower} must be positive for metric 'ratio'")
         if self.metric in ("kl_k2", "kl_k3") and self.upper <= 0:
             raise ValueError(f"rejection_sampling.upper = {self.upper} must be positive for metric '{self.metric}'")
         if self.action == "clamp" and self.metric != "ratio":
-            raise ValueError(f"rejection_sampling.action = 'clamp' bounds the importance ratio and needs metric "
-                             f"'ratio', not '{self.metric}'; use action 'mask' with KL metrics")
+            raise ValueError(
+                f"rejection_sampling.action = 'clamp' bounds the importance ratio and needs metric "
+                f"'ratio', not '{self.metric}'; use action 'mask' with KL metrics"
+            )
 
     @classmethod
     def from_config(cls, cfg: Any) -> RejectionSampling | None:
@@ -82,8 +86,9 @@ class RejectionSampling:
         if cfg is None or cfg.level == "none":
             return None
         lower = None if cfg.lower is None or cfg.lower == float("-inf") else float(cfg.lower)
-        return cls(level=cfg.level, action=cfg.action, metric=cfg.metric, agg=cfg.agg, upper=float(cfg.upper),
-                   lower=lower)
+        return cls(
+            level=cfg.level, action=cfg.action, metric=cfg.metric, agg=cfg.agg, upper=float(cfg.upper), lower=lower
+        )
 
     def in_bounds(self, metric: torch.Tensor) -> torch.Tensor:
         ok = metric <= self.upper
@@ -119,8 +124,13 @@ def behaviour_weights(
         metric = log_ratio  # judged in log space (exp'd below), so sequence sums and means are geometric
     else:
         # kl_estimate's r is ref - logp; with logp = 0 and ref = -log_ratio, r = log(pi_behav / pi_prox).
-        metric = kl_estimate(torch.zeros_like(log_ratio), -log_ratio, rs.metric.removeprefix("kl_"),
-                             log_ratio_clamp=None, value_clamp=None)
+        metric = kl_estimate(
+            torch.zeros_like(log_ratio),
+            -log_ratio,
+            rs.metric.removeprefix("kl_"),
+            log_ratio_clamp=None,
+            value_clamp=None,
+        )
     weight = torch.exp(log_ratio)
     if rs.level == "sequence":
         if rs.metric == "ratio":

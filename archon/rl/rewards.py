@@ -27,9 +27,10 @@ import signal
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable
+from typing import Any
 
 from archon.config import ConfigError
 from archon.errors import ArchonError
@@ -41,6 +42,7 @@ RewardFn = Callable[..., Any]
 
 class RewardError(ArchonError, RuntimeError):
     """The reward function cannot be loaded, its workers do not start, or too many of its calls fail."""
+
 
 # ----------------------------------------------------------------------------------------
 # Answer extraction and the built-in reward functions
@@ -140,16 +142,20 @@ def get_reward_fn(name: str | RewardFn) -> RewardFn:
         return name
     if name in BUILTIN_REWARD_FNS:
         return BUILTIN_REWARD_FNS[name]
-    usage = (f"use a built-in ({', '.join(BUILTIN_REWARD_FNS)}) or 'package.module:function' naming an "
-             "importable function fn(prompt, completion, answer, **kw) -> float")
+    usage = (
+        f"use a built-in ({', '.join(BUILTIN_REWARD_FNS)}) or 'package.module:function' naming an "
+        "importable function fn(prompt, completion, answer, **kw) -> float"
+    )
     if ":" not in name:
         raise ConfigError(f"unknown reward function '{name}'; {usage}")
     module_name, _, attr = name.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ConfigError(f"reward function '{name}': cannot import module '{module_name}' ({exc}); "
-                          f"make it importable (installed or on PYTHONPATH); {usage}") from None
+        raise ConfigError(
+            f"reward function '{name}': cannot import module '{module_name}' ({exc}); "
+            f"make it importable (installed or on PYTHONPATH); {usage}"
+        ) from None
     fn = module
     for part in attr.split("."):
         fn = getattr(fn, part, None)
@@ -238,9 +244,17 @@ class RewardComputer:
     (no protection against crashes or hangs; for debugging).
     """
 
-    def __init__(self, fn: str | RewardFn = "math", *, n_workers: int = 2, timeout_s: float = 15.0,
-                 start_method: str = "spawn", startup_timeout_s: float = 120.0, fn_kwargs: dict | None = None,
-                 max_failure_frac: float = 1.0):
+    def __init__(
+        self,
+        fn: str | RewardFn = "math",
+        *,
+        n_workers: int = 2,
+        timeout_s: float = 15.0,
+        start_method: str = "spawn",
+        startup_timeout_s: float = 120.0,
+        fn_kwargs: dict | None = None,
+        max_failure_frac: float = 1.0,
+    ):
         if not 0.0 <= max_failure_frac <= 1.0:
             raise ConfigError(f"reward.max_failure_frac = {max_failure_frac} must be between 0 and 1 (1 never stops)")
         self.fn_spec = fn
@@ -266,8 +280,10 @@ class RewardComputer:
     def compute(self, prompts: list[str], completions: list[str], answers: list[str], **kw: Any) -> list[float]:
         n = len(completions)
         if len(prompts) != n or len(answers) != n:
-            raise ValueError(f"compute() got {len(prompts)} prompts, {n} completions and {len(answers)} answers; "
-                             "they must have one entry per sample")
+            raise ValueError(
+                f"compute() got {len(prompts)} prompts, {n} completions and {len(answers)} answers; "
+                "they must have one entry per sample"
+            )
         per_sample = [{k: (v[i] if isinstance(v, (list, tuple)) else v) for k, v in kw.items()} for i in range(n)]
         for k, v in kw.items():
             if isinstance(v, (list, tuple)) and len(v) != n:
@@ -292,14 +308,19 @@ class RewardComputer:
                 f"{failed} of {n} reward calls failed (raised, ran past reward.timeout_s={self.timeout_s:g} s, or "
                 f"returned a non-number), more than reward.max_failure_frac={self.max_failure_frac:g}; the first: "
                 f"{self._call_failures[0]}; fix the reward function {self.fn_spec!r} or raise "
-                "reward.max_failure_frac")
+                "reward.max_failure_frac"
+            )
 
     def metrics(self) -> dict[str, float]:
         """Totals since construction, and the failed fraction of the latest ``compute()`` call."""
         c = self.counters
-        return {"reward/calls": c.calls, "reward/failures": c.failures, "reward/timeouts": c.timeouts,
-                "reward/worker_restarts": c.restarts,
-                "reward/failed_frac": c.last_failures / c.last_samples if c.last_samples else 0.0}
+        return {
+            "reward/calls": c.calls,
+            "reward/failures": c.failures,
+            "reward/timeouts": c.timeouts,
+            "reward/worker_restarts": c.restarts,
+            "reward/failed_frac": c.last_failures / c.last_samples if c.last_samples else 0.0,
+        }
 
     def close(self) -> None:
         with self._lock:
@@ -324,8 +345,9 @@ class RewardComputer:
 
     def _start_worker(self) -> _Worker:
         parent, child = self._ctx.Pipe(duplex=True)
-        proc = self._ctx.Process(target=_worker_main, args=(child, self.fn_spec, self.fn_kwargs), daemon=True,
-                                 name="archon-reward")
+        proc = self._ctx.Process(
+            target=_worker_main, args=(child, self.fn_spec, self.fn_kwargs), daemon=True, name="archon-reward"
+        )
         proc.start()  # returns at once; the worker boots in the background and reports 'ready'
         child.close()
         return _Worker(proc, parent)
@@ -384,8 +406,10 @@ class RewardComputer:
                         continue
                     w.task, w.deadline = task[0], now + self.timeout_s
             if not any(w.ready for w in self._workers) and now > startup_deadline:
-                raise RewardError(f"no reward worker started within {self.startup_timeout_s:.0f}s "
-                                  f"(reward function {self.fn_spec!r}); check that it imports quickly")
+                raise RewardError(
+                    f"no reward worker started within {self.startup_timeout_s:.0f}s "
+                    f"(reward function {self.fn_spec!r}); check that it imports quickly"
+                )
             deadlines = [w.deadline for w in self._workers if w.task is not None]
             wake = min(deadlines + [now + 1.0]) - now
             waitables: list[Any] = [w.conn for w in self._workers] + [w.process.sentinel for w in self._workers]
@@ -411,8 +435,10 @@ class RewardComputer:
                     self._fail(msg[1], msg[2])
                     w.task = None
                 elif kind == "init_error":
-                    raise RewardError(f"reward worker could not load reward function {self.fn_spec!r}: {msg[1]}; "
-                                      "make it importable in a fresh Python process")
+                    raise RewardError(
+                        f"reward worker could not load reward function {self.fn_spec!r}: {msg[1]}; "
+                        "make it importable in a fresh Python process"
+                    )
         except (EOFError, OSError):
             pass  # the worker died; handled below
         if not w.process.is_alive():

@@ -9,8 +9,9 @@ that token (it is what teaches the policy to stop).
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -41,26 +42,31 @@ class Completion:
         return self.finish_reason != "stop"
 
 
-def build_rollout_batch(completions: Sequence[Completion], rewards: Sequence[float],
-                        pad_token_id: int = 0) -> dict[str, torch.Tensor]:
+def build_rollout_batch(
+    completions: Sequence[Completion], rewards: Sequence[float], pad_token_id: int = 0
+) -> dict[str, torch.Tensor]:
     """``input_ids, attention_mask, loss_mask, logprobs`` ``[B, S]`` and ``rewards, seq_no_eos_mask`` ``[B]``."""
     if len(completions) != len(rewards):
         raise ValueError(f"{len(completions)} completions but {len(rewards)} rewards; one reward per completion")
     samples = []
     for i, c in enumerate(completions):
         if len(c.output_logprobs) != len(c.output_ids):
-            raise ValueError(f"completion {i} has {len(c.output_ids)} tokens but {len(c.output_logprobs)} logprobs; "
-                             "request generations with return_logprob = true")
+            raise ValueError(
+                f"completion {i} has {len(c.output_ids)} tokens but {len(c.output_logprobs)} logprobs; "
+                "request generations with return_logprob = true"
+            )
         if not c.prompt_ids:
             raise ValueError(f"completion {i} has an empty prompt; every RL prompt needs at least one token")
         p, n = len(c.prompt_ids), len(c.output_ids)
-        samples.append({
-            "input_ids": list(c.prompt_ids) + list(c.output_ids),
-            "loss_mask": [0] * p + [1] * n,
-            "logprobs": [0.0] * p + [float(x) for x in c.output_logprobs],
-            "rewards": float(rewards[i]),
-            "seq_no_eos_mask": bool(c.truncated),
-        })
+        samples.append(
+            {
+                "input_ids": list(c.prompt_ids) + list(c.output_ids),
+                "loss_mask": [0] * p + [1] * n,
+                "logprobs": [0.0] * p + [float(x) for x in c.output_logprobs],
+                "rewards": float(rewards[i]),
+                "seq_no_eos_mask": bool(c.truncated),
+            }
+        )
     batch = collate(samples, pad_token_id=pad_token_id)
     # collate infers integer dtypes from values: keep the float/mask fields in their kinds.
     batch["loss_mask"] = batch["loss_mask"].float()
@@ -75,8 +81,10 @@ def _routed_experts_rows(completions: Sequence[Completion], width: int) -> torch
     """``[B, S, n_layers, top_k]`` int16, token-aligned like ``input_ids``; -1 where no routing is known."""
     shapes = {tuple(c.routed_experts.shape[1:]) for c in completions if c.routed_experts is not None}
     if len(shapes) != 1:
-        raise ValueError(f"completions carry routed experts of different shapes {sorted(shapes)} (or only some "
-                         "carry them); every server must serve the same model with routed experts on")
+        raise ValueError(
+            f"completions carry routed experts of different shapes {sorted(shapes)} (or only some "
+            "carry them); every server must serve the same model with routed experts on"
+        )
     out = torch.full((len(completions), width, *shapes.pop()), -1, dtype=torch.int16)
     for b, c in enumerate(completions):
         if c.routed_experts is None:
@@ -85,8 +93,10 @@ def _routed_experts_rows(completions: Sequence[Completion], width: int) -> torch
         n = len(c.prompt_ids) + len(c.output_ids)
         # A completion without output tokens has nothing to train on; anything else covers n - 1 tokens.
         if routed.shape[0] != n - 1 and (c.output_ids or routed.shape[0] > n):
-            raise ValueError(f"completion {b} has routed experts for {routed.shape[0]} tokens, expected {n - 1} "
-                             "(prompt + output - 1); was routed_experts_start_len left at 0?")
+            raise ValueError(
+                f"completion {b} has routed experts for {routed.shape[0]} tokens, expected {n - 1} "
+                "(prompt + output - 1); was routed_experts_start_len left at 0?"
+            )
         out[b, : routed.shape[0]] = routed.to(torch.int16)
     return out
 
@@ -96,8 +106,10 @@ def routed_experts_array(flat: Any, n_layers: int, top_k: int) -> Any:
     if flat is None:
         return None
     if flat.size % (n_layers * top_k):
-        raise ValueError(f"a server returned {flat.size} routed expert ids, not a multiple of n_layers * top_k = "
-                         f"{n_layers} * {top_k}; does it serve the actor's model?")
+        raise ValueError(
+            f"a server returned {flat.size} routed expert ids, not a multiple of n_layers * top_k = "
+            f"{n_layers} * {top_k}; does it serve the actor's model?"
+        )
     return flat.reshape(-1, n_layers, top_k)
 
 
@@ -111,8 +123,10 @@ def split_minibatches(batch: dict[str, torch.Tensor], n: int) -> list[dict[str, 
     """
     rows = batch["input_ids"].shape[0]
     if n < 1 or n > rows:
-        raise ValueError(f"ppo_n_minibatches = {n} must be between 1 and the number of samples ({rows}); "
-                         "lower actor.ppo_n_minibatches or raise the batch size")
+        raise ValueError(
+            f"ppo_n_minibatches = {n} must be between 1 and the number of samples ({rows}); "
+            "lower actor.ppo_n_minibatches or raise the batch size"
+        )
     bounds = [round(i * rows / n) for i in range(n + 1)]
     out = []
     for lo, hi in zip(bounds[:-1], bounds[1:]):
@@ -127,8 +141,9 @@ def split_minibatches(batch: dict[str, torch.Tensor], n: int) -> list[dict[str, 
     return out
 
 
-def ppo_minibatches(batch: dict[str, torch.Tensor], n: int, *, epochs: int = 1, shuffle: bool = False,
-                    seed: int = 0) -> Iterator[dict[str, torch.Tensor]]:
+def ppo_minibatches(
+    batch: dict[str, torch.Tensor], n: int, *, epochs: int = 1, shuffle: bool = False, seed: int = 0
+) -> Iterator[dict[str, torch.Tensor]]:
     """``epochs`` passes over the batch, each cut into ``n`` minibatches (``split_minibatches``).
 
     With ``shuffle`` the rows are permuted before each pass by a generator seeded with
@@ -142,6 +157,8 @@ def ppo_minibatches(batch: dict[str, torch.Tensor], n: int, *, epochs: int = 1, 
         if shuffle:
             gen = torch.Generator().manual_seed((seed * 1_000_003 + epoch * 7_919 + 17) % (2**63 - 1))
             perm = torch.randperm(rows, generator=gen)
-            order = {key: value[perm] if value.dim() >= 1 and value.shape[0] == rows else value
-                     for key, value in batch.items()}
+            order = {
+                key: value[perm] if value.dim() >= 1 and value.shape[0] == rows else value
+                for key, value in batch.items()
+            }
         yield from split_minibatches(order, n)

@@ -18,7 +18,8 @@ servers would otherwise serve the model folder's weights, sends the policy they 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from archon.rollout.client import RolloutError, RolloutRequestError
 from archon.rollout.weight_sync import WeightSyncError

@@ -95,7 +95,7 @@ class RLTrainer:
         if not cfg.actor.path:
             raise ConfigError("actor.path is empty; RL starts from a Hugging Face model folder (weights and tokenizer)")
         if not cfg.train_dataset.path:
-            raise ConfigError("train_dataset.path is empty; point it at a jsonl of {\"prompt\", \"answer\"} rows")
+            raise ConfigError('train_dataset.path is empty; point it at a jsonl of {"prompt", "answer"} rows')
         self.group_size = resolved_group_size(cfg)
         self.temperature = policy_temperature(cfg)
         self.use_ref = bool(cfg.actor.kl_ctl or cfg.actor.kl_loss_coef)
@@ -103,12 +103,14 @@ class RLTrainer:
         self.use_critic = cfg.actor.adv_estimator == "gae"
         try:
             self.adv_cfg = AdvantageConfig.from_actor_config(
-                dataclasses.replace(cfg.actor, group_size=self.group_size), max_new_tokens=cfg.gconfig.max_new_tokens)
+                dataclasses.replace(cfg.actor, group_size=self.group_size), max_new_tokens=cfg.gconfig.max_new_tokens
+            )
         except ValueError as exc:
             raise ConfigError(f"actor: {exc}") from None
         # The reward's KL coefficient; adaptive controllers change it, so it is checkpointed.
-        self.kl_ctl = KLController(cfg.actor.kl_ctl, cfg.actor.kl_ctl_type, cfg.actor.kl_ctl_target,
-                                   cfg.actor.kl_ctl_horizon)
+        self.kl_ctl = KLController(
+            cfg.actor.kl_ctl, cfg.actor.kl_ctl_type, cfg.actor.kl_ctl_target, cfg.actor.kl_ctl_horizon
+        )
         # Built in run(); close() releases whatever was built.
         self.launcher = self.client = self.rewards = self.weight_sync = self.supervisor = None
         self.served_version: str | None = None  # weights the servers hold (None: actor.path's)
@@ -134,10 +136,12 @@ class RLTrainer:
         self.critic = None
         if self.use_critic:
             critic_steps = cfg.total_train_steps * cfg.critic.ppo_n_minibatches * cfg.critic.ppo_epochs
-            critic_engine = build_engine(cfg.critic, name="critic", is_critic=True, total_steps=critic_steps,
-                                         **common).initialize()
-            self.critic = PPOCritic(critic_engine, cfg.critic, agg_mode=cfg.actor.loss_agg_mode,
-                                    max_new_tokens=cfg.gconfig.max_new_tokens)
+            critic_engine = build_engine(
+                cfg.critic, name="critic", is_critic=True, total_steps=critic_steps, **common
+            ).initialize()
+            self.critic = PPOCritic(
+                critic_engine, cfg.critic, agg_mode=cfg.actor.loss_agg_mode, max_new_tokens=cfg.gconfig.max_new_tokens
+            )
             self.engines["critic"] = critic_engine
 
     def _build_data(self) -> None:
@@ -146,13 +150,25 @@ class RLTrainer:
 
         cfg = self.cfg
         self.tokenizer = load_tokenizer(cfg.actor.path)
-        dataset = RLPromptDataset(cfg.train_dataset.path, self.tokenizer, max_prompt_length=cfg.train_dataset.max_length)
+        dataset = RLPromptDataset(
+            cfg.train_dataset.path, self.tokenizer, max_prompt_length=cfg.train_dataset.max_length
+        )
         if self.rank0:
-            logger.info("RL data: %d prompts from %s (%d dropped as longer than train_dataset.max_length=%d)",
-                        len(dataset), cfg.train_dataset.path, dataset.n_dropped, cfg.train_dataset.max_length)
-        self.loader = PromptLoader(dataset, cfg.train_dataset.batch_size, seed=cfg.seed,
-                                   shuffle=cfg.train_dataset.shuffle, drop_last=cfg.train_dataset.drop_last,
-                                   group_size=cfg.gconfig.n_samples)
+            logger.info(
+                "RL data: %d prompts from %s (%d dropped as longer than train_dataset.max_length=%d)",
+                len(dataset),
+                cfg.train_dataset.path,
+                dataset.n_dropped,
+                cfg.train_dataset.max_length,
+            )
+        self.loader = PromptLoader(
+            dataset,
+            cfg.train_dataset.batch_size,
+            seed=cfg.seed,
+            shuffle=cfg.train_dataset.shuffle,
+            drop_last=cfg.train_dataset.drop_last,
+            group_size=cfg.gconfig.n_samples,
+        )
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
         from archon.rollout.server_api import sampling_params
@@ -183,15 +199,24 @@ class RLTrainer:
 
         run_on_rank0(connect, "starting the rollout servers")
         if cfg.actor.archon.moe_load_balance == "aux_free" and rollout_alloc.backend != "local" and self.rank0:
-            logger.warning("actor.archon.moe_load_balance = 'aux_free': the routing bias reaches Archon's built-in "
-                           "servers only; SGLang's Qwen3-MoE has no field for it and routes without it")
+            logger.warning(
+                "actor.archon.moe_load_balance = 'aux_free': the routing bias reaches Archon's built-in "
+                "servers only; SGLang's Qwen3-MoE has no field for it and routes without it"
+            )
         # SGLang and vLLM serve in their own dtype; the built-in server in the actor's.
-        dtype = to_dtype({"sglang": cfg.sglang.dtype, "vllm": cfg.vllm.dtype}.get(rollout_alloc.backend,
-                                                                                  cfg.actor.dtype))
+        dtype = to_dtype(
+            {"sglang": cfg.sglang.dtype, "vllm": cfg.vllm.dtype}.get(rollout_alloc.backend, cfg.actor.dtype)
+        )
         self.weight_sync = build_weight_sync(
-            cfg.rollout.weight_sync, self.actor_engine, self.client, folder=cfg.run_dir / "weights",
-            chunk_mb=cfg.rollout.weight_chunk_mb, ranks_per_server=ranks_per_server(rollout_alloc), dtype=dtype,
-            extras=rollout_alloc.backend == "local")
+            cfg.rollout.weight_sync,
+            self.actor_engine,
+            self.client,
+            folder=cfg.run_dir / "weights",
+            chunk_mb=cfg.rollout.weight_chunk_mb,
+            ranks_per_server=ranks_per_server(rollout_alloc),
+            dtype=dtype,
+            extras=rollout_alloc.backend == "local",
+        )
 
     def _build_rewards(self) -> None:
         from archon.rl.rewards import RewardComputer, get_reward_fn
@@ -200,8 +225,9 @@ class RLTrainer:
         get_reward_fn(r.fn)  # a bad name is the same clear error on every rank
 
         def start() -> None:
-            self.rewards = RewardComputer(r.fn, n_workers=r.n_workers, timeout_s=r.timeout_s,
-                                          max_failure_frac=r.max_failure_frac)
+            self.rewards = RewardComputer(
+                r.fn, n_workers=r.n_workers, timeout_s=r.timeout_s, max_failure_frac=r.max_failure_frac
+            )
 
         run_on_rank0(start, "starting the reward workers")
 
@@ -213,8 +239,11 @@ class RLTrainer:
         dyn = self.cfg.dynamic_filter
         if not dyn.enable:
             return self._rollout(step)
-        return collect_mixed_groups(lambda round_idx: self._rollout(step, round_idx),
-                                    group_size=self.cfg.gconfig.n_samples, max_rounds=dyn.max_num_gen_batches)
+        return collect_mixed_groups(
+            lambda round_idx: self._rollout(step, round_idx),
+            group_size=self.cfg.gconfig.n_samples,
+            max_rounds=dyn.max_num_gen_batches,
+        )
 
     def _rollout(self, step: int, round_idx: int = 0) -> tuple[list[Completion], list[float], dict[str, float]]:
         """Rank 0 generates and scores; every rank gets the same completions and rewards."""
@@ -223,14 +252,21 @@ class RLTrainer:
 
         def generate_and_score() -> tuple[list[Completion], list[float], dict[str, float]]:
             t0 = time.perf_counter()
-            params = [{**self.sampling, "sampling_seed": rollout_seed(self.cfg.seed, step, first_index + i)}
-                      for i in range(len(prompts))]
+            params = [
+                {**self.sampling, "sampling_seed": rollout_seed(self.cfg.seed, step, first_index + i)}
+                for i in range(len(prompts))
+            ]
             replay = self.cfg.actor.moe_routing_replay
 
             def generate() -> list:
-                pending = self.client.submit(self.client.agenerate_many(
-                    [p.input_ids for p in prompts], params, max_concurrency=self.cfg.rollout.max_concurrent_rollouts,
-                    return_routed_experts=replay))
+                pending = self.client.submit(
+                    self.client.agenerate_many(
+                        [p.input_ids for p in prompts],
+                        params,
+                        max_concurrency=self.cfg.rollout.max_concurrent_rollouts,
+                        return_routed_experts=replay,
+                    )
+                )
                 drill_point("rollout")  # kill-and-resume drills stop here, requests in flight
                 return pending.result()
 
@@ -238,10 +274,16 @@ class RLTrainer:
             if results is None:
                 return None  # servers lost: every rank recovers them, then the rollout is repeated
             args = self.actor_engine.model_args if replay else None
-            completions = [Completion(p.input_ids, r.output_ids, r.output_logprobs, r.finish_reason,
-                                      routed_experts_array(r.routed_experts, args.n_layers, args.top_k)
-                                      if args is not None else None)
-                           for p, r in zip(prompts, results)]
+            completions = [
+                Completion(
+                    p.input_ids,
+                    r.output_ids,
+                    r.output_logprobs,
+                    r.finish_reason,
+                    routed_experts_array(r.routed_experts, args.n_layers, args.top_k) if args is not None else None,
+                )
+                for p, r in zip(prompts, results)
+            ]
             t1 = time.perf_counter()
             rewards = self._score(prompts, completions)
             timing = {"rollout_time_s": t1 - t0, "reward_time_s": time.perf_counter() - t1}
@@ -276,8 +318,9 @@ class RLTrainer:
         if self.teacher is not None:
             batch["teacher_logprobs"] = self.teacher.compute_logprobs(batch)
             policy = batch.get("old_logprobs", batch["logprobs"])
-            metrics["kl_teacher"] = float(aggregate(kl_estimate(policy, batch["teacher_logprobs"], "k1"), mask,
-                                                    "token-mean"))
+            metrics["kl_teacher"] = float(
+                aggregate(kl_estimate(policy, batch["teacher_logprobs"], "k1"), mask, "token-mean")
+            )
         if self.critic is not None:
             batch["values"], batch["values_after"] = self.critic.compute_values(batch)
         adv = compute_advantages(batch, dataclasses.replace(self.adv_cfg, kl_ctl=self.kl_ctl.value))
@@ -298,8 +341,12 @@ class RLTrainer:
         completions, rewards, timing = self._collect_rollouts(step)
         batch = build_rollout_batch(completions, rewards, pad_token_id=self.pad_token_id)
         t_train = time.perf_counter()
-        record: dict[str, Any] = {"step": step, "epoch": self.loader.epoch, "kl_ref": None,
-                                  "behav_prox_logprob_diff": None}
+        record: dict[str, Any] = {
+            "step": step,
+            "epoch": self.loader.epoch,
+            "kl_ref": None,
+            "behav_prox_logprob_diff": None,
+        }
         record.update(self._prepare(batch))
         actor_stats = self.actor.ppo_update(batch)
         if record["behav_prox_logprob_diff"] is None:
@@ -317,13 +364,20 @@ class RLTrainer:
 
         r = torch.tensor(rewards, dtype=torch.float64)
         lengths = torch.tensor([len(c.output_ids) for c in completions], dtype=torch.float64)
-        record.update({
-            "reward_mean": float(r.mean()), "reward_std": float(r.std()) if len(r) > 1 else 0.0,
-            "response_len_mean": float(lengths.mean()), "response_len_max": float(lengths.max()),
-            "no_eos_frac": float(batch["seq_no_eos_mask"].float().mean()),
-            "n_samples": len(completions), **timing, "train_time_s": train_time, **sync,
-            "step_time_s": time.perf_counter() - t_start,
-        })
+        record.update(
+            {
+                "reward_mean": float(r.mean()),
+                "reward_std": float(r.std()) if len(r) > 1 else 0.0,
+                "response_len_mean": float(lengths.mean()),
+                "response_len_max": float(lengths.max()),
+                "no_eos_frac": float(batch["seq_no_eos_mask"].float().mean()),
+                "n_samples": len(completions),
+                **timing,
+                "train_time_s": train_time,
+                **sync,
+                "step_time_s": time.perf_counter() - t_start,
+            }
+        )
         from archon.metrics import peak_memory_gb
 
         record["peak_mem_gb"] = peak_memory_gb(self.actor_engine.device_type)
@@ -381,9 +435,13 @@ class RLTrainer:
         history: list[dict[str, Any]] = []
         try:
             first = self.setup()
-            metrics_log = MetricsLogger(cfg.run_dir, cfg.total_train_steps, enabled=self.rank0,
-                                        headline=("reward_mean", "response_len_mean", "actor/loss"),
-                                        start_step=first - 1)
+            metrics_log = MetricsLogger(
+                cfg.run_dir,
+                cfg.total_train_steps,
+                enabled=self.rank0,
+                headline=("reward_mean", "response_len_mean", "actor/loss"),
+                start_step=first - 1,
+            )
             try:
                 for step in range(first, cfg.total_train_steps + 1):
                     record = self.step(step)
@@ -391,8 +449,16 @@ class RLTrainer:
                     metrics_log.log(record)
                     freq = cfg.saver.freq_steps
                     if (freq and step % freq == 0) or step == cfg.total_train_steps:
-                        self.ckpt.save(step, self.engines, {"loader": self.loader.state_dict(), "step": step,
-                                                            "kl_ctl": self.kl_ctl.state_dict(), **self._async_state()})
+                        self.ckpt.save(
+                            step,
+                            self.engines,
+                            {
+                                "loader": self.loader.state_dict(),
+                                "step": step,
+                                "kl_ctl": self.kl_ctl.state_dict(),
+                                **self._async_state(),
+                            },
+                        )
             finally:
                 metrics_log.close()
             if cfg.saver.export_hf:

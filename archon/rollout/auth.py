@@ -20,8 +20,9 @@ import ipaddress
 import json
 import os
 import secrets
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 API_KEY_ENV = "ARCHON_API_KEY"
 """Environment variable holding the key (read by the built-in server and by the client)."""
@@ -62,9 +63,11 @@ def is_loopback(host: str) -> bool:
 def check_bind(host: str, api_key: str | None) -> None:
     """Raise ``ValueError`` when a server would listen on a routable ``host`` without a key."""
     if not api_key and not is_loopback(host):
-        raise ValueError(f"--host {host} makes the server reachable from other machines, and anyone reaching it "
-                         f"could replace its weights; set {API_KEY_ENV} (or --api-key) to a shared secret, or bind "
-                         "127.0.0.1")
+        raise ValueError(
+            f"--host {host} makes the server reachable from other machines, and anyone reaching it "
+            f"could replace its weights; set {API_KEY_ENV} (or --api-key) to a shared secret, or bind "
+            "127.0.0.1"
+        )
 
 
 def write_api_key(path: Path, api_key: str) -> None:
@@ -104,13 +107,25 @@ class APIKeyMiddleware:
             await self.app(scope, receive, send)
             return
         if given is None:
-            message = ("this rollout server requires an API key; send the header 'Authorization: Bearer <key>' "
-                       "(a launched run's key is in <run_dir>/rollout/api_key)")
+            message = (
+                "this rollout server requires an API key; send the header 'Authorization: Bearer <key>' "
+                "(a launched run's key is in <run_dir>/rollout/api_key)"
+            )
         else:
-            message = ("the API key in the Authorization header is wrong; send 'Authorization: Bearer <key>' with "
-                       "this run's key (<run_dir>/rollout/api_key)")
+            message = (
+                "the API key in the Authorization header is wrong; send 'Authorization: Bearer <key>' with "
+                "this run's key (<run_dir>/rollout/api_key)"
+            )
         body = json.dumps({"error": {"message": message}}).encode()
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer"),
-                                (b"content-length", str(len(body)).encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"www-authenticate", b"Bearer"),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})

@@ -36,8 +36,9 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any, Coroutine, Sequence, TypeVar
+from typing import Any, TypeVar
 
 import aiohttp
 
@@ -110,19 +111,31 @@ async def _cancel_on_first_error(tasks: list[asyncio.Task]) -> list[BaseExceptio
 class RolloutClient:
     """Sends generate and control requests to a fixed set of rollout servers."""
 
-    def __init__(self, addrs: Sequence[str], *, request_timeout: float = 3600.0, retries: int = 3,
-                 backoff_s: float = 0.5, setup_timeout: float = 300.0, down_after: int = 3,
-                 api: ServerAPI | None = None, api_key: str | None = None):
+    def __init__(
+        self,
+        addrs: Sequence[str],
+        *,
+        request_timeout: float = 3600.0,
+        retries: int = 3,
+        backoff_s: float = 0.5,
+        setup_timeout: float = 300.0,
+        down_after: int = 3,
+        api: ServerAPI | None = None,
+        api_key: str | None = None,
+    ):
         if not addrs:
-            raise ConfigError("RolloutClient needs at least one server address (host:port); launch servers with "
-                              "RolloutLauncher or set rollout.server_addrs")
+            raise ConfigError(
+                "RolloutClient needs at least one server address (host:port); launch servers with "
+                "RolloutLauncher or set rollout.server_addrs"
+            )
         if retries < 0:
             raise ConfigError(f"rollout.request_retries = {retries} must be 0 or more")
         urls = [normalize_addr(a) for a in addrs]
         dupes = sorted({u for u in urls if urls.count(u) > 1})
         if dupes:
-            raise ConfigError(f"rollout server address(es) {', '.join(dupes)} listed more than once; list each "
-                              "server once")
+            raise ConfigError(
+                f"rollout server address(es) {', '.join(dupes)} listed more than once; list each server once"
+            )
         self._servers = [_Server(i, u) for i, u in enumerate(urls)]
         self.api = api or ServerAPI()
         self.request_timeout = request_timeout
@@ -144,11 +157,16 @@ class RolloutClient:
         self.submit(self._open()).result()
 
     @classmethod
-    def from_config(cls, cfg: RolloutConfig, addrs: Sequence[str], api_key: str | None = None) -> "RolloutClient":
+    def from_config(cls, cfg: RolloutConfig, addrs: Sequence[str], api_key: str | None = None) -> RolloutClient:
         """A client of ``addrs`` speaking the API of ``cfg.backend``'s servers."""
-        return cls(addrs, request_timeout=cfg.request_timeout, retries=cfg.request_retries,
-                   setup_timeout=cfg.setup_timeout, api=api_for_backend(ModelAllocation.from_str(cfg.backend).backend),
-                   api_key=api_key)
+        return cls(
+            addrs,
+            request_timeout=cfg.request_timeout,
+            retries=cfg.request_retries,
+            setup_timeout=cfg.setup_timeout,
+            api=api_for_backend(ModelAllocation.from_str(cfg.backend).backend),
+            api_key=api_key,
+        )
 
     # ------------------------------------------------------------------ loop plumbing
     def _run_loop(self) -> None:
@@ -160,10 +178,11 @@ class RolloutClient:
         # and uvicorn close a keep-alive connection after 5 idle seconds; reusing one the server
         # just closed fails the request, so idle connections are dropped here well before that.
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=_KEEPALIVE_S), headers=self._headers)
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=_KEEPALIVE_S), headers=self._headers
+        )
         self._health_lock = asyncio.Lock()
 
-    def submit(self, coro: Coroutine[Any, Any, T]) -> "concurrent.futures.Future[T]":
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Run a coroutine (e.g. ``client.ainit_weights_update_group(...)``) on the client's loop."""
         if self._closed:
             coro.close()
@@ -173,8 +192,10 @@ class RolloutClient:
     def _wait(self, coro: Coroutine[Any, Any, T]) -> T:
         if threading.current_thread() is self._thread:
             coro.close()
-            raise RuntimeError("a blocking RolloutClient method was called on the client's own event loop; "
-                               "await the async variant (a...) instead")
+            raise RuntimeError(
+                "a blocking RolloutClient method was called on the client's own event loop; "
+                "await the async variant (a...) instead"
+            )
         return self.submit(coro).result()
 
     def close(self) -> None:
@@ -188,7 +209,7 @@ class RolloutClient:
         self._thread.join(timeout=10)
         self._loop.close()
 
-    def __enter__(self) -> "RolloutClient":
+    def __enter__(self) -> RolloutClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -247,19 +268,23 @@ class RolloutClient:
 
     def stats(self) -> dict[str, float]:
         """Counters for metrics: requests sent, retries, servers down."""
-        return {"rollout_requests": float(self._counters["requests"]),
-                "rollout_retries": float(self._counters["retries"]),
-                "rollout_servers_down": float(sum(s.down for s in self._servers))}
+        return {
+            "rollout_requests": float(self._counters["requests"]),
+            "rollout_retries": float(self._counters["retries"]),
+            "rollout_servers_down": float(sum(s.down for s in self._servers)),
+        }
 
     # ------------------------------------------------------------------ HTTP
-    async def _http(self, server: _Server, method: str, path: str, payload: Any = None,
-                    timeout: float | None = None) -> Any:
+    async def _http(
+        self, server: _Server, method: str, path: str, payload: Any = None, timeout: float | None = None
+    ) -> Any:
         """One HTTP call; 4xx -> RolloutRequestError, retryable failures -> _ServerFailure."""
         assert self._session is not None
         timeout_s = self.request_timeout if timeout is None else timeout
         try:
-            async with self._session.request(method, server.url + path, json=payload,
-                                             timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            async with self._session.request(
+                method, server.url + path, json=payload, timeout=aiohttp.ClientTimeout(total=timeout_s)
+            ) as resp:
                 text = await resp.text()
                 status = resp.status
         except asyncio.TimeoutError:
@@ -284,8 +309,13 @@ class RolloutClient:
         if not server.down and (exc.refused or server.consecutive_failures >= self.down_after):
             server.down = True
             left = sum(not s.down for s in self._servers)
-            logger.warning("rollout server %s marked down after %d failure(s) (last: %s); %d server(s) left",
-                           server.url, server.consecutive_failures, exc, left)
+            logger.warning(
+                "rollout server %s marked down after %d failure(s) (last: %s); %d server(s) left",
+                server.url,
+                server.consecutive_failures,
+                exc,
+                left,
+            )
 
     def _all_down_error(self) -> RolloutError:
         detail = "; ".join(f"{s.url} (last error: {s.last_error or 'unknown'})" for s in self._servers)
@@ -299,7 +329,7 @@ class RolloutClient:
         return min(fresh or up, key=lambda s: (s.in_flight, s.sent, s.index))
 
     def _backoff(self, attempt: int) -> float:
-        return min(self.backoff_s * (2 ** attempt), _MAX_BACKOFF_S)
+        return min(self.backoff_s * (2**attempt), _MAX_BACKOFF_S)
 
     # ------------------------------------------------------------------ health
     async def _probe(self, server: _Server, timeout: float) -> str | None:
@@ -318,16 +348,20 @@ class RolloutClient:
         while True:
             probe_s = min(HEALTH_PROBE_TIMEOUT_S, max(deadline - time.monotonic(), 0.1))
             reasons = await asyncio.gather(*(self._probe(s, probe_s) for s in pending))
-            pending, why = ([s for s, r in zip(pending, reasons) if r is not None],
-                            [r for r in reasons if r is not None])
+            pending, why = (
+                [s for s, r in zip(pending, reasons) if r is not None],
+                [r for r in reasons if r is not None],
+            )
             if not pending:
                 self._healthy = True
                 return
             if time.monotonic() + delay > deadline:
                 detail = "; ".join(f"{s.url} ({r})" for s, r in zip(pending, why))
-                raise RolloutError(f"rollout server(s) not healthy after {timeout:g} s: {detail}; check that they "
-                                   "are running and reachable (logs under <run_dir>/rollout/ for launched servers), "
-                                   "fix rollout.server_addrs, or raise rollout.setup_timeout")
+                raise RolloutError(
+                    f"rollout server(s) not healthy after {timeout:g} s: {detail}; check that they "
+                    "are running and reachable (logs under <run_dir>/rollout/ for launched servers), "
+                    "fix rollout.server_addrs, or raise rollout.setup_timeout"
+                )
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
 
@@ -344,8 +378,14 @@ class RolloutClient:
                 await self.await_healthy()
 
     # ------------------------------------------------------------------ generate
-    async def agenerate(self, input_ids: Sequence[int], sampling_params: dict[str, Any], *,
-                        return_logprob: bool = True, return_routed_experts: bool = False) -> GenerateResult:
+    async def agenerate(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: dict[str, Any],
+        *,
+        return_logprob: bool = True,
+        return_routed_experts: bool = False,
+    ) -> GenerateResult:
         """One completion; retried on other servers after connection errors, timeouts and 5xx.
 
         ``return_routed_experts`` asks for the experts every token was routed to (MoE routing replay).
@@ -358,8 +398,9 @@ class RolloutClient:
         for attempt in range(attempts):
             server = self._pick(tried)
             rid = uuid.uuid4().hex
-            payload = self.api.generate_payload(ids, sampling_params, return_logprob, rid,
-                                                return_routed_experts=return_routed_experts)
+            payload = self.api.generate_payload(
+                ids, sampling_params, return_logprob, rid, return_routed_experts=return_routed_experts
+            )
             server.in_flight += 1
             server.sent += 1
             self._counters["requests"] += 1
@@ -381,12 +422,15 @@ class RolloutClient:
             finally:
                 server.in_flight -= 1
             server.consecutive_failures = 0
-            return self.api.parse_generate(body, server.url, return_logprob, server.weight_version,
-                                           return_routed_experts=return_routed_experts)
+            return self.api.parse_generate(
+                body, server.url, return_logprob, server.weight_version, return_routed_experts=return_routed_experts
+            )
         if all(s.down for s in self._servers):
             raise self._all_down_error()
-        raise RolloutError(f"generate request failed after {attempts} attempt(s) on {', '.join(sorted(tried))}; "
-                           f"last error from {last}; check the server logs or raise rollout.request_retries")
+        raise RolloutError(
+            f"generate request failed after {attempts} attempt(s) on {', '.join(sorted(tried))}; "
+            f"last error from {last}; check the server logs or raise rollout.request_retries"
+        )
 
     async def _abort_quietly(self, server: _Server, rid: str) -> None:
         call = self.api.abort(rid)
@@ -397,17 +441,24 @@ class RolloutClient:
         except (RolloutError, _ServerFailure):
             pass
 
-    async def agenerate_many(self, prompts: Sequence[Sequence[int]],
-                             sampling_params: dict[str, Any] | Sequence[dict[str, Any]], *,
-                             max_concurrency: int = 0, return_logprob: bool = True,
-                             return_routed_experts: bool = False) -> list[GenerateResult]:
+    async def agenerate_many(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling_params: dict[str, Any] | Sequence[dict[str, Any]],
+        *,
+        max_concurrency: int = 0,
+        return_logprob: bool = True,
+        return_routed_experts: bool = False,
+    ) -> list[GenerateResult]:
         if isinstance(sampling_params, dict):
             per_prompt = [sampling_params] * len(prompts)
         else:
             per_prompt = list(sampling_params)
             if len(per_prompt) != len(prompts):
-                raise ValueError(f"generate_many got {len(prompts)} prompts but {len(per_prompt)} sampling_params; "
-                                 "pass one dict for all prompts or one per prompt")
+                raise ValueError(
+                    f"generate_many got {len(prompts)} prompts but {len(per_prompt)} sampling_params; "
+                    "pass one dict for all prompts or one per prompt"
+                )
         if not prompts:
             return []
         await self._ensure_healthy()
@@ -427,24 +478,43 @@ class RolloutClient:
             raise errors[0]
         return [t.result() for t in tasks]
 
-    def generate(self, input_ids: Sequence[int], sampling_params: dict[str, Any], *,
-                 return_logprob: bool = True, return_routed_experts: bool = False) -> GenerateResult:
+    def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: dict[str, Any],
+        *,
+        return_logprob: bool = True,
+        return_routed_experts: bool = False,
+    ) -> GenerateResult:
         """One completion (blocking)."""
-        return self._wait(self.agenerate(input_ids, sampling_params, return_logprob=return_logprob,
-                                         return_routed_experts=return_routed_experts))
+        return self._wait(
+            self.agenerate(
+                input_ids, sampling_params, return_logprob=return_logprob, return_routed_experts=return_routed_experts
+            )
+        )
 
-    def generate_many(self, prompts: Sequence[Sequence[int]],
-                      sampling_params: dict[str, Any] | Sequence[dict[str, Any]], *,
-                      max_concurrency: int = 0, return_logprob: bool = True,
-                      return_routed_experts: bool = False) -> list[GenerateResult]:
+    def generate_many(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling_params: dict[str, Any] | Sequence[dict[str, Any]],
+        *,
+        max_concurrency: int = 0,
+        return_logprob: bool = True,
+        return_routed_experts: bool = False,
+    ) -> list[GenerateResult]:
         """Completions of many prompts, in input order; at most ``max_concurrency`` in flight (0: all)."""
-        return self._wait(self.agenerate_many(prompts, sampling_params, max_concurrency=max_concurrency,
-                                              return_logprob=return_logprob,
-                                              return_routed_experts=return_routed_experts))
+        return self._wait(
+            self.agenerate_many(
+                prompts,
+                sampling_params,
+                max_concurrency=max_concurrency,
+                return_logprob=return_logprob,
+                return_routed_experts=return_routed_experts,
+            )
+        )
 
     # ------------------------------------------------------------------ control fan-out
-    async def _control_one(self, server: _Server, calls: Sequence[Call], retry: bool,
-                           timeout: float | None) -> Any:
+    async def _control_one(self, server: _Server, calls: Sequence[Call], retry: bool, timeout: float | None) -> Any:
         """Make ``calls`` in order on one server; returns the last answer."""
         attempts = self.retries + 1 if retry else 1
         body: Any = None
@@ -455,27 +525,36 @@ class RolloutClient:
                     break
                 except RolloutRequestError as exc:
                     if exc.status == 404:
-                        raise RolloutError(f"rollout server {server.url} has no {call.path.split('?')[0]} "
-                                           f"(HTTP 404){self.api.missing_endpoint_hint}") from None
+                        raise RolloutError(
+                            f"rollout server {server.url} has no {call.path.split('?')[0]} "
+                            f"(HTTP 404){self.api.missing_endpoint_hint}"
+                        ) from None
                     raise
                 except _ServerFailure as exc:
                     if attempt + 1 == attempts:
                         raise RolloutError(f"rollout server {server.url} failed {call.path}: {exc}") from None
                     await asyncio.sleep(self._backoff(attempt))
             if isinstance(body, dict) and body.get("success") is False:
-                raise RolloutError(f"rollout server {server.url} answered {call.path} with success=false: "
-                                   f"{body.get('message', '(no message)')}")
+                raise RolloutError(
+                    f"rollout server {server.url} answered {call.path} with success=false: "
+                    f"{body.get('message', '(no message)')}"
+                )
         return body
 
-    async def _fan_out(self, calls: Sequence[Call] = (), *, retry: bool = False,
-                       servers: Sequence[_Server] | None = None, per_server: Sequence[Sequence[Call]] | None = None,
-                       timeout: float | None = None) -> dict[str, Any]:
+    async def _fan_out(
+        self,
+        calls: Sequence[Call] = (),
+        *,
+        retry: bool = False,
+        servers: Sequence[_Server] | None = None,
+        per_server: Sequence[Sequence[Call]] | None = None,
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
         targets = list(servers) if servers is not None else [s for s in self._servers if not s.down]
         if not targets:
             raise self._all_down_error()
         plans = per_server if per_server is not None else [calls] * len(targets)
-        tasks = [self._loop.create_task(self._control_one(s, plan, retry, timeout))
-                 for s, plan in zip(targets, plans)]
+        tasks = [self._loop.create_task(self._control_one(s, plan, retry, timeout)) for s, plan in zip(targets, plans)]
         # Fail fast: during a weight update the other servers may wait forever for a broadcast
         # that the trainer abandons because of this failure.
         errors = await _cancel_on_first_error(tasks)
@@ -486,8 +565,10 @@ class RolloutClient:
         return {s.url: t.result() for s, t in zip(targets, tasks)}
 
     def _no_distributed_weights(self) -> RolloutError:
-        return RolloutError(f"{self.api.name} rollout servers cannot join a weight-update group; set "
-                            "rollout.weight_sync = 'disk' so that new weights reach them through a folder")
+        return RolloutError(
+            f"{self.api.name} rollout servers cannot join a weight-update group; set "
+            "rollout.weight_sync = 'disk' so that new weights reach them through a folder"
+        )
 
     async def apause_generation(self, mode: str | None = None) -> dict[str, Any]:
         """Pause every server; ``mode`` is SGLang's ('abort', 'retract', 'in_place'; None: the server's default, abort)."""
@@ -499,11 +580,13 @@ class RolloutClient:
     async def aflush_cache(self) -> dict[str, Any]:
         return await self._fan_out(self.api.flush_cache(), retry=True)
 
-    async def aupdate_weights_from_disk(self, path: str, version: int | str, *,
-                                       abort_all_requests: bool = False) -> dict[str, Any]:
+    async def aupdate_weights_from_disk(
+        self, path: str, version: int | str, *, abort_all_requests: bool = False
+    ) -> dict[str, Any]:
         targets = [s for s in self._servers if not s.down]
-        result = await self._fan_out(self.api.update_weights_from_disk(str(path), str(version), abort_all_requests),
-                                     servers=targets)
+        result = await self._fan_out(
+            self.api.update_weights_from_disk(str(path), str(version), abort_all_requests), servers=targets
+        )
         for s in targets:
             s.weight_version = str(version)
         return result
@@ -515,25 +598,45 @@ class RolloutClient:
         n = sum(not s.down for s in self._servers)
         return 1 + n * ranks_per_server, [1 + i * ranks_per_server for i in range(n)]
 
-    async def ainit_weights_update_group(self, master_address: str, master_port: int, group_name: str,
-                                         backend: str, ranks_per_server: int = 1) -> dict[str, Any]:
+    async def ainit_weights_update_group(
+        self, master_address: str, master_port: int, group_name: str, backend: str, ranks_per_server: int = 1
+    ) -> dict[str, Any]:
         """Ask every up server to join ``group_name``; server i's processes are ranks 1+i*t .. t+i*t."""
         if not self.api.distributed_weights:
             raise self._no_distributed_weights()
         members = [s for s in self._servers if not s.down]
         world_size, offsets = self.weight_group_layout(ranks_per_server)
-        plans = [[Call("POST", "/init_weights_update_group",
-                       {"master_address": master_address, "master_port": int(master_port), "rank_offset": off,
-                        "world_size": world_size, "group_name": group_name, "backend": backend})]
-                 for off in offsets]
+        plans = [
+            [
+                Call(
+                    "POST",
+                    "/init_weights_update_group",
+                    {
+                        "master_address": master_address,
+                        "master_port": int(master_port),
+                        "rank_offset": off,
+                        "world_size": world_size,
+                        "group_name": group_name,
+                        "backend": backend,
+                    },
+                )
+            ]
+            for off in offsets
+        ]
         result = await self._fan_out(servers=members, per_server=plans)
         self._group_members[group_name] = members
         return result
 
-    async def aupdate_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[str],
-                                               shapes: Sequence[Sequence[int]], group_name: str,
-                                               version: int | str | None, *, flush_cache: bool = True
-                                               ) -> dict[str, Any]:
+    async def aupdate_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        group_name: str,
+        version: int | str | None,
+        *,
+        flush_cache: bool = True,
+    ) -> dict[str, Any]:
         """Tell the group's servers to receive these tensors; the trainer broadcasts them meanwhile.
 
         SGLang sets its weight version after every call that carries one, so a sync in several
@@ -544,14 +647,23 @@ class RolloutClient:
             raise self._no_distributed_weights()
         members = self._group_members.get(group_name)
         if members is None:
-            raise RolloutError(f"weight-update group '{group_name}' was not initialised by this client; call "
-                               "init_weights_update_group first")
+            raise RolloutError(
+                f"weight-update group '{group_name}' was not initialised by this client; call "
+                "init_weights_update_group first"
+            )
         down = [s.url for s in members if s.down]
         if down:
-            raise RolloutError(f"rollout server(s) {', '.join(down)} of weight-update group '{group_name}' are down, "
-                               "so the broadcast cannot complete; restart the servers and the run")
-        payload = {"names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
-                   "group_name": group_name, "flush_cache": flush_cache}
+            raise RolloutError(
+                f"rollout server(s) {', '.join(down)} of weight-update group '{group_name}' are down, "
+                "so the broadcast cannot complete; restart the servers and the run"
+            )
+        payload = {
+            "names": list(names),
+            "dtypes": list(dtypes),
+            "shapes": [list(s) for s in shapes],
+            "group_name": group_name,
+            "flush_cache": flush_cache,
+        }
         if version is not None:
             payload["weight_version"] = str(version)
         result = await self._fan_out([Call("POST", "/update_weights_from_distributed", payload)], servers=members)
@@ -569,17 +681,28 @@ class RolloutClient:
     def flush_cache(self) -> dict[str, Any]:
         return self._wait(self.aflush_cache())
 
-    def update_weights_from_disk(self, path: str, version: int | str, *,
-                                 abort_all_requests: bool = False) -> dict[str, Any]:
+    def update_weights_from_disk(
+        self, path: str, version: int | str, *, abort_all_requests: bool = False
+    ) -> dict[str, Any]:
         return self._wait(self.aupdate_weights_from_disk(path, version, abort_all_requests=abort_all_requests))
 
-    def init_weights_update_group(self, master_address: str, master_port: int, group_name: str, backend: str,
-                                  ranks_per_server: int = 1) -> dict[str, Any]:
-        return self._wait(self.ainit_weights_update_group(master_address, master_port, group_name, backend,
-                                                          ranks_per_server))
+    def init_weights_update_group(
+        self, master_address: str, master_port: int, group_name: str, backend: str, ranks_per_server: int = 1
+    ) -> dict[str, Any]:
+        return self._wait(
+            self.ainit_weights_update_group(master_address, master_port, group_name, backend, ranks_per_server)
+        )
 
-    def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[str],
-                                        shapes: Sequence[Sequence[int]], group_name: str,
-                                        version: int | str | None, *, flush_cache: bool = True) -> dict[str, Any]:
-        return self._wait(self.aupdate_weights_from_distributed(names, dtypes, shapes, group_name, version,
-                                                                flush_cache=flush_cache))
+    def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        group_name: str,
+        version: int | str | None,
+        *,
+        flush_cache: bool = True,
+    ) -> dict[str, Any]:
+        return self._wait(
+            self.aupdate_weights_from_distributed(names, dtypes, shapes, group_name, version, flush_cache=flush_cache)
+        )

@@ -32,9 +32,10 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from archon.alloc import AllocationError
 from archon.config import Config, ConfigError
@@ -42,7 +43,7 @@ from archon.errors import ClusterError
 from archon.plan import Process, plan_for_config
 from archon.rollout.auth import read_api_key
 from archon.rollout.client import normalize_addr
-from archon.rollout.launcher import RolloutLaunchError, RolloutLauncher
+from archon.rollout.launcher import RolloutLauncher, RolloutLaunchError
 
 logger = logging.getLogger("archon.rollout.discovery")
 
@@ -97,7 +98,7 @@ class FileRegistry:
         self.launch_id = launch_id
 
     @classmethod
-    def prepare(cls, folder: str | Path, launch_id: str) -> "FileRegistry":
+    def prepare(cls, folder: str | Path, launch_id: str) -> FileRegistry:
         """The job's first step: create the folder, forget earlier jobs' records, name this launch."""
         reg = cls(folder, launch_id)
         reg.folder.mkdir(parents=True, exist_ok=True)
@@ -115,12 +116,14 @@ class FileRegistry:
             raise ClusterError(
                 f"the run directory's server folder {self.folder} is missing on {socket.gethostname()}, though the "
                 "job's first step created it: output_dir is not on a filesystem that every node mounts; set "
-                "output_dir to a shared path (e.g. in your home or project directory)") from None
+                "output_dir to a shared path (e.g. in your home or project directory)"
+            ) from None
         if owner != self.launch_id:
             raise ClusterError(
                 f"{marker} on {socket.gethostname()} belongs to launch {owner!r}, not to this one "
                 f"({self.launch_id!r}): either output_dir is not on a filesystem every node mounts (this node sees "
-                "an old copy), or another job uses the same output_dir; give each job its own shared output_dir")
+                "an old copy), or another job uses the same output_dir; give each job its own shared output_dir"
+            )
 
     def publish(self, record: ServerRecord) -> None:
         _write_json_atomically(self.folder / f"server_{record.index}.json", asdict(record))
@@ -174,19 +177,27 @@ class RayRegistry:
 
         if not ray.is_initialized():
             try:
-                ray.init(address=self.address or "auto", namespace=self.namespace, log_to_driver=False,
-                         logging_level=logging.WARNING)
+                ray.init(
+                    address=self.address or "auto",
+                    namespace=self.namespace,
+                    log_to_driver=False,
+                    logging_level=logging.WARNING,
+                )
             except ConnectionError as exc:
-                raise ClusterError(f"cannot reach the Ray cluster at {self.address or '$RAY_ADDRESS'} to find the "
-                                   f"rollout servers ({exc}); start this process from `python -m archon.launch ray`, "
-                                   "which exports RAY_ADDRESS") from None
+                raise ClusterError(
+                    f"cannot reach the Ray cluster at {self.address or '$RAY_ADDRESS'} to find the "
+                    f"rollout servers ({exc}); start this process from `python -m archon.launch ray`, "
+                    "which exports RAY_ADDRESS"
+                ) from None
             self._connected = True
         try:
             self._actor = ray.get_actor(DIRECTORY_NAME, namespace=self.namespace)
         except ValueError:
-            raise ClusterError(f"no server directory '{DIRECTORY_NAME}' in Ray namespace '{self.namespace}' at "
-                               f"{self.address}: the launch that exported {REGISTRY_ENV} has ended, or this process "
-                               "was not started by `python -m archon.launch ray`") from None
+            raise ClusterError(
+                f"no server directory '{DIRECTORY_NAME}' in Ray namespace '{self.namespace}' at "
+                f"{self.address}: the launch that exported {REGISTRY_ENV} has ended, or this process "
+                "was not started by `python -m archon.launch ray`"
+            ) from None
         return self._actor
 
     def check(self) -> None:
@@ -229,8 +240,10 @@ def registry_from_env(env: Mapping[str, str] = os.environ) -> Registry | None:
         return None
     launch_id = env.get(LAUNCH_ID_ENV, "")
     if not launch_id:
-        raise ConfigError(f"{REGISTRY_ENV}={spec!r} is set but {LAUNCH_ID_ENV} is not; the cluster launchers "
-                          "(`python -m archon.launch slurm|ray`) export both")
+        raise ConfigError(
+            f"{REGISTRY_ENV}={spec!r} is set but {LAUNCH_ID_ENV} is not; the cluster launchers "
+            "(`python -m archon.launch slurm|ray`) export both"
+        )
     kind, _, where = spec.partition(":")
     if kind == "file" and where:
         return FileRegistry(where, launch_id)
@@ -243,10 +256,12 @@ def run_api_key(run_dir: Path, env: Mapping[str, str] = os.environ) -> str:
     """The launch's API key: ``$ARCHON_API_KEY`` (Ray), else ``<run_dir>/rollout/api_key`` (Slurm)."""
     key = env.get("ARCHON_API_KEY") or read_api_key(Path(run_dir) / "rollout" / "api_key")
     if not key:
-        raise ClusterError(f"no API key for the rollout servers: ARCHON_API_KEY is unset and "
-                           f"{Path(run_dir).absolute() / 'rollout' / 'api_key'} does not exist on "
-                           f"{socket.gethostname()}; the Slurm job's first step writes it there, so output_dir must "
-                           "be on a filesystem every node mounts")
+        raise ClusterError(
+            f"no API key for the rollout servers: ARCHON_API_KEY is unset and "
+            f"{Path(run_dir).absolute() / 'rollout' / 'api_key'} does not exist on "
+            f"{socket.gethostname()}; the Slurm job's first step writes it there, so output_dir must "
+            "be on a filesystem every node mounts"
+        )
     return key
 
 
@@ -256,8 +271,15 @@ class PublishedServers:
     specs: list = []
     """Nothing is launched here: lost servers are dropped, as with ``rollout.server_addrs``."""
 
-    def __init__(self, registry: Registry, servers: Sequence[Process], run_dir: Path, api_key: str,
-                 timeout: float, poll_s: float = 0.5):
+    def __init__(
+        self,
+        registry: Registry,
+        servers: Sequence[Process],
+        run_dir: Path,
+        api_key: str,
+        timeout: float,
+        poll_s: float = 0.5,
+    ):
         self.registry = registry
         self.servers = list(servers)
         self.run_dir = Path(run_dir)
@@ -288,18 +310,23 @@ class PublishedServers:
             failed = [records[s.index] for s in self.servers if s.index in records and records[s.index].error]
             if failed:
                 r = failed[0]
-                raise RolloutLaunchError(f"rollout server {r.index} on node {r.node} ({r.host}) failed to start "
-                                         f"({r.log_path} there): {r.error}")
+                raise RolloutLaunchError(
+                    f"rollout server {r.index} on node {r.node} ({r.host}) failed to start "
+                    f"({r.log_path} there): {r.error}"
+                )
             missing = [s for s in self.servers if s.index not in records]
             if not missing:
                 break
             if time.monotonic() > deadline:
-                names = "; ".join(f"server {s.index} on node {s.node} (log {server_log_path(self.run_dir, s.index)} "
-                                  "on that node)" for s in missing)
+                names = "; ".join(
+                    f"server {s.index} on node {s.node} (log {server_log_path(self.run_dir, s.index)} on that node)"
+                    for s in missing
+                )
                 raise RolloutLaunchError(
                     f"{len(missing)} rollout server(s) did not publish an address in {self.registry.describe()} "
                     f"within {self.timeout:g} s (rollout.setup_timeout): {names}; check that the launcher started "
-                    "their nodes' serve-node step, and raise rollout.setup_timeout if the model is large")
+                    "their nodes' serve-node step, and raise rollout.setup_timeout if the model is large"
+                )
             time.sleep(self.poll_s)
         self._addrs = [records[s.index].addr for s in self.servers]
         self._records = {normalize_addr(records[s.index].addr): records[s.index] for s in self.servers}
@@ -325,5 +352,6 @@ def server_source(cfg: Config, env: Mapping[str, str] = os.environ) -> RolloutLa
         plan = plan_for_config(cfg)
     except AllocationError as exc:
         raise ConfigError(str(exc)) from None
-    return PublishedServers(registry, plan.servers, cfg.run_dir, run_api_key(cfg.run_dir, env),
-                            cfg.rollout.setup_timeout)
+    return PublishedServers(
+        registry, plan.servers, cfg.run_dir, run_api_key(cfg.run_dir, env), cfg.rollout.setup_timeout
+    )

@@ -15,8 +15,8 @@ import torch
 
 from archon.rollout.sampling import SamplingParams
 
-
 # ---- requests and results -----------------------------------------------------------------
+
 
 @dataclass
 class GenerationRequest:
@@ -106,11 +106,12 @@ class ActiveSequence:
         """int32 ``[tokens, n_layers, top_k]``: the routing kept so far, from ``routed_experts_start_len`` on."""
         top_k = next(iter(moe.values())).top_k if moe else 0
         routed = torch.cat(self.routed) if self.routed else torch.zeros(0, n_layers, top_k, dtype=torch.int32)
-        return routed[self.request.routed_experts_start_len:]
+        return routed[self.request.routed_experts_start_len :]
 
 
-def keep_routing(seqs: list[ActiveSequence], rows: list[int], lengths: list[int], moe: dict[int, Any],
-                 n_layers: int) -> None:
+def keep_routing(
+    seqs: list[ActiveSequence], rows: list[int], lengths: list[int], moe: dict[int, Any], n_layers: int
+) -> None:
     """Append the routing of the forward just run (its MoE blocks ``moe``, by layer id), row
     ``rows[i]``'s first ``lengths[i]`` positions, to each sequence that asked for it (a prompt
     prefilled once serves all its copies)."""

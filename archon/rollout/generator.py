@@ -37,10 +37,11 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -69,6 +70,7 @@ PAUSE_MODES = ("abort", "retract")
 
 
 # ---- engine-internal state ----------------------------------------------------------------
+
 
 @dataclass
 class _Exclusive:
@@ -122,23 +124,31 @@ class Generator:
         self._lean = InferenceForward.for_model(self.model)
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.vocab_size = int(args.vocab_size)
-        self.context_length = int(context_length if context_length is not None else getattr(args, "max_seq_len"))
+        self.context_length = int(context_length if context_length is not None else args.max_seq_len)
         self.max_running_requests = max_running_requests
         self.random_seed = int(random_seed)
         self.max_prefill_tokens = max_prefill_tokens
         param = next(model.parameters())
         self.device = param.device
         self.cache = BatchedKVCache(
-            int(args.n_layers), int(args.n_kv_heads), int(args.head_dim), dtype=param.dtype,
-            device=param.device, initial_rows=min(8, max_running_requests), max_rows=max_running_requests,
+            int(args.n_layers),
+            int(args.n_kv_heads),
+            int(args.head_dim),
+            dtype=param.dtype,
+            device=param.device,
+            initial_rows=min(8, max_running_requests),
+            max_rows=max_running_requests,
             max_length=self.context_length,
         )
         self._weight_version = weight_version
         self._request_counter = 0
         # MoE blocks keep their last routing, which requests may ask for (routing replay).
         self._n_layers = int(args.n_layers)
-        self._moe = {int(i): layer.moe for i, layer in getattr(model, "layers", {}).items()
-                     if getattr(layer, "moe_enabled", False)}
+        self._moe = {
+            int(i): layer.moe
+            for i, layer in getattr(model, "layers", {}).items()
+            if getattr(layer, "moe_enabled", False)
+        }
         for moe in self._moe.values():
             moe.record_routing = True
 
@@ -160,8 +170,9 @@ class Generator:
         self._thread.start()
 
     @classmethod
-    def from_hf(cls, path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                **kwargs: Any) -> "Generator":
+    def from_hf(
+        cls, path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", **kwargs: Any
+    ) -> Generator:
         """Load the Hugging Face folder ``path`` and serve it (EOS ids read from the folder)."""
         model = models.load_hf_model(path, dtype=dtype, device=device)
         kwargs.setdefault("eos_token_ids", read_eos_token_ids(path))
@@ -183,8 +194,12 @@ class Generator:
         with self._cond:
             queued = len(self._inbox) + len(self._waiting)
             running = len(self.progress())
-            return {"num_running_reqs": running, "num_queued_reqs": queued,
-                    "kv_cache_rows": self.cache.num_rows, "kv_cache_bytes": self.cache.nbytes}
+            return {
+                "num_running_reqs": running,
+                "num_queued_reqs": queued,
+                "kv_cache_rows": self.cache.num_rows,
+                "kv_cache_bytes": self.cache.nbytes,
+            }
 
     def progress(self) -> dict[str, int]:
         """Tokens generated so far by each running request, by rid (a snapshot, for monitoring and tests).
@@ -281,10 +296,7 @@ class Generator:
             self._cond.notify()
 
     def run_exclusive(
-        self,
-        fn: Callable[[nn.Module], T],
-        weight_version: str | None = None,
-        abort_running: bool = False,
+        self, fn: Callable[[nn.Module], T], weight_version: str | None = None, abort_running: bool = False
     ) -> Future:
         """Run ``fn(model)`` on the engine thread once no request is running (see module docstring).
 
@@ -326,7 +338,7 @@ class Generator:
             self._cond.notify()
         self._thread.join()
 
-    def __enter__(self) -> "Generator":
+    def __enter__(self) -> Generator:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -335,8 +347,14 @@ class Generator:
     # ---- engine thread ----------------------------------------------------------------
     def _has_work(self) -> bool:
         return bool(
-            self._stopping or self._inbox or self._abort_rids or self._abort_everything or self._pause_waiters
-            or self._exclusive or self._running or (self._waiting and not self._paused)
+            self._stopping
+            or self._inbox
+            or self._abort_rids
+            or self._abort_everything
+            or self._pause_waiters
+            or self._exclusive
+            or self._running
+            or (self._waiting and not self._paused)
         )
 
     def _loop(self) -> None:
@@ -562,8 +580,9 @@ class Generator:
         params = [s.request.sampling_params for s in seqs]
         temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=logits.device)
         sample_logits = logits
-        suppress_rows = [i for i, (s, p) in enumerate(zip(seqs, params))
-                         if len(s.output_ids) < p.min_new_tokens and s.stop_ids]
+        suppress_rows = [
+            i for i, (s, p) in enumerate(zip(seqs, params)) if len(s.output_ids) < p.min_new_tokens and s.stop_ids
+        ]
         if suppress_rows:
             mask = torch.zeros_like(logits, dtype=torch.bool)
             for i in suppress_rows:

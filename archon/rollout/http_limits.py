@@ -32,9 +32,12 @@ class BodyLimitMiddleware:
 
     def _too_large(self, scope: Scope, size: str) -> JSONResponse:
         mib = self.max_bytes / 2**20
-        return _error_response(f"the body of this {scope['method']} {scope['path']} request is {size}, more than the "
-                               f"server's limit of {mib:g} MiB; send fewer prompts per request or raise "
-                               "--max-request-mb", 413)
+        return _error_response(
+            f"the body of this {scope['method']} {scope['path']} request is {size}, more than the "
+            f"server's limit of {mib:g} MiB; send fewer prompts per request or raise "
+            "--max-request-mb",
+            413,
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -80,8 +83,9 @@ def add_error_handlers(app: Any) -> None:
         path, method = request.url.path, request.method
         routes = {r.path: sorted(r.methods or ()) for r in app.routes if getattr(r, "include_in_schema", False)}
         if exc.status_code == 404:
-            return _error_response(f"there is no endpoint {path} on this server; it serves "
-                                   f"{', '.join(sorted(routes))}", 404)
+            return _error_response(
+                f"there is no endpoint {path} on this server; it serves {', '.join(sorted(routes))}", 404
+            )
         if exc.status_code == 405:
             allowed = " or ".join(routes.get(path, [])) or "another method"
             return _error_response(f"{path} does not accept {method} requests; use {allowed}", 405)

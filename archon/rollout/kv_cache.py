@@ -136,7 +136,7 @@ class BatchedKVCache:
     def keep_rows(self, keep: list[int]) -> None:
         """Keep only rows ``keep`` (ascending), moved to the front in that order."""
         if keep == list(range(len(keep))):
-            del self.lengths[len(keep):]
+            del self.lengths[len(keep) :]
             return
         used_len = max((self.lengths[i] for i in keep), default=0)
         if keep and used_len:
@@ -153,8 +153,9 @@ class BatchedKVCache:
             return
         stop = start + len(sources)
         if self._fwd is not None or not 0 <= start < stop <= self.num_rows:
-            raise ValueError(f"cannot copy into rows [{start}, {stop}) of a cache with {self.num_rows} rows "
-                             "(or during a forward).")
+            raise ValueError(
+                f"cannot copy into rows [{start}, {stop}) of a cache with {self.num_rows} rows (or during a forward)."
+            )
         used_len = max(self.lengths[i] for i in sources)
         if used_len:
             index = torch.tensor(sources, device=self.device)
@@ -225,8 +226,8 @@ class BatchedKVCache:
             rows = new.to(self.dtype).transpose(1, 2).reshape(-1, self.head_dim)
             store.view(-1, self.head_dim).index_copy_(0, f.write_index, rows)
         return (
-            self.k[layer_id][f.start:f.stop, :, :f.total].transpose(1, 2),
-            self.v[layer_id][f.start:f.stop, :, :f.total].transpose(1, 2),
+            self.k[layer_id][f.start : f.stop, :, : f.total].transpose(1, 2),
+            self.v[layer_id][f.start : f.stop, :, : f.total].transpose(1, 2),
             f.mask,
         )
 

@@ -42,16 +42,17 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any, Sequence
+from typing import Any
 
 from archon.alloc import AllocationError, ModelAllocation
 from archon.config import Config, ConfigError, SGLangConfig
 from archon.errors import ArchonError
 from archon.plan import ClusterPlan, Process, plan_for_config
-from archon.rollout.auth import API_KEY_ENV, auth_headers, generate_api_key, write_api_key
+from archon.rollout.auth import API_KEY_ENV, generate_api_key, write_api_key
 from archon.rollout.server_api import HEALTH_PROBE_TIMEOUT_S
 from archon.rollout.vllm import check_vllm_config, vllm_command, vllm_env
 
@@ -59,8 +60,13 @@ logger = logging.getLogger("archon.rollout.launcher")
 
 _LOG_TAIL_LINES = 40
 # SGLang's get_context_length (vLLM's rule is alike): the first of these keys, times a rope scaling factor.
-_CONTEXT_LENGTH_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length",
-                        "max_position_embeddings")
+_CONTEXT_LENGTH_KEYS = (
+    "max_sequence_length",
+    "seq_length",
+    "max_seq_len",
+    "model_max_length",
+    "max_position_embeddings",
+)
 
 
 class RolloutLaunchError(ArchonError, RuntimeError):
@@ -120,18 +126,26 @@ def check_sglang_options(sg: SGLangConfig, tp_size: int, alloc: str) -> None:
     if sg.dp_size < 1 or sg.ep_size < 1:
         raise ConfigError(f"sglang.dp_size = {sg.dp_size} and sglang.ep_size = {sg.ep_size} must be at least 1")
     if sg.dp_size > 1 and not sg.enable_dp_attention:
-        raise ConfigError(f"sglang.dp_size = {sg.dp_size} without sglang.enable_dp_attention would make SGLang start "
-                          f"{sg.dp_size} replicas of {tp_size} GPUs each, more than {where}; set "
-                          "sglang.enable_dp_attention = true, or raise the d of rollout.backend for more servers")
+        raise ConfigError(
+            f"sglang.dp_size = {sg.dp_size} without sglang.enable_dp_attention would make SGLang start "
+            f"{sg.dp_size} replicas of {tp_size} GPUs each, more than {where}; set "
+            "sglang.enable_dp_attention = true, or raise the d of rollout.backend for more servers"
+        )
     if tp_size % sg.dp_size:
-        raise ConfigError(f"sglang.dp_size = {sg.dp_size} must divide the server's tp size, but {where}; pick "
-                          f"sglang.dp_size from the divisors of {tp_size}")
+        raise ConfigError(
+            f"sglang.dp_size = {sg.dp_size} must divide the server's tp size, but {where}; pick "
+            f"sglang.dp_size from the divisors of {tp_size}"
+        )
     if tp_size % sg.ep_size:
-        raise ConfigError(f"sglang.ep_size = {sg.ep_size} must divide the server's tp size, but {where}; pick "
-                          f"sglang.ep_size from the divisors of {tp_size}")
+        raise ConfigError(
+            f"sglang.ep_size = {sg.ep_size} must divide the server's tp size, but {where}; pick "
+            f"sglang.ep_size from the divisors of {tp_size}"
+        )
     if sg.enable_dp_attention and tp_size == 1:
-        raise ConfigError(f"sglang.enable_dp_attention needs more than one GPU per server, but {where}; use "
-                          "a t > 1 in rollout.backend or turn it off")
+        raise ConfigError(
+            f"sglang.enable_dp_attention needs more than one GPU per server, but {where}; use "
+            "a t > 1 in rollout.backend or turn it off"
+        )
 
 
 def model_context_length(model_path: str) -> int | None:
@@ -158,20 +172,53 @@ def resolve_context_length(requested: int, model_path: str, key: str) -> int | N
         return None
     own = model_context_length(model_path)
     if own is not None and requested > own:
-        logger.warning("%s = %d exceeds the context of %s (%d, from its config.json), above which SGLang and vLLM "
-                       "refuse to start; using %d", key, requested, model_path, own, own)
+        logger.warning(
+            "%s = %d exceeds the context of %s (%d, from its config.json), above which SGLang and vLLM "
+            "refuse to start; using %d",
+            key,
+            requested,
+            model_path,
+            own,
+            own,
+        )
         return own
     return requested
 
 
-def sglang_command(cfg: Config, model_path: str, host: str, port: int, seed: int, tp_size: int,
-                   context_length: int | None = None, api_key: str | None = None) -> list[str]:
+def sglang_command(
+    cfg: Config,
+    model_path: str,
+    host: str,
+    port: int,
+    seed: int,
+    tp_size: int,
+    context_length: int | None = None,
+    api_key: str | None = None,
+) -> list[str]:
     """``python -m sglang.launch_server ...`` for one server (SGLang reads its key from the command line only)."""
     sg = cfg.sglang
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host,
-           "--port", str(port), "--tp-size", str(tp_size), "--skip-tokenizer-init", "--dtype", sg.dtype,
-           "--mem-fraction-static", str(sg.mem_fraction_static), "--random-seed", str(seed),
-           "--log-level", sg.log_level]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        model_path,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--tp-size",
+        str(tp_size),
+        "--skip-tokenizer-init",
+        "--dtype",
+        sg.dtype,
+        "--mem-fraction-static",
+        str(sg.mem_fraction_static),
+        "--random-seed",
+        str(seed),
+        "--log-level",
+        sg.log_level,
+    ]
     if context_length is not None:
         cmd += ["--context-length", str(context_length)]
     if sg.enable_deterministic_inference:
@@ -196,11 +243,25 @@ def sglang_command(cfg: Config, model_path: str, host: str, port: int, seed: int
     return cmd + list(sg.extra_args)
 
 
-def local_command(cfg: Config, model_path: str, host: str, port: int, seed: int,
-                  context_length: int | None = None) -> list[str]:
+def local_command(
+    cfg: Config, model_path: str, host: str, port: int, seed: int, context_length: int | None = None
+) -> list[str]:
     """``python -m archon.rollout.server ...`` for one built-in CPU server."""
-    cmd = [sys.executable, "-m", "archon.rollout.server", "--model-path", model_path, "--host", host,
-           "--port", str(port), "--dtype", cfg.actor.dtype, "--random-seed", str(seed)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "archon.rollout.server",
+        "--model-path",
+        model_path,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--dtype",
+        cfg.actor.dtype,
+        "--random-seed",
+        str(seed),
+    ]
     if context_length is not None:
         cmd += ["--context-length", str(context_length)]
     return cmd
@@ -210,8 +271,10 @@ def _server_model_path(cfg: Config, backend: str) -> str:
     key = "vllm.model" if backend == "vllm" else "sglang.model_path"
     path = (cfg.vllm.model if backend == "vllm" else cfg.sglang.model_path) or cfg.actor.path
     if not path:
-        raise ConfigError(f"rollout servers need a model to start from: set {key} or actor.path to a "
-                          "Hugging Face folder (or pass rollout.server_addrs of servers you started)")
+        raise ConfigError(
+            f"rollout servers need a model to start from: set {key} or actor.path to a "
+            "Hugging Face folder (or pass rollout.server_addrs of servers you started)"
+        )
     return path
 
 
@@ -225,17 +288,25 @@ def _servers_of_node(rollout: ModelAllocation, plan: ClusterPlan, node: int | No
     remote = [s for s in plan.servers if s.node != here]
     if remote:
         where = ", ".join(f"server {s.index} on node {s.node} (GPUs {','.join(map(str, s.gpus))})" for s in remote)
-        raise ConfigError(f"rollout.backend = '{rollout}' places {where}, but the trainer launches servers only on "
-                          f"its own node {here} (that of training rank 0); start the run with a cluster launcher "
-                          "that starts every node's servers (`python -m archon.launch slurm|ray`), or start them "
-                          "yourself and list every server's host:port in rollout.server_addrs (`python -m archon.plan` "
-                          "shows the layout)")
+        raise ConfigError(
+            f"rollout.backend = '{rollout}' places {where}, but the trainer launches servers only on "
+            f"its own node {here} (that of training rank 0); start the run with a cluster launcher "
+            "that starts every node's servers (`python -m archon.launch slurm|ray`), or start them "
+            "yourself and list every server's host:port in rollout.server_addrs (`python -m archon.plan` "
+            "shows the layout)"
+        )
     return plan.servers
 
 
-def build_launch_specs(cfg: Config, run_dir: str | Path | None = None, *, host: str | None = None,
-                       ports: Sequence[int] | None = None, node: int | None = None,
-                       api_key: str | None = None) -> list[LaunchSpec]:
+def build_launch_specs(
+    cfg: Config,
+    run_dir: str | Path | None = None,
+    *,
+    host: str | None = None,
+    ports: Sequence[int] | None = None,
+    node: int | None = None,
+    api_key: str | None = None,
+) -> list[LaunchSpec]:
     """One LaunchSpec per rollout server of ``cfg.rollout.backend`` (empty when server_addrs is set).
 
     ``node``: only the servers the cluster plan puts on that node; None: every server, which
@@ -272,8 +343,9 @@ def build_launch_specs(cfg: Config, run_dir: str | Path | None = None, *, host: 
         env = {"PYTHONUNBUFFERED": "1"}
         gpus = ",".join(map(str, placement.gpus))
         if rollout.backend == "sglang":
-            cmd = sglang_command(cfg, model_path, bind, port, cfg.sglang.random_seed + placement.index, tp, context,
-                                 api_key)
+            cmd = sglang_command(
+                cfg, model_path, bind, port, cfg.sglang.random_seed + placement.index, tp, context, api_key
+            )
             env["CUDA_VISIBLE_DEVICES"] = gpus
         elif rollout.backend == "vllm":
             cmd = vllm_command(cfg, model_path, bind, port, cfg.vllm.seed + placement.index, tp, pp, context)
@@ -282,8 +354,11 @@ def build_launch_specs(cfg: Config, run_dir: str | Path | None = None, *, host: 
             cmd = local_command(cfg, model_path, bind, port, cfg.sglang.random_seed + placement.index, context)
             env["CUDA_VISIBLE_DEVICES"] = ""  # the built-in server is a CPU process
             env[API_KEY_ENV] = api_key
-        specs.append(LaunchSpec(placement.index, cmd, env, bind, port,
-                                log_dir / f"server_{placement.index}.log", connect, api_key))
+        specs.append(
+            LaunchSpec(
+                placement.index, cmd, env, bind, port, log_dir / f"server_{placement.index}.log", connect, api_key
+            )
+        )
     return specs
 
 
@@ -332,8 +407,15 @@ def _die_with_parent() -> None:
 class RolloutLauncher:
     """Starts rollout servers, waits until they are healthy, and always stops them."""
 
-    def __init__(self, specs: Sequence[LaunchSpec], *, setup_timeout: float = 300.0, stop_grace_s: float = 10.0,
-                 server_addrs: Sequence[str] = (), write_key_file: bool = True):
+    def __init__(
+        self,
+        specs: Sequence[LaunchSpec],
+        *,
+        setup_timeout: float = 300.0,
+        stop_grace_s: float = 10.0,
+        server_addrs: Sequence[str] = (),
+        write_key_file: bool = True,
+    ):
         if specs and server_addrs:
             raise ValueError("give RolloutLauncher either launch specs or existing server_addrs, not both")
         self.specs = list(specs)
@@ -348,7 +430,7 @@ class RolloutLauncher:
         self._lock = threading.Lock()
 
     @classmethod
-    def from_config(cls, cfg: Config, run_dir: str | Path | None = None, **kwargs: Any) -> "RolloutLauncher":
+    def from_config(cls, cfg: Config, run_dir: str | Path | None = None, **kwargs: Any) -> RolloutLauncher:
         if cfg.rollout.server_addrs:
             return cls([], setup_timeout=cfg.rollout.setup_timeout, server_addrs=cfg.rollout.server_addrs, **kwargs)
         return cls(build_launch_specs(cfg, run_dir), setup_timeout=cfg.rollout.setup_timeout, **kwargs)
@@ -435,16 +517,22 @@ class RolloutLauncher:
         try:
             # A session of its own: stop() signals the whole group, SGLang's scheduler children included,
             # and a Ctrl-C in the terminal reaches the trainer only (which then stops the servers).
-            proc = subprocess.Popen(spec.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=env, start_new_session=True, preexec_fn=_die_with_parent)
+            proc = subprocess.Popen(
+                spec.cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
         except OSError as exc:
             log.close()
             raise RolloutLaunchError(f"could not start rollout server {spec.index} ({spec.cmd[0]}): {exc}") from None
         self._running.append(_Running(spec, proc, log))
-        logger.info("started rollout server %d (pid %d) on %s, log %s", spec.index, proc.pid, spec.addr,
-                    spec.log_path)
+        logger.info("started rollout server %d (pid %d) on %s, log %s", spec.index, proc.pid, spec.addr, spec.log_path)
 
-    def _wait_healthy(self, runs: list["_Running"]) -> None:
+    def _wait_healthy(self, runs: list[_Running]) -> None:
         deadline = time.monotonic() + self.setup_timeout
         pending = list(runs)
         delay = 0.1
@@ -454,7 +542,8 @@ class RolloutLauncher:
                 if code is not None:
                     raise RolloutLaunchError(
                         f"rollout server {run.spec.index} ({run.spec.addr}) exited with code {code} during startup; "
-                        f"last lines of {run.spec.log_path}:\n{_tail(run.spec.log_path)}")
+                        f"last lines of {run.spec.log_path}:\n{_tail(run.spec.log_path)}"
+                    )
                 if _healthy(run.spec.addr, min(HEALTH_PROBE_TIMEOUT_S, max(deadline - time.monotonic(), 0.5))):
                     pending.remove(run)
             if not pending:
@@ -464,7 +553,8 @@ class RolloutLauncher:
                 last = pending[0].spec.log_path
                 raise RolloutLaunchError(
                     f"rollout server(s) {names} not healthy after {self.setup_timeout:g} s; raise "
-                    f"rollout.setup_timeout if the model is large; last lines of {last}:\n{_tail(last)}")
+                    f"rollout.setup_timeout if the model is large; last lines of {last}:\n{_tail(last)}"
+                )
             time.sleep(delay)
             delay = min(delay * 1.5, 1.0)
 
@@ -518,7 +608,7 @@ class RolloutLauncher:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
 
-    def __enter__(self) -> "RolloutLauncher":
+    def __enter__(self) -> RolloutLauncher:
         self.start()
         return self
 
@@ -535,8 +625,9 @@ def _terminate(running: list[_Running], grace_s: float) -> None:
         try:
             run.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            logger.warning("rollout server %d (pid %d) ignored SIGTERM for %g s; killing it", run.spec.index,
-                           run.proc.pid, grace_s)
+            logger.warning(
+                "rollout server %d (pid %d) ignored SIGTERM for %g s; killing it", run.spec.index, run.proc.pid, grace_s
+            )
     for run in running:
         # Also reaches children that outlived their session leader.
         _signal_group(run.proc, signal.SIGKILL)

@@ -13,8 +13,9 @@ from __future__ import annotations
 import base64
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -69,8 +70,14 @@ _NEUTRAL_GENERATE: dict[str, tuple[Any, ...]] = {
     "priority": (_ANY,),
 }
 _SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
-_GENERATE_FIELDS = {"input_ids", "sampling_params", "return_logprob", "rid", "return_routed_experts",
-                    "routed_experts_start_len"}
+_GENERATE_FIELDS = {
+    "input_ids",
+    "sampling_params",
+    "return_logprob",
+    "rid",
+    "return_routed_experts",
+    "routed_experts_start_len",
+}
 
 
 def error_body(message: str) -> dict[str, Any]:
@@ -218,8 +225,11 @@ def parse_generate(
         where = f"request {i}: " if is_batch else ""
         per_prompt = is_batch and isinstance(sampling, list)
         params = parse_sampling_params(samplings[i], f"sampling_params[{i}]" if per_prompt else "sampling_params")
-        unbounded = isinstance(samplings[i], dict) and "max_new_tokens" in samplings[i] \
+        unbounded = (
+            isinstance(samplings[i], dict)
+            and "max_new_tokens" in samplings[i]
             and samplings[i]["max_new_tokens"] is None
+        )
         if unbounded and context_length is not None and isinstance(prompt, list):
             params.max_new_tokens = max(context_length - len(prompt), params.min_new_tokens)
         flag = logprob_flags[i]
@@ -234,10 +244,12 @@ def parse_generate(
             raise ProtocolError(f"{where}return_routed_experts must be true or false, got {routed!r}.")
         start = 0 if routed_starts[i] is None else routed_starts[i]
         if not _is_int(start) or not 0 <= start <= (len(prompt) if isinstance(prompt, list) else 0):
-            raise ProtocolError(f"{where}routed_experts_start_len = {start!r} must be an integer in [0, the "
-                                "number of prompt tokens].")
-        request = GenerationRequest(list(prompt), params, flag, rids[i], return_routed_experts=routed,
-                                    routed_experts_start_len=start)
+            raise ProtocolError(
+                f"{where}routed_experts_start_len = {start!r} must be an integer in [0, the number of prompt tokens]."
+            )
+        request = GenerationRequest(
+            list(prompt), params, flag, rids[i], return_routed_experts=routed, routed_experts_start_len=start
+        )
         try:
             check(request)
         except ValueError as e:
@@ -259,7 +271,8 @@ def generate_response(result: GenerationResult) -> dict[str, Any]:
     if result.routed_experts is not None:
         # SGLang's encoding: the int32 array [tokens, layers, top_k], C order, base64.
         meta["routed_experts"] = base64.b64encode(
-            result.routed_experts.to(torch.int32).contiguous().numpy().tobytes()).decode("ascii")
+            result.routed_experts.to(torch.int32).contiguous().numpy().tobytes()
+        ).decode("ascii")
     meta["weight_version"] = result.weight_version
     # SGLang's per-token versions: which weights produced each span of generated tokens.
     meta["weight_versions"] = [{"version": v, "start": a, "end": b} for v, a, b in result.weight_versions]
@@ -268,6 +281,7 @@ def generate_response(result: GenerationResult) -> dict[str, Any]:
 
 
 # ---- control endpoints -------------------------------------------------------------------
+
 
 def _object(payload: Any, endpoint: str) -> dict[str, Any]:
     if payload is None:
@@ -328,8 +342,10 @@ class UpdateOptions:
 
 
 def _update_options(obj: dict, ep: str) -> dict[str, Any]:
-    return {"weight_version": _field(obj, "weight_version", str, ep, None),
-            "abort_all_requests": _field(obj, "abort_all_requests", bool, ep, False)}
+    return {
+        "weight_version": _field(obj, "weight_version", str, ep, None),
+        "abort_all_requests": _field(obj, "abort_all_requests", bool, ep, False),
+    }
 
 
 def _group_name(obj: dict, ep: str) -> str:

@@ -55,8 +55,9 @@ class ServerSupervisor:
         self.restarts = 0
         self._dropped: set[str] = set()
         launched = launcher.addrs if launcher is not None and launcher.specs else []
-        self._index = {normalize_addr(addr): spec.index for addr, spec in zip(launched, launcher.specs)} \
-            if launched else {}
+        self._index = (
+            {normalize_addr(addr): spec.index for addr, spec in zip(launched, launcher.specs)} if launched else {}
+        )
 
     def stats(self) -> dict[str, float]:
         """For metrics: restarts so far and servers given up on."""
@@ -83,8 +84,13 @@ class ServerSupervisor:
             why = self.client.last_error(url) or "unknown"
             if url in self._index and self.restarts < self.max_restarts:
                 self.restarts += 1
-                logger.warning("rollout server %s was lost (%s); restarting it (restart %d of %d)", url, why,
-                               self.restarts, self.max_restarts)
+                logger.warning(
+                    "rollout server %s was lost (%s); restarting it (restart %d of %d)",
+                    url,
+                    why,
+                    self.restarts,
+                    self.max_restarts,
+                )
                 try:
                     self.launcher.restart(self._index[url])
                 except (RolloutLaunchError, OSError) as exc:
@@ -95,8 +101,9 @@ class ServerSupervisor:
                     continue
             self._dropped.add(url)
             result.dropped.append(url)
-            logger.warning("rollout server %s was lost (%s) and is dropped; %d server(s) left", url, why,
-                           len(self.client.up_addrs))
+            logger.warning(
+                "rollout server %s was lost (%s) and is dropped; %d server(s) left", url, why, len(self.client.up_addrs)
+            )
         if not self.client.up_addrs:
             raise self.no_server_left()
         return result
@@ -114,17 +121,26 @@ class ServerSupervisor:
                 part += f"; {self.launcher.log_hint(url)}"
             parts.append(part)
         if self._index and self.restarts >= self.max_restarts:
-            used = (f"all {self.max_restarts} restart(s) of rollout.max_server_restarts are used up"
-                    if self.max_restarts else "rollout.max_server_restarts = 0 allows no restart")
-            hint = f"{used}; find the cause in the log above, then rerun the same command to resume from the last " \
-                   "checkpoint"
+            used = (
+                f"all {self.max_restarts} restart(s) of rollout.max_server_restarts are used up"
+                if self.max_restarts
+                else "rollout.max_server_restarts = 0 allows no restart"
+            )
+            hint = (
+                f"{used}; find the cause in the log above, then rerun the same command to resume from the last "
+                "checkpoint"
+            )
         elif self._index:
             hint = "restarting them failed; find the cause in the log above, then rerun to resume"
         elif hasattr(self.launcher, "log_hint"):
-            hint = ("; a cluster launcher started them on their nodes, so the trainer cannot restart them; find the "
-                    "cause in their logs, then rerun the launch to resume from the last checkpoint")
+            hint = (
+                "; a cluster launcher started them on their nodes, so the trainer cannot restart them; find the "
+                "cause in their logs, then rerun the launch to resume from the last checkpoint"
+            )
         else:
-            hint = ("Archon did not start them (rollout.server_addrs), so it cannot restart them; restart them, then "
-                    "rerun the same command to resume from the last checkpoint")
+            hint = (
+                "Archon did not start them (rollout.server_addrs), so it cannot restart them; restart them, then "
+                "rerun the same command to resume from the last checkpoint"
+            )
         because = f" (last request error: {cause})" if cause is not None else ""
         return RolloutError(f"no rollout server is left{because}: {'; '.join(parts)}{hint}")

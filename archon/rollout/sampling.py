@@ -149,8 +149,9 @@ def sample_tokens(
     needs_sort = ((k > 0) & (k < vocab)) | (p < 1.0)
     out = torch.empty_like(rows)
     if bool(needs_sort.any()):
-        out[needs_sort] = _sample_sorted(scaled[needs_sort], k[needs_sort], p[needs_sort], mp[needs_sort],
-                                         u[needs_sort])
+        out[needs_sort] = _sample_sorted(
+            scaled[needs_sort], k[needs_sort], p[needs_sort], mp[needs_sort], u[needs_sort]
+        )
     plain = ~needs_sort
     if bool(plain.any()):
         out[plain] = _sample_unsorted(scaled[plain], mp[plain], u[plain])

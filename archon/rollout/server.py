@@ -27,8 +27,9 @@ import logging
 import random
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,6 +47,7 @@ from archon.rollout.weight_group import destroy_weight_update_group, init_weight
 from parallel.dtypes import DTYPE_NAMES, to_dtype
 
 logger = logging.getLogger(__name__)
+
 
 @dataclass
 class ServerArgs:
@@ -121,19 +123,36 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
 def build_generator(args: ServerArgs) -> Generator:
     """Load the model of ``args`` and start its generation thread."""
     if args.tp_size != 1:
-        logger.warning("--tp-size %d is ignored: the built-in server runs one device per process "
-                       "(start several servers for data parallel).", args.tp_size)
+        logger.warning(
+            "--tp-size %d is ignored: the built-in server runs one device per process "
+            "(start several servers for data parallel).",
+            args.tp_size,
+        )
     seed = args.random_seed if args.random_seed is not None else random.randrange(2**31)
     generator = Generator.from_hf(
-        args.model_path, dtype=args.torch_dtype(), device=args.device, context_length=args.context_length,
-        max_running_requests=args.max_running_requests, random_seed=seed, weight_version=args.weight_version,
+        args.model_path,
+        dtype=args.torch_dtype(),
+        device=args.device,
+        context_length=args.context_length,
+        max_running_requests=args.max_running_requests,
+        random_seed=seed,
+        weight_version=args.weight_version,
     )
     trained = getattr(generator.model.args, "max_seq_len", None)
     if trained is not None and generator.context_length > trained:
-        logger.warning("--context-length %d exceeds the model's max_position_embeddings %d; quality past it is "
-                       "not guaranteed.", generator.context_length, trained)
-    logger.info("serving %s (%s, %s) with random seed %d, context length %d",
-                args.model_path, args.torch_dtype(), args.device, seed, generator.context_length)
+        logger.warning(
+            "--context-length %d exceeds the model's max_position_embeddings %d; quality past it is not guaranteed.",
+            generator.context_length,
+            trained,
+        )
+    logger.info(
+        "serving %s (%s, %s) with random seed %d, context length %d",
+        args.model_path,
+        args.torch_dtype(),
+        args.device,
+        seed,
+        generator.context_length,
+    )
     return generator
 
 
@@ -200,8 +219,14 @@ def create_app(server: RolloutServer) -> FastAPI:
     @app.get("/get_server_info")
     async def get_server_info() -> dict[str, Any]:
         args = {k: v for k, v in asdict(server.args).items() if k != "api_key"}  # never echo the secret
-        return {**args, "weight_version": gen.weight_version, "paused": gen.paused,
-                "max_context_length": gen.context_length, "random_seed": gen.random_seed, **gen.stats()}
+        return {
+            **args,
+            "weight_version": gen.weight_version,
+            "paused": gen.paused,
+            "max_context_length": gen.context_length,
+            "random_seed": gen.random_seed,
+            **gen.stats(),
+        }
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> PlainTextResponse:
@@ -230,8 +255,10 @@ def create_app(server: RolloutServer) -> FastAPI:
         except ProtocolError as e:
             return _error(str(e))
         if mode not in PAUSE_MODES:
-            return _error(f"pause_generation mode {mode!r} is not supported; the built-in server aborts running "
-                          "requests (mode 'abort') or puts them back in its queue to continue later (mode 'retract').")
+            return _error(
+                f"pause_generation mode {mode!r} is not supported; the built-in server aborts running "
+                "requests (mode 'abort') or puts them back in its queue to continue later (mode 'retract')."
+            )
         await asyncio.wrap_future(gen.pause(mode))
         done = "aborted" if mode == "abort" else "retracted (they continue after /continue_generation)"
         return JSONResponse({"success": True, "message": f"Generation paused; running requests were {done}."})
@@ -274,17 +301,28 @@ def create_app(server: RolloutServer) -> FastAPI:
         except ProtocolError as e:
             return _outcome(False, str(e))
         if args.group_name in server.groups:
-            return _outcome(False, f"a weight update group named {args.group_name!r} already exists; destroy it "
-                                   "first or pick another name.")
+            return _outcome(
+                False,
+                f"a weight update group named {args.group_name!r} already exists; destroy it "
+                "first or pick another name.",
+            )
         try:
             # The rendezvous blocks until the trainer joins too: never on the event loop.
             group = await asyncio.to_thread(
-                init_weight_update_group, args.master_address, args.master_port, args.rank_offset,
-                args.world_size, args.group_name, args.backend,
+                init_weight_update_group,
+                args.master_address,
+                args.master_port,
+                args.rank_offset,
+                args.world_size,
+                args.group_name,
+                args.backend,
             )
         except Exception as e:  # noqa: BLE001
-            return _outcome(False, f"joining weight update group {args.group_name!r} at "
-                                   f"{args.master_address}:{args.master_port} failed: {e}")
+            return _outcome(
+                False,
+                f"joining weight update group {args.group_name!r} at "
+                f"{args.master_address}:{args.master_port} failed: {e}",
+            )
         server.groups[args.group_name] = group
         return _outcome(True, f"joined weight update group {args.group_name!r} as rank {args.rank_offset}.")
 
@@ -296,12 +334,15 @@ def create_app(server: RolloutServer) -> FastAPI:
             return _outcome(False, str(e))
         group = server.groups.get(args.group_name)
         if group is None:
-            return _outcome(False, f"no weight update group named {args.group_name!r}; call "
-                                   "/init_weights_update_group first.")
+            return _outcome(
+                False, f"no weight update group named {args.group_name!r}; call /init_weights_update_group first."
+            )
         try:
-            await asyncio.wrap_future(gen.update_weights_from_group(
-                group, args.names, args.dtypes, args.shapes, args.weight_version, args.abort_all_requests,
-            ))
+            await asyncio.wrap_future(
+                gen.update_weights_from_group(
+                    group, args.names, args.dtypes, args.shapes, args.weight_version, args.abort_all_requests
+                )
+            )
         except Exception as e:  # noqa: BLE001
             return _outcome(False, f"updating weights from group {args.group_name!r} failed: {e}")
         return _outcome(True, f"updated {len(args.names)} tensor(s); weight_version {gen.weight_version}.")
@@ -340,18 +381,31 @@ class RunningServer:
             self.server.generator.close()
 
 
-def serve_in_thread(generator: Generator, model_path: str = "", host: str = "127.0.0.1", port: int = 0,
-                    startup_timeout_s: float = 30.0, api_key: str | None = None,
-                    max_request_mb: float = ServerArgs.max_request_mb) -> RunningServer:
+def serve_in_thread(
+    generator: Generator,
+    model_path: str = "",
+    host: str = "127.0.0.1",
+    port: int = 0,
+    startup_timeout_s: float = 30.0,
+    api_key: str | None = None,
+    max_request_mb: float = ServerArgs.max_request_mb,
+) -> RunningServer:
     """Serve ``generator`` over HTTP from a background thread; ``port=0`` picks a free port.
 
     ``model_path`` is what ``/get_model_info`` reports.
     """
     check_bind(host, api_key)
-    args = ServerArgs(model_path=str(model_path), host=host, port=port,
-                      max_running_requests=generator.max_running_requests,
-                      context_length=generator.context_length, random_seed=generator.random_seed,
-                      weight_version=generator.weight_version, api_key=api_key, max_request_mb=max_request_mb)
+    args = ServerArgs(
+        model_path=str(model_path),
+        host=host,
+        port=port,
+        max_running_requests=generator.max_running_requests,
+        context_length=generator.context_length,
+        random_seed=generator.random_seed,
+        weight_version=generator.weight_version,
+        api_key=api_key,
+        max_request_mb=max_request_mb,
+    )
     state = RolloutServer(generator, args)
     config = uvicorn.Config(state.app, host=host, port=port, log_level="warning", lifespan="off")
     server = uvicorn.Server(config)
@@ -385,8 +439,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         logger.info("starting the HTTP server on http://%s:%d", args.host, args.port)
         # Requests held by a pause would keep a graceful shutdown waiting forever: bound it.
         # One access-log line per request would bury what a log tail is read for (why it died): debug only.
-        uvicorn.run(state.app, host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=5, access_log=args.log_level == "debug")
+        uvicorn.run(
+            state.app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=5,
+            access_log=args.log_level == "debug",
+        )
     finally:
         generator.close()
 

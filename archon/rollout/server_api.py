@@ -88,22 +88,35 @@ class ServerAPI:
     missing_endpoint_hint = ""
     """Appended to the error when a control endpoint answers HTTP 404."""
 
-    def generate_payload(self, input_ids: list[int], params: dict[str, Any], return_logprob: bool,
-                         rid: str, return_routed_experts: bool = False) -> dict[str, Any]:
+    def generate_payload(
+        self,
+        input_ids: list[int],
+        params: dict[str, Any],
+        return_logprob: bool,
+        rid: str,
+        return_routed_experts: bool = False,
+    ) -> dict[str, Any]:
         """Body of one generate request; ``params`` are SGLang ``sampling_params``."""
-        payload = {"input_ids": input_ids, "sampling_params": dict(params), "return_logprob": return_logprob,
-                   "rid": rid}
+        payload = {
+            "input_ids": input_ids,
+            "sampling_params": dict(params),
+            "return_logprob": return_logprob,
+            "rid": rid,
+        }
         if return_routed_experts:
             payload["return_routed_experts"] = True
         return payload
 
-    def parse_generate(self, body: Any, server: str, return_logprob: bool, weight_version: str,
-                       return_routed_experts: bool = False) -> GenerateResult:
+    def parse_generate(
+        self, body: Any, server: str, return_logprob: bool, weight_version: str, return_routed_experts: bool = False
+    ) -> GenerateResult:
         """The answer to a generate request; ``weight_version`` is what the client last set on the server."""
         if not isinstance(body, dict) or "output_ids" not in body or "meta_info" not in body:
-            raise RolloutError(f"rollout server {server} answered /generate without output_ids/meta_info "
-                               f"(got {str(body)[:200]!r}); is it an SGLang-protocol server started with "
-                               "--skip-tokenizer-init?")
+            raise RolloutError(
+                f"rollout server {server} answered /generate without output_ids/meta_info "
+                f"(got {str(body)[:200]!r}); is it an SGLang-protocol server started with "
+                "--skip-tokenizer-init?"
+            )
         meta = body["meta_info"]
         output_ids = [int(t) for t in body["output_ids"]]
         logprobs: list[float] = []
@@ -120,11 +133,17 @@ class ServerAPI:
         else:
             reason = str(finish or "")
         routed = decode_routed_experts(meta.get("routed_experts"), server) if return_routed_experts else None
-        return GenerateResult(output_ids=output_ids, output_logprobs=logprobs, finish_reason=reason,
-                              prompt_tokens=int(meta.get("prompt_tokens", 0)),
-                              weight_version=str(meta.get("weight_version", weight_version)), server=server,
-                              matched_stop=matched, routed_experts=routed,
-                              output_versions=token_versions(meta, len(output_ids), weight_version))
+        return GenerateResult(
+            output_ids=output_ids,
+            output_logprobs=logprobs,
+            finish_reason=reason,
+            prompt_tokens=int(meta.get("prompt_tokens", 0)),
+            weight_version=str(meta.get("weight_version", weight_version)),
+            server=server,
+            matched_stop=matched,
+            routed_experts=routed,
+            output_versions=token_versions(meta, len(output_ids), weight_version),
+        )
 
     def abort(self, rid: str) -> Call | None:
         """Frees a timed-out request's slot (None: the server does that when the connection drops)."""
@@ -141,8 +160,13 @@ class ServerAPI:
         return [Call("POST", "/flush_cache")]
 
     def update_weights_from_disk(self, path: str, version: str, abort_all_requests: bool) -> list[Call]:
-        return [Call("POST", "/update_weights_from_disk", {"model_path": path, "weight_version": version,
-                                                          "abort_all_requests": abort_all_requests})]
+        return [
+            Call(
+                "POST",
+                "/update_weights_from_disk",
+                {"model_path": path, "weight_version": version, "abort_all_requests": abort_all_requests},
+            )
+        ]
 
 
 def token_versions(meta: dict[str, Any], n_tokens: int, default: str = "") -> list[str]:
@@ -172,16 +196,20 @@ def decode_routed_experts(value: Any, server: str) -> Any:
     import numpy as np
 
     if not isinstance(value, str):
-        raise RolloutError(f"rollout server {server} was asked for routed experts but answered without them (got "
-                           f"{type(value).__name__}); start SGLang with --enable-return-routed-experts")
+        raise RolloutError(
+            f"rollout server {server} was asked for routed experts but answered without them (got "
+            f"{type(value).__name__}); start SGLang with --enable-return-routed-experts"
+        )
     return np.frombuffer(base64.b64decode(value), dtype=np.int32)
 
 
 def check_logprob_count(server: str, output_ids: list[int], logprobs: list[float]) -> None:
     """A completion is only trainable with one logprob per token."""
     if len(logprobs) != len(output_ids):
-        raise RolloutError(f"rollout server {server} returned {len(output_ids)} tokens but {len(logprobs)} "
-                           "logprobs; the completion cannot be trained on")
+        raise RolloutError(
+            f"rollout server {server} returned {len(output_ids)} tokens but {len(logprobs)} "
+            "logprobs; the completion cannot be trained on"
+        )
 
 
 def normalize_addr(addr: str) -> str:

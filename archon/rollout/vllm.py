@@ -59,8 +59,16 @@ _FIELDS = {
     "spaces_between_special_tokens": "spaces_between_special_tokens",
 }
 # SGLang's defaults where vLLM's differ (vLLM: max_tokens 16, model generation config for the rest).
-_DEFAULTS = {"max_tokens": SGLANG_DEFAULT_MAX_NEW_TOKENS, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
-             "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0}
+_DEFAULTS = {
+    "max_tokens": SGLANG_DEFAULT_MAX_NEW_TOKENS,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": -1,
+    "min_p": 0.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+}
 _TOKEN_ID_PREFIX = "token_id:"
 
 
@@ -68,47 +76,81 @@ def vllm_logprobs_mode(g: GenerationConfig) -> str:
     """The ``--logprobs-mode`` under which vLLM reports what the trainer recomputes for ``g``."""
     if g.temperature == 0 or g.temperature == 1.0 or g.top_k == 1:
         return RAW_LOGPROBS  # T = 1 for the trainer: the raw logprobs are exactly log_softmax(logits)
-    filters = [f"{name} = {value}" for name, value, on in (
-        ("gconfig.top_k", g.top_k, g.top_k not in (-1, 0)), ("gconfig.top_p", g.top_p, g.top_p < 1.0),
-        ("gconfig.min_p", g.min_p, g.min_p > 0.0), ("gconfig.min_new_tokens", g.min_new_tokens, g.min_new_tokens > 0))
-        if on]
+    filters = [
+        f"{name} = {value}"
+        for name, value, on in (
+            ("gconfig.top_k", g.top_k, g.top_k not in (-1, 0)),
+            ("gconfig.top_p", g.top_p, g.top_p < 1.0),
+            ("gconfig.min_p", g.min_p, g.min_p > 0.0),
+            ("gconfig.min_new_tokens", g.min_new_tokens, g.min_new_tokens > 0),
+        )
+        if on
+    ]
     if filters:
         raise ConfigError(
             f"gconfig.temperature = {g.temperature} with {', '.join(filters)} cannot be trained on with vLLM rollouts: "
             "vLLM reports logprobs either before temperature (raw_logprobs) or after filtering (processed_logprobs), "
             "never log_softmax(logits / T) before filtering as the trainer recomputes them; use temperature 1, drop "
-            "the filters, or use sglang rollouts")
+            "the filters, or use sglang rollouts"
+        )
     return PROCESSED_LOGPROBS
 
 
 def check_vllm_config(cfg: Config) -> None:
     """Config check for vllm rollouts: weights from disk, and a logprob mode the trainer can match."""
     if cfg.rollout.weight_sync != "disk":
-        raise ConfigError(f"rollout.backend = '{cfg.rollout.backend}' gets new weights from disk only, but "
-                          f"rollout.weight_sync = '{cfg.rollout.weight_sync}'; set rollout.weight_sync = 'disk' "
-                          "(the run directory must be visible to the servers)")
+        raise ConfigError(
+            f"rollout.backend = '{cfg.rollout.backend}' gets new weights from disk only, but "
+            f"rollout.weight_sync = '{cfg.rollout.weight_sync}'; set rollout.weight_sync = 'disk' "
+            "(the run directory must be visible to the servers)"
+        )
     if cfg.actor.moe_routing_replay:
-        raise ConfigError(f"actor.moe_routing_replay needs the experts each token was routed to, which "
-                          f"rollout.backend = '{cfg.rollout.backend}' does not report; use an sglang or local "
-                          "rollout backend, or set actor.moe_routing_replay = false")
+        raise ConfigError(
+            f"actor.moe_routing_replay needs the experts each token was routed to, which "
+            f"rollout.backend = '{cfg.rollout.backend}' does not report; use an sglang or local "
+            "rollout backend, or set actor.moe_routing_replay = false"
+        )
     r = cfg.rollout
     if r.max_head_offpolicyness > 0 and r.partial_rollout and r.pause_generation_mode != "abort":
-        raise ConfigError(f"rollout.pause_generation_mode = '{r.pause_generation_mode}' is SGLang's; vLLM servers pause "
-                          "by aborting, so set rollout.pause_generation_mode = 'abort' (interrupted requests are sent "
-                          "again with their tokens so far)")
+        raise ConfigError(
+            f"rollout.pause_generation_mode = '{r.pause_generation_mode}' is SGLang's; vLLM servers pause "
+            "by aborting, so set rollout.pause_generation_mode = 'abort' (interrupted requests are sent "
+            "again with their tokens so far)"
+        )
     vllm_logprobs_mode(cfg.gconfig)
 
 
-def vllm_command(cfg: Config, model_path: str, host: str, port: int, seed: int, tp_size: int, pp_size: int,
-                 max_model_len: int | None) -> list[str]:
+def vllm_command(
+    cfg: Config, model_path: str, host: str, port: int, seed: int, tp_size: int, pp_size: int, max_model_len: int | None
+) -> list[str]:
     """``vllm serve MODEL ...`` (run as ``python -m vllm.entrypoints.cli.main``, the same interpreter)."""
     v = cfg.vllm
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model_path, "--host", host,
-           "--port", str(port), "--tensor-parallel-size", str(tp_size), "--pipeline-parallel-size", str(pp_size),
-           "--dtype", v.dtype, "--gpu-memory-utilization", str(v.gpu_memory_utilization), "--seed", str(seed),
-           "--logprobs-mode", vllm_logprobs_mode(cfg.gconfig),
-           # No sampling defaults from the model's generation_config.json: requests carry every field.
-           "--generation-config", "vllm"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "serve",
+        model_path,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--tensor-parallel-size",
+        str(tp_size),
+        "--pipeline-parallel-size",
+        str(pp_size),
+        "--dtype",
+        v.dtype,
+        "--gpu-memory-utilization",
+        str(v.gpu_memory_utilization),
+        "--seed",
+        str(seed),
+        "--logprobs-mode",
+        vllm_logprobs_mode(cfg.gconfig),
+        # No sampling defaults from the model's generation_config.json: requests carry every field.
+        "--generation-config",
+        "vllm",
+    ]
     if max_model_len is not None:
         cmd += ["--max-model-len", str(max_model_len)]
     if v.max_num_seqs > 0:
@@ -132,59 +174,86 @@ class VLLMAPI(ServerAPI):
     name = "vLLM"
     generate_path = "/v1/completions"
     distributed_weights = False
-    missing_endpoint_hint = ("; vLLM serves its pause, resume and weight-reload endpoints only with "
-                             "VLLM_SERVER_DEV_MODE=1 (set for launched servers; set it yourself for "
-                             "rollout.server_addrs) and Archon uses the API of vLLM 0.33")
+    missing_endpoint_hint = (
+        "; vLLM serves its pause, resume and weight-reload endpoints only with "
+        "VLLM_SERVER_DEV_MODE=1 (set for launched servers; set it yourself for "
+        "rollout.server_addrs) and Archon uses the API of vLLM 0.33"
+    )
 
-    def generate_payload(self, input_ids: list[int], params: dict[str, Any], return_logprob: bool,
-                         rid: str, return_routed_experts: bool = False) -> dict[str, Any]:
+    def generate_payload(
+        self,
+        input_ids: list[int],
+        params: dict[str, Any],
+        return_logprob: bool,
+        rid: str,
+        return_routed_experts: bool = False,
+    ) -> dict[str, Any]:
         if return_routed_experts:
-            raise RolloutError("vLLM servers do not report the experts each token was routed to; set "
-                               "actor.moe_routing_replay = false or use an SGLang or built-in rollout backend")
+            raise RolloutError(
+                "vLLM servers do not report the experts each token was routed to; set "
+                "actor.moe_routing_replay = false or use an SGLang or built-in rollout backend"
+            )
         unknown = sorted(set(params) - set(_FIELDS))
         if unknown:
-            raise ValueError(f"sampling_params {unknown} have no vLLM equivalent here; use "
-                             f"{', '.join(sorted(_FIELDS))}")
+            raise ValueError(
+                f"sampling_params {unknown} have no vLLM equivalent here; use {', '.join(sorted(_FIELDS))}"
+            )
         body: dict[str, Any] = dict(_DEFAULTS)
         body.update({_FIELDS[k]: v for k, v in params.items()})
         if body["max_tokens"] is None:
-            raise ValueError("sampling_params.max_new_tokens = None (up to the context length) has no vLLM "
-                             "equivalent; give a number")
+            raise ValueError(
+                "sampling_params.max_new_tokens = None (up to the context length) has no vLLM equivalent; give a number"
+            )
         if body.get("seed") is None:
             body.pop("seed", None)
         if body.get("ignore_eos"):
             body["stop_token_ids"] = []  # SGLang's ignore_eos ignores stop_token_ids too; vLLM's does not
-        body.update({"prompt": input_ids, "request_id": rid, "stream": False, "echo": False,
-                     "return_token_ids": True, "return_tokens_as_token_ids": True, "return_weight_versions": True})
+        body.update(
+            {
+                "prompt": input_ids,
+                "request_id": rid,
+                "stream": False,
+                "echo": False,
+                "return_token_ids": True,
+                "return_tokens_as_token_ids": True,
+                "return_weight_versions": True,
+            }
+        )
         if return_logprob:
             body["logprobs"] = 0
         return body
 
-    def parse_generate(self, body: Any, server: str, return_logprob: bool, weight_version: str,
-                       return_routed_experts: bool = False) -> GenerateResult:
+    def parse_generate(
+        self, body: Any, server: str, return_logprob: bool, weight_version: str, return_routed_experts: bool = False
+    ) -> GenerateResult:
         choices = body.get("choices") if isinstance(body, dict) else None
         if not choices or not isinstance(choices[0], dict):
-            raise RolloutError(f"vLLM server {server} answered /v1/completions without choices "
-                               f"(got {str(body)[:200]!r}); is it a vLLM server?")
+            raise RolloutError(
+                f"vLLM server {server} answered /v1/completions without choices "
+                f"(got {str(body)[:200]!r}); is it a vLLM server?"
+            )
         choice = choices[0]
         if choice.get("token_ids") is None:
-            raise RolloutError(f"vLLM server {server} answered without token_ids; Archon needs a vLLM whose "
-                               "completions API honours return_token_ids (0.10.2 or later)")
+            raise RolloutError(
+                f"vLLM server {server} answered without token_ids; Archon needs a vLLM whose "
+                "completions API honours return_token_ids (0.10.2 or later)"
+            )
         output_ids = [int(t) for t in choice["token_ids"]]
         logprobs: list[float] = []
         if return_logprob:
             lp = choice.get("logprobs") or {}
             values = lp.get("token_logprobs") or []
             if any(v is None for v in values):
-                raise RolloutError(f"vLLM server {server} returned a null logprob; the completion cannot be "
-                                   "trained on")
+                raise RolloutError(f"vLLM server {server} returned a null logprob; the completion cannot be trained on")
             logprobs = [float(v) for v in values]
             check_logprob_count(server, output_ids, logprobs)
             tokens = lp.get("tokens") or []
-            named = [int(t[len(_TOKEN_ID_PREFIX):]) for t in tokens if str(t).startswith(_TOKEN_ID_PREFIX)]
+            named = [int(t[len(_TOKEN_ID_PREFIX) :]) for t in tokens if str(t).startswith(_TOKEN_ID_PREFIX)]
             if len(named) == len(tokens) and named and named != output_ids:
-                raise RolloutError(f"vLLM server {server} returned logprobs for tokens {named[:8]}.. but token_ids "
-                                   f"{output_ids[:8]}..; the completion cannot be trained on")
+                raise RolloutError(
+                    f"vLLM server {server} returned logprobs for tokens {named[:8]}.. but token_ids "
+                    f"{output_ids[:8]}..; the completion cannot be trained on"
+                )
         reason = str(choice.get("finish_reason") or "")
         stop_reason = choice.get("stop_reason")
         matched = None
@@ -197,17 +266,26 @@ class VLLMAPI(ServerAPI):
         prompt_ids = choice.get("prompt_token_ids")
         usage = body.get("usage") or {}
         prompt_tokens = len(prompt_ids) if prompt_ids is not None else int(usage.get("prompt_tokens", 0))
-        return GenerateResult(output_ids=output_ids, output_logprobs=logprobs, finish_reason=reason,
-                              prompt_tokens=prompt_tokens, weight_version=version, server=server,
-                              matched_stop=matched, output_versions=[version] * len(output_ids))
+        return GenerateResult(
+            output_ids=output_ids,
+            output_logprobs=logprobs,
+            finish_reason=reason,
+            prompt_tokens=prompt_tokens,
+            weight_version=version,
+            server=server,
+            matched_stop=matched,
+            output_versions=[version] * len(output_ids),
+        )
 
     def abort(self, rid: str) -> Call | None:
         return None  # vLLM aborts a request whose connection drops (with_cancellation)
 
     def pause(self, mode: str | None = None) -> list[Call]:
         if mode not in (None, "abort"):
-            raise RolloutError(f"vLLM servers cannot pause in mode {mode!r}; set rollout.pause_generation_mode = "
-                               "'abort' (interrupted requests are then sent again with their tokens so far)")
+            raise RolloutError(
+                f"vLLM servers cannot pause in mode {mode!r}; set rollout.pause_generation_mode = "
+                "'abort' (interrupted requests are then sent again with their tokens so far)"
+            )
         return [Call("POST", "/pause?mode=abort")]  # like SGLang's: running requests end with 'abort'
 
     def resume(self) -> list[Call]:
@@ -218,8 +296,10 @@ class VLLMAPI(ServerAPI):
 
     def update_weights_from_disk(self, path: str, version: str, abort_all_requests: bool) -> list[Call]:
         # Drained first, so no request mixes weights; resumed only after every step succeeded.
-        return [Call("POST", f"/pause?mode={'abort' if abort_all_requests else 'wait'}"),
-                Call("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}}),
-                Call("POST", "/reset_prefix_cache"),
-                Call("POST", "/update_weight_version", {"new_version": version}),
-                Call("POST", "/resume")]
+        return [
+            Call("POST", f"/pause?mode={'abort' if abort_all_requests else 'wait'}"),
+            Call("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}}),
+            Call("POST", "/reset_prefix_cache"),
+            Call("POST", "/update_weight_version", {"new_version": version}),
+            Call("POST", "/resume"),
+        ]

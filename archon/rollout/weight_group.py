@@ -21,11 +21,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import (
-    PrefixStore,
-    _new_process_group_helper,
-    _world,
-)
+from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world
 
 
 def init_weight_update_group(
@@ -46,17 +42,30 @@ def init_weight_update_group(
         # Left to itself the store listens on every interface; it only needs the one the servers dial.
         fd = listen_on(master_address, master_port)
         try:
-            store = dist.TCPStore(master_address, master_port, world_size, is_master=True, timeout=timeout,
-                                  wait_for_workers=False, master_listen_fd=fd)
+            store = dist.TCPStore(
+                master_address,
+                master_port,
+                world_size,
+                is_master=True,
+                timeout=timeout,
+                wait_for_workers=False,
+                master_listen_fd=fd,
+            )
         except BaseException:
             os.close(fd)
             raise
     else:
-        store = dist.TCPStore(master_address, master_port, world_size, is_master=False, timeout=timeout,
-                              wait_for_workers=False)
+        store = dist.TCPStore(
+            master_address, master_port, world_size, is_master=False, timeout=timeout, wait_for_workers=False
+        )
     pg, _ = _new_process_group_helper(
-        world_size, rank, [], dist.Backend(backend), PrefixStore(group_name, store),
-        group_name=group_name, timeout=timeout,
+        world_size,
+        rank,
+        [],
+        dist.Backend(backend),
+        PrefixStore(group_name, store),
+        group_name=group_name,
+        timeout=timeout,
     )
     # Register ranks so that dist.broadcast(..., group=pg) maps group rank == global rank here.
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
@@ -73,8 +82,9 @@ def listen_on(address: str, port: int) -> int:
         sock.listen(1024)
     except OSError as exc:
         sock.close()
-        raise OSError(exc.errno, f"cannot listen on {address}:{port} for the weight-update group: "
-                                 f"{exc.strerror}") from None
+        raise OSError(
+            exc.errno, f"cannot listen on {address}:{port} for the weight-update group: {exc.strerror}"
+        ) from None
     return sock.detach()
 
 

@@ -30,8 +30,9 @@ import socket
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, Literal, Protocol
+from typing import Any, Literal, Protocol
 from urllib.parse import urlsplit
 
 import torch
@@ -111,15 +112,28 @@ def reachable_address(server_url: str) -> str:
 
 def _log_stats(kind: str, version: str, stats: dict[str, float]) -> None:
     if _rank() == 0:
-        logger.info("%s weight sync to version %s: %.1f MiB in %.2f s", kind, version,
-                    stats["weight_sync_bytes"] / _MIB, stats["weight_sync_time_s"])
+        logger.info(
+            "%s weight sync to version %s: %.1f MiB in %.2f s",
+            kind,
+            version,
+            stats["weight_sync_bytes"] / _MIB,
+            stats["weight_sync_time_s"],
+        )
 
 
 class DiskWeightSync:
     """Weights through an HF folder on a disk the servers can read."""
 
-    def __init__(self, engine: WeightSyncEngine, client: Any, folder: str | Path, *, dtype: torch.dtype | None = None,
-                 keep_last: int = 1, extras: bool = False):
+    def __init__(
+        self,
+        engine: WeightSyncEngine,
+        client: Any,
+        folder: str | Path,
+        *,
+        dtype: torch.dtype | None = None,
+        keep_last: int = 1,
+        extras: bool = False,
+    ):
         self.engine = engine
         self.client = client
         self.folder = Path(folder)
@@ -177,8 +191,9 @@ class DiskWeightSync:
         """Nothing to re-form: ``sync`` reaches whichever servers are up (for symmetry with the broadcast)."""
 
     def _remove_old(self, keep: Path) -> None:
-        versions = sorted((p for p in self.folder.glob("v*") if p.is_dir() and p != keep),
-                          key=lambda p: p.stat().st_mtime)
+        versions = sorted(
+            (p for p in self.folder.glob("v*") if p.is_dir() and p != keep), key=lambda p: p.stat().st_mtime
+        )
         for old in versions[: max(0, len(versions) - (self.keep_last - 1))]:
             shutil.rmtree(old, ignore_errors=True)
 
@@ -189,10 +204,21 @@ class DiskWeightSync:
 class DistributedWeightSync:
     """Weights through a broadcast group shared by trainer rank 0 and every server process."""
 
-    def __init__(self, engine: WeightSyncEngine, client: Any, *, chunk_mb: float = 512, backend: str | None = None,
-                 master_address: str | None = None, ranks_per_server: int = 1,
-                 group_name: str = "archon_weight_update", dtype: torch.dtype | None = None,
-                 timeout_s: float = 600.0, extras: bool = False, pause_mode: str | None = None):
+    def __init__(
+        self,
+        engine: WeightSyncEngine,
+        client: Any,
+        *,
+        chunk_mb: float = 512,
+        backend: str | None = None,
+        master_address: str | None = None,
+        ranks_per_server: int = 1,
+        group_name: str = "archon_weight_update",
+        dtype: torch.dtype | None = None,
+        timeout_s: float = 600.0,
+        extras: bool = False,
+        pause_mode: str | None = None,
+    ):
         if chunk_mb <= 0:
             raise ConfigError(f"rollout.weight_chunk_mb = {chunk_mb} must be positive")
         self.engine = engine
@@ -209,8 +235,9 @@ class DistributedWeightSync:
         # How the servers pause around the broadcast (SGLang's mode; None: abort). Asynchronous RL
         # sets 'retract' so that requests in flight continue with the new weights.
         self.pause_mode = pause_mode
-        self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" \
-            else torch.device("cpu")
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        )
         self._pg: dist.ProcessGroup | None = None
 
     def setup(self) -> None:
@@ -241,14 +268,16 @@ class DistributedWeightSync:
         port = free_ports(1, addr)[0]
         world_size, _ = self.client.weight_group_layout(self.ranks_per_server)
         # The servers' HTTP call only returns once everybody joined, so it must be in flight while we join.
-        request = self.client.submit(self.client.ainit_weights_update_group(
-            addr, port, self.group_name, self.backend, self.ranks_per_server))
+        request = self.client.submit(
+            self.client.ainit_weights_update_group(addr, port, self.group_name, self.backend, self.ranks_per_server)
+        )
         joined: dict[str, Any] = {}
 
         def join() -> None:
             try:
-                joined["pg"] = init_weight_update_group(addr, port, 0, world_size, self.group_name, self.backend,
-                                                        self.timeout_s)
+                joined["pg"] = init_weight_update_group(
+                    addr, port, 0, world_size, self.group_name, self.backend, self.timeout_s
+                )
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
                 joined["error"] = exc
 
@@ -257,18 +286,28 @@ class DistributedWeightSync:
         thread.start()
         while thread.is_alive():
             if request.done() and request.exception() is not None:
-                raise WeightSyncError(f"rollout servers did not join weight-update group '{self.group_name}' at "
-                                      f"{addr}:{port}: {request.exception()}")
+                raise WeightSyncError(
+                    f"rollout servers did not join weight-update group '{self.group_name}' at "
+                    f"{addr}:{port}: {request.exception()}"
+                )
             thread.join(0.05)
         if "error" in joined:
             cause = request.exception() if request.done() else None
-            raise WeightSyncError(f"trainer rank 0 could not form weight-update group '{self.group_name}' at "
-                                  f"{addr}:{port} (world size {world_size}): {cause or joined['error']}; check that "
-                                  "the servers can reach this address (set master_address) and the port is open")
+            raise WeightSyncError(
+                f"trainer rank 0 could not form weight-update group '{self.group_name}' at "
+                f"{addr}:{port} (world size {world_size}): {cause or joined['error']}; check that "
+                "the servers can reach this address (set master_address) and the port is open"
+            )
         request.result(timeout=self.timeout_s)
         self._pg = joined["pg"]
-        logger.info("weight-update group '%s' formed at %s:%d with %d ranks (%s)", self.group_name, addr, port,
-                    world_size, self.backend)
+        logger.info(
+            "weight-update group '%s' formed at %s:%d with %d ranks (%s)",
+            self.group_name,
+            addr,
+            port,
+            world_size,
+            self.backend,
+        )
 
     def sync(self, version: int | str) -> dict[str, float]:
         """Collective: stream every full tensor to the servers in buckets of at most chunk_mb MiB."""
@@ -277,8 +316,10 @@ class DistributedWeightSync:
         rank0 = _rank() == 0
         error: str | None = None
         if rank0 and self._pg is None:
-            error = ("DistributedWeightSync.sync() without a weight-update group; call setup() first (again after "
-                     "a failed sync)")
+            error = (
+                "DistributedWeightSync.sync() without a weight-update group; call setup() first (again after "
+                "a failed sync)"
+            )
         bucket: list[tuple[str, torch.Tensor]] = []
         bucket_bytes = 0
         total = 0
@@ -316,8 +357,11 @@ class DistributedWeightSync:
             except Exception as exc:  # noqa: BLE001 - reported on every rank below
                 error = error or f"could not resume the rollout servers after weight sync {version}: {exc}"
         _raise_if_failed(error)
-        stats = {"weight_sync_time_s": time.perf_counter() - t0, "weight_sync_bytes": float(total),
-                 "weight_sync_buckets": float(_broadcast_object(n_buckets))}
+        stats = {
+            "weight_sync_time_s": time.perf_counter() - t0,
+            "weight_sync_bytes": float(total),
+            "weight_sync_buckets": float(_broadcast_object(n_buckets)),
+        }
         _log_stats("distributed", version, stats)
         return stats
 
@@ -327,8 +371,10 @@ class DistributedWeightSync:
             return None
         except Exception as exc:  # noqa: BLE001 - reported on every rank by sync()
             self._abandon_group()
-            return (f"distributed weight sync of version {version} failed: {exc}; the weight-update group was "
-                    "abandoned, so call setup() again (after fixing the servers) before the next sync")
+            return (
+                f"distributed weight sync of version {version} failed: {exc}; the weight-update group was "
+                "abandoned, so call setup() again (after fixing the servers) before the next sync"
+            )
 
     def _abandon_group(self) -> None:
         from torch.distributed.distributed_c10d import _abort_process_group
@@ -349,9 +395,16 @@ class DistributedWeightSync:
         names = [n for n, _ in bucket]
         # SGLang sets its weight version after every bucket that carries one: only the last bucket
         # (the one that flushes) carries it, so a sync failing half-way leaves the old version.
-        request = self.client.submit(self.client.aupdate_weights_from_distributed(
-            names, [dtype_name(t.dtype) for _, t in bucket], [list(t.shape) for _, t in bucket], self.group_name,
-            version if flush else None, flush_cache=flush))
+        request = self.client.submit(
+            self.client.aupdate_weights_from_distributed(
+                names,
+                [dtype_name(t.dtype) for _, t in bucket],
+                [list(t.shape) for _, t in bucket],
+                self.group_name,
+                version if flush else None,
+                flush_cache=flush,
+            )
+        )
         works = [dist.broadcast(t, src=0, group=self._pg, async_op=True) for _, t in bucket]
         drill_point("weight_sync")
         # Poll instead of blocking in wait(): a server that refuses the bucket never receives, and its
@@ -359,11 +412,12 @@ class DistributedWeightSync:
         deadline = time.monotonic() + self.timeout_s
         while not all(w.is_completed() for w in works):
             if request.done() and request.exception() is not None:
-                raise WeightSyncError(f"a rollout server failed while receiving {names[0]}..: "
-                                      f"{request.exception()}")
+                raise WeightSyncError(f"a rollout server failed while receiving {names[0]}..: {request.exception()}")
             if time.monotonic() > deadline:
-                raise WeightSyncError(f"broadcast of {len(names)} tensor(s) starting at {names[0]} did not finish "
-                                      f"within {self.timeout_s:g} s")
+                raise WeightSyncError(
+                    f"broadcast of {len(names)} tensor(s) starting at {names[0]} did not finish "
+                    f"within {self.timeout_s:g} s"
+                )
             time.sleep(_POLL_S)
         for w in works:
             w.wait()  # surfaces a failed collective as an exception
@@ -378,21 +432,38 @@ class DistributedWeightSync:
 WeightSync = DiskWeightSync | DistributedWeightSync
 
 
-def build_weight_sync(mode: Literal["distributed", "disk"], engine: WeightSyncEngine, client: Any, *,
-                      folder: str | Path | None = None, chunk_mb: float = 512, backend: str | None = None,
-                      master_address: str | None = None, ranks_per_server: int = 1,
-                      dtype: torch.dtype | None = None, extras: bool = False) -> WeightSync:
+def build_weight_sync(
+    mode: Literal["distributed", "disk"],
+    engine: WeightSyncEngine,
+    client: Any,
+    *,
+    folder: str | Path | None = None,
+    chunk_mb: float = 512,
+    backend: str | None = None,
+    master_address: str | None = None,
+    ranks_per_server: int = 1,
+    dtype: torch.dtype | None = None,
+    extras: bool = False,
+) -> WeightSync:
     """The weight sync for ``rollout.weight_sync`` (call ``.setup()`` once, then ``.sync(version)`` per step).
 
     ``extras``: the servers are Archon's own and also take what HF formats lack (the MoE routing bias).
     """
     if mode == "distributed":
-        return DistributedWeightSync(engine, client, chunk_mb=chunk_mb, backend=backend,
-                                     master_address=master_address, ranks_per_server=ranks_per_server, dtype=dtype,
-                                     extras=extras)
+        return DistributedWeightSync(
+            engine,
+            client,
+            chunk_mb=chunk_mb,
+            backend=backend,
+            master_address=master_address,
+            ranks_per_server=ranks_per_server,
+            dtype=dtype,
+            extras=extras,
+        )
     if mode == "disk":
         if folder is None:
-            raise ConfigError("rollout.weight_sync = 'disk' needs a folder the servers can read (e.g. "
-                              "<run_dir>/weights)")
+            raise ConfigError(
+                "rollout.weight_sync = 'disk' needs a folder the servers can read (e.g. <run_dir>/weights)"
+            )
         return DiskWeightSync(engine, client, folder, dtype=dtype, extras=extras)
     raise ConfigError(f"rollout.weight_sync = '{mode}' must be 'distributed' or 'disk'")

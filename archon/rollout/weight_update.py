@@ -9,8 +9,8 @@ check everything before touching a weight, so a bad update leaves the served mod
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -62,8 +62,12 @@ def load_weights_from_disk(model: nn.Module, path: str | Path) -> None:
     models.load_hf_weights(model, path)
 
 
-def _plan_received(adapter: models.BaseStateDictAdapter, targets: dict[str, torch.Tensor],
-                   names: Sequence[str], shapes: Sequence[Sequence[int]]) -> list[str]:
+def _plan_received(
+    adapter: models.BaseStateDictAdapter,
+    targets: dict[str, torch.Tensor],
+    names: Sequence[str],
+    shapes: Sequence[Sequence[int]],
+) -> list[str]:
     """Problems with applying HF tensors ``names`` of ``shapes`` to ``targets`` (empty if none)."""
     problems = []
     for name, shape in zip(names, shapes):
@@ -119,5 +123,6 @@ def receive_weights(
     if problems:
         raise ValueError(
             f"{len(problems)} received tensor(s) do not fit the served model, so none was applied: "
-            + "; ".join(problems[:5]) + (" ..." if len(problems) > 5 else "")
+            + "; ".join(problems[:5])
+            + (" ..." if len(problems) > 5 else "")
         )

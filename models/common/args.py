@@ -93,9 +93,7 @@ class DecoderArgs(BaseModelArgs):
         n_heads = int(cfg["num_attention_heads"])
         n_kv_heads = int(cfg.get("num_key_value_heads") or n_heads)
         if n_heads % n_kv_heads:
-            raise HFConfigError(
-                f"num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv_heads}."
-            )
+            raise HFConfigError(f"num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv_heads}.")
         return dict(
             dim=int(cfg["hidden_size"]),
             n_layers=int(cfg["num_hidden_layers"]),
@@ -125,13 +123,15 @@ class DecoderArgs(BaseModelArgs):
         return {}
 
     @classmethod
-    def from_hf_config(cls, hf_config: Any, is_critic: bool = False) -> "DecoderArgs":
+    def from_hf_config(cls, hf_config: Any, is_critic: bool = False) -> DecoderArgs:
         cfg = hf_config_to_dict(hf_config)
         cls._check_model_type(cfg)
         if cls.unimplemented and not probing_unimplemented():
-            raise HFConfigError(f"{cls.__name__} ({cls.hf_model_type}) does not implement yet: "
-                                f"{', '.join(cls.unimplemented)}; see the report at the top of its model.py and "
-                                "its parity test, or train this model type with an 'fsdp:' allocation meanwhile")
+            raise HFConfigError(
+                f"{cls.__name__} ({cls.hf_model_type}) does not implement yet: "
+                f"{', '.join(cls.unimplemented)}; see the report at the top of its model.py and "
+                "its parity test, or train this model type with an 'fsdp:' allocation meanwhile"
+            )
         source = dict(cfg)
         cfg = {**cfg, **{ours: cfg[theirs] for theirs, ours in cls.hf_key_aliases.items() if theirs in cfg}}
         fields = cls._decoder_fields_from_hf(cfg)

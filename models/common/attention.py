@@ -51,22 +51,27 @@ def _can_use_varlen(q: torch.Tensor) -> bool:
     return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _VARLEN_ATTN is not None
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, gqa: bool,
-          mask: torch.Tensor | None = None) -> torch.Tensor:
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, gqa: bool, mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """SDPA on ``[batch, seq, heads, head_dim]`` tensors: causal without ``mask``, else masked."""
     if mask is not None and not q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
         # CPU's fused kernel is several times slower in low precision on masked (KV-cache)
         # steps than in float32, and the inputs are small there: compute in float32.
         return _sdpa(q.float(), k.float(), v.float(), scale, gqa, mask).to(q.dtype)
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-        attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa,
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=gqa,
     )
     return out.transpose(1, 2)
 
 
-def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-                  ) -> torch.Tensor:
+def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """Attention of a KV-cache step: ``q [b, s, h, d]`` over ``k, v [b, t, kv, d]`` with ``mask [b, 1, s, t]``.
 
     A decode step (a few queries per row) is two small batched matmuls per KV head: on CPU
@@ -157,8 +162,7 @@ class CoreAttention(nn.Module):
         if max_seqlen is None:  # Decoder.forward passes it (one sync per forward, not per layer)
             max_seqlen = int((cu[1:] - cu[:-1]).max())
         out = _VARLEN_ATTN(
-            q[0], k[0], v[0], cu, cu, max_seqlen, max_seqlen,
-            scale=self.scale, window_size=(-1, 0), enable_gqa=gqa,
+            q[0], k[0], v[0], cu, cu, max_seqlen, max_seqlen, scale=self.scale, window_size=(-1, 0), enable_gqa=gqa
         )
         return out.unsqueeze(0)
 

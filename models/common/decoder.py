@@ -31,8 +31,15 @@ class TransformerBlock(nn.Module):
         self.layer_id = layer_id
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(
-            layer_id, args.dim, args.n_heads, args.n_kv_heads, args.head_dim,
-            qkv_bias=args.qkv_bias, o_bias=args.o_bias, qk_norm=args.qk_norm, norm_eps=args.norm_eps,
+            layer_id,
+            args.dim,
+            args.n_heads,
+            args.n_kv_heads,
+            args.head_dim,
+            qkv_bias=args.qkv_bias,
+            o_bias=args.o_bias,
+            qk_norm=args.qk_norm,
+            norm_eps=args.norm_eps,
         )
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.moe_enabled = args.is_moe_layer(layer_id)
@@ -89,8 +96,11 @@ class Decoder(nn.Module):
     @property
     def embeddings_tied(self) -> bool:
         """True when the LM head and the embedding share one parameter (both present, tied)."""
-        return self.tok_embeddings is not None and self.output is not None \
+        return (
+            self.tok_embeddings is not None
+            and self.output is not None
             and self.output.weight is self.tok_embeddings.weight
+        )
 
     def _apply(self, fn, recurse: bool = True):
         # ``to_empty`` (meta -> device) creates new Parameter objects per module and so would

@@ -47,9 +47,9 @@ def _fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor 
     start = 0
     for lin in linears:
         n = lin.out_features
-        lin.weight = nn.Parameter(weight[start:start + n], requires_grad=False)
+        lin.weight = nn.Parameter(weight[start : start + n], requires_grad=False)
         if bias is not None:
-            lin.bias = nn.Parameter(bias[start:start + n], requires_grad=False)
+            lin.bias = nn.Parameter(bias[start : start + n], requires_grad=False)
         start += n
     return weight, bias
 
@@ -99,7 +99,10 @@ class _Block:
         key = (qw._version, kw._version)
         if self._qk_norm is None or self._qk_norm[0] != key:
             d = self.head_dim
-            self._qk_norm = key, torch.cat([qw.detach().expand(self.n_q // d, d), kw.detach().expand(self.n_kv // d, d)])
+            self._qk_norm = (
+                key,
+                torch.cat([qw.detach().expand(self.n_q // d, d), kw.detach().expand(self.n_kv // d, d)]),
+            )
         return self._qk_norm[1]
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, cache: Any) -> torch.Tensor:
@@ -144,7 +147,7 @@ class InferenceForward:
         self.output = PackedLinear(model.output.weight)
 
     @classmethod
-    def for_model(cls, model: nn.Module) -> "InferenceForward | None":
+    def for_model(cls, model: nn.Module) -> InferenceForward | None:
         """The lean forward of ``model``, or None when ``model`` is not a plain single-device ``Decoder``.
 
         One per model: fusing re-points the model's projection Parameters, so a second call
@@ -167,14 +170,17 @@ class InferenceForward:
         that may assign new Parameters (``load_state_dict(assign=True)``, a module swap).
         """
         with torch.no_grad():
-            self.blocks = [b if all(x is y for x, y in zip(b.params, _block_params(block))) else _Block(block)
-                           for b, block in zip(self.blocks, self.model.layers.values())]
+            self.blocks = [
+                b if all(x is y for x, y in zip(b.params, _block_params(block))) else _Block(block)
+                for b, block in zip(self.blocks, self.model.layers.values())
+            ]
         if self.output.weight is not self.model.output.weight:
             self.output = PackedLinear(self.model.output.weight)
 
     @torch.no_grad()
-    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Any,
-                 last: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(
+        self, tokens: torch.Tensor, positions: torch.Tensor, cache: Any, last: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Logits ``[batch, vocab]`` at ``last[b]`` of each row (default: the final position).
 
         ``tokens, positions`` ``[batch, seq]``; ``cache`` has ``update(layer_id, k, v) -> (k_all,

@@ -49,10 +49,19 @@ def _onednn_works() -> bool:
 
 
 def _use_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (_enabled and x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and type(x) is torch.Tensor and type(weight) in (torch.Tensor, nn.Parameter)
-            and x.numel() > 0 and weight.numel() > 0  # oneDNN has no empty products (an idle rank's microbatch)
-            and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling() and _onednn_works())
+    return (
+        _enabled
+        and x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and type(x) is torch.Tensor
+        and type(weight) in (torch.Tensor, nn.Parameter)
+        and x.numel() > 0
+        and weight.numel() > 0  # oneDNN has no empty products (an idle rank's microbatch)
+        and not torch.is_autocast_enabled("cpu")
+        and not torch.compiler.is_compiling()
+        and _onednn_works()
+    )
 
 
 def _mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -84,14 +93,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear(x, weight, bias)``; float32 on CPU through oneDNN (see the module docstring)."""
     if not _use_onednn(x, weight):
         return F.linear(x, weight, bias)
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                    or (bias is not None and bias.requires_grad)):
+    if torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    ):
         return _OneDNNLinear.apply(x, weight, bias)
     return _mm(x, weight, bias)
 
 
-def add_linear(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-               ) -> torch.Tensor:
+def add_linear(
+    h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """``h + linear(x)`` without autograd (inference): the add fused into the matmul where possible."""
     if bias is None and _use_onednn(x, weight):
         return torch.ops.mkldnn._linear_pointwise.binary(x, h, weight, None, "add")

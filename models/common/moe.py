@@ -205,9 +205,7 @@ class MoE(nn.Module):
     * ``record_routing``: keep the last forward's choices in ``selected_experts [bs, seq, k]``.
     """
 
-    def __init__(
-        self, dim: int, hidden_dim: int, num_experts: int, top_k: int, norm_topk_prob: bool
-    ) -> None:
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int, norm_topk_prob: bool) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.top_k = top_k
@@ -215,8 +213,7 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(dim, hidden_dim, num_experts)
         self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.float32), persistent=False)
-        self.register_buffer("step_tokens_per_expert", torch.zeros(num_experts, dtype=torch.float32),
-                             persistent=False)
+        self.register_buffer("step_tokens_per_expert", torch.zeros(num_experts, dtype=torch.float32), persistent=False)
         self.register_buffer("step_aux_loss", torch.zeros((), dtype=torch.float32), persistent=False)
         self.count_tokens = False
         self.aux_loss_weights: torch.Tensor | None = None

@@ -19,7 +19,9 @@ def segment_ids(cu_seqlens: torch.Tensor, seqlen: int, device: torch.device | No
     return torch.searchsorted(cu_seqlens[1:].to(device=device, dtype=torch.int64), idx, right=True)
 
 
-def positions_from_cu_seqlens(cu_seqlens: torch.Tensor, seqlen: int, device: torch.device | None = None) -> torch.Tensor:
+def positions_from_cu_seqlens(
+    cu_seqlens: torch.Tensor, seqlen: int, device: torch.device | None = None
+) -> torch.Tensor:
     """Positions that restart at 0 at every sequence start, ``[1, seqlen]`` int64."""
     device = device if device is not None else cu_seqlens.device
     seg = segment_ids(cu_seqlens, seqlen, device)

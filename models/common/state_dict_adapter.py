@@ -128,8 +128,7 @@ class DecoderStateDictAdapter(BaseStateDictAdapter):
             if e:
                 proj = _EXPERT_ARCHON_TO_HF[e.group(1)]
                 return [
-                    (f"model.layers.{layer}.mlp.experts.{i}.{proj}.weight", tensor[i])
-                    for i in range(tensor.shape[0])
+                    (f"model.layers.{layer}.mlp.experts.{i}.{proj}.weight", tensor[i]) for i in range(tensor.shape[0])
                 ]
         raise self._unknown(archon_name, "Archon -> HF")
 

@@ -39,8 +39,9 @@ class ScaffoldResult:
     report: str
 
 
-def scaffold_model(source: str, name: str | None = None, models_dir: str | Path | None = None,
-                   tests_dir: str | Path | None = None) -> ScaffoldResult:
+def scaffold_model(
+    source: str, name: str | None = None, models_dir: str | Path | None = None, tests_dir: str | Path | None = None
+) -> ScaffoldResult:
     """Write ``<models_dir>/<name>/`` and ``<tests_dir>/test_<name>_parity.py`` for ``source`` and register it.
 
     ``source`` is a transformers model_type or an HF folder; ``name`` defaults to the model type.
@@ -56,16 +57,20 @@ def scaffold_model(source: str, name: str | None = None, models_dir: str | Path 
     src = resolve_source(source)
     name = name or re.sub(r"\W", "_", src.model_type)
     if not name.isidentifier() or keyword.iskeyword(name) or not name.islower():
-        raise ScaffoldError(f"--name {name!r} is not a lower-case Python identifier; pick one such as "
-                            f"'{re.sub(r'[^a-z0-9_]', '_', name.lower())}'")
+        raise ScaffoldError(
+            f"--name {name!r} is not a lower-case Python identifier; pick one such as "
+            f"'{re.sub(r'[^a-z0-9_]', '_', name.lower())}'"
+        )
     package = models_dir / name
     test = tests_dir / f"test_{name}_parity.py"
     for path in (package, test):
         if path.exists():
             raise ScaffoldError(f"'{path}' exists already; pick another --name or delete it first")
     if src.model_type in supported_model_types():
-        raise ScaffoldError(f"model_type '{src.model_type}' is served already by the registered spec "
-                            f"'{get_model_spec(src.model_type).name}'; there is nothing to add")
+        raise ScaffoldError(
+            f"model_type '{src.model_type}' is served already by the registered spec "
+            f"'{get_model_spec(src.model_type).name}'; there is nothing to add"
+        )
     analysis = analyze(src)
     files = write_files(package, render_package(analysis, name))
     files += write_files(tests_dir, {test.name: render_test(analysis, name)})
@@ -73,10 +78,21 @@ def scaffold_model(source: str, name: str | None = None, models_dir: str | Path 
     registered = get_model_spec(src.model_type).name == name
     lines = [f"Archon model package '{name}' for " + report_lines(analysis)[0]]
     lines += [f"  wrote {f}" for f in files]
-    lines.append(f"  registered: `import models` serves model_type '{src.model_type}'" if registered else
-                 f"  NOT registered: add {models_dir} to $ARCHON_MODELS_PATH")
+    lines.append(
+        f"  registered: `import models` serves model_type '{src.model_type}'"
+        if registered
+        else f"  NOT registered: add {models_dir} to $ARCHON_MODELS_PATH"
+    )
     if models_dir.resolve() != (REPO / "models").resolve():
         lines.append(f"  (other processes find it with ARCHON_MODELS_PATH={models_dir})")
     lines += ["", *report_lines(analysis)[1:], "", f"Next: python -m pytest {test}"]
-    return ScaffoldResult(name, src.model_type, package, test, files, [p.id for p in analysis.points],
-                          [s.key for s in analysis.refused], "\n".join(lines))
+    return ScaffoldResult(
+        name,
+        src.model_type,
+        package,
+        test,
+        files,
+        [p.id for p in analysis.points],
+        [s.key for s in analysis.refused],
+        "\n".join(lines),
+    )

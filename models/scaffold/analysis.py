@@ -24,20 +24,31 @@ import torch.nn.functional as F
 from models.model_args import RefusedSetting, allow_unimplemented
 from models.scaffold import probe
 from models.scaffold.probe import Point, same
-from models.scaffold.source import Source, ScaffoldError, make_tiny_config, refused_settings_of, tiny_config_kwargs
+from models.scaffold.source import ScaffoldError, Source, make_tiny_config, refused_settings_of, tiny_config_kwargs
 
 # Archon's parameter names inside a block, by role.
 _ATTN = {"wq": "attention.wq", "wk": "attention.wk", "wv": "attention.wv", "wo": "attention.wo"}
 _MLP = {"w1": "feed_forward.w1", "w3": "feed_forward.w3", "w2": "feed_forward.w2"}
 _NORMS = {"pre_attention": "attention_norm", "pre_mlp": "ffn_norm"}
 _HINTS = {
-    "wq": ("q_proj", "query", "q", "wq"), "wk": ("k_proj", "key", "k", "wk"), "wv": ("v_proj", "value", "v", "wv"),
-    "wo": ("o_proj", "out_proj", "dense", "o", "wo", "c_proj"), "w1": ("gate_proj", "gate", "w1"),
-    "w3": ("up_proj", "up", "w3"), "w2": ("down_proj", "down", "w2"),
+    "wq": ("q_proj", "query", "q", "wq"),
+    "wk": ("k_proj", "key", "k", "wk"),
+    "wv": ("v_proj", "value", "v", "wv"),
+    "wo": ("o_proj", "out_proj", "dense", "o", "wo", "c_proj"),
+    "w1": ("gate_proj", "gate", "w1"),
+    "w3": ("up_proj", "up", "w3"),
+    "w2": ("down_proj", "down", "w2"),
 }
 _EPS_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps", "norm_epsilon")
-_STANDARD_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
-                  "intermediate_size", "max_position_embeddings")
+_STANDARD_KEYS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+    "intermediate_size",
+    "max_position_embeddings",
+)
 
 
 @dataclass
@@ -77,8 +88,12 @@ def _tokens(name: str) -> set[str]:
 
 def _is_norm(module: nn.Module) -> bool:
     weight = getattr(module, "weight", None)
-    return (not isinstance(module, (nn.Linear, nn.Embedding)) and isinstance(weight, torch.Tensor)
-            and weight.dim() == 1 and not list(module.children()))
+    return (
+        not isinstance(module, (nn.Linear, nn.Embedding))
+        and isinstance(weight, torch.Tensor)
+        and weight.dim() == 1
+        and not list(module.children())
+    )
 
 
 def _pick(role: str, candidates: dict[str, tuple[int, ...]], shape: tuple[int, ...], taken: set[str]) -> str | None:
@@ -126,8 +141,9 @@ def analyze(source: Source) -> Analysis:
     try:
         hf = build_hf_model(source, kwargs)
     except Exception as exc:  # noqa: BLE001 - transformers raises many kinds on odd configs
-        raise ScaffoldError(f"transformers could not build a tiny {source.causal_lm_class.__name__} "
-                            f"({type(exc).__name__}: {exc})") from None
+        raise ScaffoldError(
+            f"transformers could not build a tiny {source.causal_lm_class.__name__} ({type(exc).__name__}: {exc})"
+        ) from None
     config = hf.config
     refused, shared = refused_settings_of(source)
     analysis = Analysis(source, kwargs, type(hf).__name__, "", {}, {}, {}, {}, None, refused, shared)
@@ -138,8 +154,10 @@ def analyze(source: Source) -> Analysis:
     lists = {n for n, m in hf.named_modules() if isinstance(m, nn.ModuleList)}
     block_paths = [n for n, m in hf.named_modules() if type(m).__name__ in names and n.rsplit(".", 1)[0] in lists]
     if not block_paths:
-        raise ScaffoldError(f"{type(hf).__name__} has no list of the block classes it names in _no_split_modules "
-                            f"({sorted(names)}), so its transformer blocks cannot be found")
+        raise ScaffoldError(
+            f"{type(hf).__name__} has no list of the block classes it names in _no_split_modules "
+            f"({sorted(names)}), so its transformer blocks cannot be found"
+        )
     block0 = block_paths[0]
     prefix, index = block0.rsplit(".", 1)
     if index != "0":
@@ -148,19 +166,32 @@ def analyze(source: Source) -> Analysis:
     block = hf.get_submodule(block0)
     children = dict(block.named_children())
     attn = next((n for n, m in children.items() if "attention" in type(m).__name__.lower() or "attn" in n), None)
-    mlp = next((n for n, m in children.items() if "mlp" in type(m).__name__.lower() or n in ("mlp", "feed_forward",
-                                                                                            "ffn")), None)
+    mlp = next(
+        (n for n, m in children.items() if "mlp" in type(m).__name__.lower() or n in ("mlp", "feed_forward", "ffn")),
+        None,
+    )
     if attn is None or mlp is None:
-        raise ScaffoldError(f"{type(block).__name__} has no recognisable attention and MLP submodules "
-                            f"(children: {list(children)}); Archon's shared block cannot express it")
+        raise ScaffoldError(
+            f"{type(block).__name__} has no recognisable attention and MLP submodules "
+            f"(children: {list(children)}); Archon's shared block cannot express it"
+        )
     embed = _module_path(hf, hf.get_input_embeddings())
     head = _module_path(hf, hf.get_output_embeddings())
     last = trace.records[f"{prefix}.{len(block_paths) - 1}"].out
-    final_norm = next((n for n, m in hf.named_modules() if _is_norm(m) and not n.startswith(prefix + ".")
-                       and n in trace.records and same(trace.records[n].inp, last, 0)), None)
+    final_norm = next(
+        (
+            n
+            for n, m in hf.named_modules()
+            if _is_norm(m)
+            and not n.startswith(prefix + ".")
+            and n in trace.records
+            and same(trace.records[n].inp, last, 0)
+        ),
+        None,
+    )
 
     layer_keys: dict[str, str] = {}
-    unmapped: dict[str, str] = {}   # HF param (layer 0 or top) -> why it has no counterpart
+    unmapped: dict[str, str] = {}  # HF param (layer 0 or top) -> why it has no counterpart
     rec = trace.records
     x, a, m = rec[block0], rec[f"{block0}.{attn}"], rec[f"{block0}.{mlp}"]
 
@@ -188,20 +219,27 @@ def analyze(source: Source) -> Analysis:
         else:
             unmapped[f"{block0}.{name}.weight"] = {
                 "post_attention": f"extra norm '{name}': it normalises the attention output before the residual add "
-                                  "(a post-attention norm), which the shared block does not have",
+                "(a post-attention norm), which the shared block does not have",
                 "post_mlp": f"extra norm '{name}': it normalises the MLP output before the residual add (a post-MLP "
-                            "norm), which the shared block does not have",
-                "unknown": f"extra norm '{name}' in a place the shared block has none"}[role]
+                "norm), which the shared block does not have",
+                "unknown": f"extra norm '{name}' in a place the shared block has none",
+            }[role]
 
     # ---- attention projections and q/k norms
-    n_heads, n_kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or \
-        config.num_attention_heads
+    n_heads, n_kv = (
+        config.num_attention_heads,
+        getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+    )
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
     d = config.hidden_size
     attn_mod = block.get_submodule(attn)
     linears = {n: tuple(mod.weight.shape) for n, mod in attn_mod.named_modules() if isinstance(mod, nn.Linear)}
-    shapes = {"wq": (n_heads * head_dim, d), "wk": (n_kv * head_dim, d), "wv": (n_kv * head_dim, d),
-              "wo": (d, n_heads * head_dim)}
+    shapes = {
+        "wq": (n_heads * head_dim, d),
+        "wk": (n_kv * head_dim, d),
+        "wv": (n_kv * head_dim, d),
+        "wo": (d, n_heads * head_dim),
+    }
     taken: set[str] = set()
     for role in ("wq", "wk", "wv", "wo"):
         name = _pick(role, linears, shapes[role], taken)
@@ -223,7 +261,8 @@ def analyze(source: Source) -> Analysis:
             unmapped[f"{block0}.{attn}.{name}.weight"] = (
                 f"{'query' if which == 'q_norm' else 'key' if which == 'k_norm' else 'an'} norm '{attn}.{name}' over "
                 f"{module.weight.shape[0]} features (the whole projection), where the shared attention normalises "
-                f"each head ({head_dim})")
+                f"each head ({head_dim})"
+            )
 
     # ---- MLP projections (gate and up told apart by the function, if the names do not)
     mlp_mod = block.get_submodule(mlp)
@@ -274,8 +313,8 @@ def analyze(source: Source) -> Analysis:
         flipped = _meta_model(source, {**kwargs, "attention_bias": True})
         fb = flipped.get_submodule(f"{block0}.{attn}")
         names = {v: k for k, v in layer_keys.items()}
-        bias_q = getattr(fb.get_submodule(names[f"{_ATTN['wq']}.weight"][len(attn) + 1:-7]), "bias", None) is not None
-        bias_o = getattr(fb.get_submodule(names[f"{_ATTN['wo']}.weight"][len(attn) + 1:-7]), "bias", None) is not None
+        bias_q = getattr(fb.get_submodule(names[f"{_ATTN['wq']}.weight"][len(attn) + 1 : -7]), "bias", None) is not None
+        bias_o = getattr(fb.get_submodule(names[f"{_ATTN['wo']}.weight"][len(attn) + 1 : -7]), "bias", None) is not None
     fields["qkv_bias"], fields["o_bias"] = bias_q, bias_o
     analysis.model_fields = fields
 
@@ -320,17 +359,29 @@ def args_class(analysis: Analysis, unimplemented: tuple[str, ...] = ()) -> type:
             out["qkv_bias"], out["o_bias"] = fields["qkv_bias"] and on, fields["o_bias"] and on
         return out
 
-    return type("ScaffoldArgs", (DecoderArgs,), {
-        "__module__": __name__, "hf_model_type": analysis.source.model_type, "hf_architecture": analysis.hf_class,
-        "hf_key_aliases": analysis.key_aliases, "refused_settings": tuple(analysis.refused),
-        "unimplemented": unimplemented, "_model_fields_from_hf": classmethod(model_fields)})
+    return type(
+        "ScaffoldArgs",
+        (DecoderArgs,),
+        {
+            "__module__": __name__,
+            "hf_model_type": analysis.source.model_type,
+            "hf_architecture": analysis.hf_class,
+            "hf_key_aliases": analysis.key_aliases,
+            "refused_settings": tuple(analysis.refused),
+            "unimplemented": unimplemented,
+            "_model_fields_from_hf": classmethod(model_fields),
+        },
+    )
 
 
 def adapter_class(analysis: Analysis) -> type:
     from models.common.state_dict_adapter import TableStateDictAdapter
 
-    return type("ScaffoldAdapter", (TableStateDictAdapter,), {
-        "hf_layer_prefix": analysis.layer_prefix, "top_keys": analysis.top_keys, "layer_keys": analysis.layer_keys})
+    return type(
+        "ScaffoldAdapter",
+        (TableStateDictAdapter,),
+        {"hf_layer_prefix": analysis.layer_prefix, "top_keys": analysis.top_keys, "layer_keys": analysis.layer_keys},
+    )
 
 
 @torch.no_grad()
@@ -387,8 +438,9 @@ def _points(analysis: Analysis, hf, archon, trace, block0, attn, mlp, roles, unm
             failing.append(dataclasses.replace(point, what=_norm_why(theirs, hf, trace, archon.get_submodule(ours))))
     block_fails = bool(failing)
     attn_ok = not any(p.kind == "hf_param" and p.hf.startswith(f"{block0}.{attn}.") for p in failing)
-    mlp_ok = all(f"{_MLP[r]}.weight" in analysis.layer_keys.values() for r in _MLP) and \
-        not any(p.kind == "hf_param" and p.hf.startswith(f"{block0}.{mlp}.") for p in failing)
+    mlp_ok = all(f"{_MLP[r]}.weight" in analysis.layer_keys.values() for r in _MLP) and not any(
+        p.kind == "hf_param" and p.hf.startswith(f"{block0}.{mlp}.") for p in failing
+    )
     checks = [Point("embedding", hf=block0)]
     if mlp_ok:
         checks.append(Point("mlp", hf=f"{block0}.{mlp}"))
@@ -399,22 +451,37 @@ def _points(analysis: Analysis, hf, archon, trace, block0, attn, mlp, roles, unm
             failing.append(dataclasses.replace(point, what=_why(point, hf, trace, archon)))
             block_fails = block_fails or point.kind != "embedding"
     if not block_fails and probe.check(Point("block", hf=block0), hf, archon, trace, adapter):
-        failing.append(Point("block", hf=block0, what="the block combines attention, MLP, norms and residuals "
-                                                      "differently from the shared pre-norm block (e.g. parallel "
-                                                      "attention and MLP)"))
+        failing.append(
+            Point(
+                "block",
+                hf=block0,
+                what="the block combines attention, MLP, norms and residuals "
+                "differently from the shared pre-norm block (e.g. parallel "
+                "attention and MLP)",
+            )
+        )
     if not failing and probe.check(Point("logits"), hf, archon, trace, adapter):
-        failing.append(Point("logits", what="the logits differ although every block matches: a transform after "
-                                            "the last block or of the LM head output"))
+        failing.append(
+            Point(
+                "logits",
+                what="the logits differ although every block matches: a transform after "
+                "the last block or of the LM head output",
+            )
+        )
     return failing
 
 
 def _missing_why(name: str) -> str:
     if name.endswith("attention_norm.weight"):
-        return ("no norm before attention: transformers' block feeds its input to attention directly, the shared "
-                "block normalises it first (attention_norm)")
+        return (
+            "no norm before attention: transformers' block feeds its input to attention directly, the shared "
+            "block normalises it first (attention_norm)"
+        )
     if name.endswith("ffn_norm.weight"):
-        return ("no norm before the MLP: transformers' block feeds the residual stream to the MLP directly, the "
-                "shared block normalises it first (ffn_norm)")
+        return (
+            "no norm before the MLP: transformers' block feeds the residual stream to the MLP directly, the "
+            "shared block normalises it first (ffn_norm)"
+        )
     if name == "norm.weight":
         return "no final norm after the last block (the shared decoder has one)"
     return f"no transformers parameter fills '{name}'"
@@ -457,6 +524,7 @@ def _why(point: Point, hf, trace, archon) -> str:
     if point.kind == "attention":
         hints = ("attn", "attention", "scal", "rope", "rotary")
         keys = sorted(k for k, v in config.to_dict().items() if any(t in k for t in hints) and v not in (None, False))
-        return ("attention computes a different function from the shared one on the same weights"
-                + (f" (config keys to look at: {', '.join(keys)})" if keys else ""))
+        return "attention computes a different function from the shared one on the same weights" + (
+            f" (config keys to look at: {', '.join(keys)})" if keys else ""
+        )
     return point.kind

@@ -93,8 +93,9 @@ class ParityCase:
             back = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
             ids = probe.probe_ids(self.hf.config.vocab_size, seed=3)
             ours, theirs = model(ids), back(input_ids=ids).logits
-        assert probe.same(ours, theirs, 1e-4), \
+        assert probe.same(ours, theirs, 1e-4), (
             f"the saved folder loads with other logits: {probe.max_diff(ours, theirs)}"
+        )
 
     def check_refuses(self, key: str, value: Any, mention: str = "") -> None:
         from models import read_hf_config

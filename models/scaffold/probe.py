@@ -67,9 +67,10 @@ def trace(model: nn.Module, ids: torch.Tensor) -> Trace:
             if name in result.records:
                 return
             inp = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
-            result.records[name] = Record(inp.detach().clone() if isinstance(inp, torch.Tensor) else None,
-                                          _first_tensor(output).detach().clone()
-                                          if _first_tensor(output) is not None else None)
+            result.records[name] = Record(
+                inp.detach().clone() if isinstance(inp, torch.Tensor) else None,
+                _first_tensor(output).detach().clone() if _first_tensor(output) is not None else None,
+            )
 
         handles.append(module.register_forward_hook(hook, with_kwargs=True))
     try:
@@ -120,8 +121,9 @@ class Point:
         return f"{self.kind}:{self.archon or self.hf}" if (self.archon or self.hf) else self.kind
 
 
-def check(point: Point, hf_model: nn.Module, archon_model: nn.Module, hf_trace: Trace,
-          adapter: Any = None) -> str | None:
+def check(
+    point: Point, hf_model: nn.Module, archon_model: nn.Module, hf_trace: Trace, adapter: Any = None
+) -> str | None:
     """None when ``point`` computes the same in both models, else what differs."""
     return _CHECKS[point.kind](point, hf_model, archon_model, hf_trace, adapter)
 
@@ -130,10 +132,14 @@ def _archon_trace(archon_model: nn.Module, ids: torch.Tensor) -> dict[str, Recor
     records: dict[str, Record] = {}
     handles = []
     for name, module in archon_model.named_modules():
+
         def hook(mod, args, output, name=name):
             if name not in records:
-                records[name] = Record(args[0].detach().clone() if args and isinstance(args[0], torch.Tensor)
-                                       else None, _first_tensor(output))
+                records[name] = Record(
+                    args[0].detach().clone() if args and isinstance(args[0], torch.Tensor) else None,
+                    _first_tensor(output),
+                )
+
         handles.append(module.register_forward_hook(hook))
     try:
         with torch.no_grad():
@@ -226,6 +232,13 @@ def _has(model: nn.Module, path: str) -> bool:
         return False
 
 
-_CHECKS = {"norm": _check_norm, "embedding": _check_embedding, "mlp": _check_mlp, "attention": _check_attention,
-           "block": _check_block, "logits": _check_logits, "hf_param": _check_hf_param,
-           "archon_param": _check_archon_param}
+_CHECKS = {
+    "norm": _check_norm,
+    "embedding": _check_embedding,
+    "mlp": _check_mlp,
+    "attention": _check_attention,
+    "block": _check_block,
+    "logits": _check_logits,
+    "hf_param": _check_hf_param,
+    "archon_param": _check_archon_param,
+}

@@ -10,10 +10,19 @@ from models.model_args import RefusedSetting
 from models.scaffold.analysis import Analysis
 from models.scaffold.probe import Point
 
-ON_EXAMPLES = {"sliding_window": 8, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
-               "query_pre_attn_scalar": 7, "mlp_bias": True, "partial_rotary_factor": 0.5,
-               "embedding_multiplier": 2.0, "residual_multiplier": 0.5, "attention_multiplier": 0.5,
-               "logits_scaling": 2.0, "logit_scale": 2.0}
+ON_EXAMPLES = {
+    "sliding_window": 8,
+    "attn_logit_softcapping": 50.0,
+    "final_logit_softcapping": 30.0,
+    "query_pre_attn_scalar": 7,
+    "mlp_bias": True,
+    "partial_rotary_factor": 0.5,
+    "embedding_multiplier": 2.0,
+    "residual_multiplier": 0.5,
+    "attention_multiplier": 0.5,
+    "logits_scaling": 2.0,
+    "logit_scale": 2.0,
+}
 """A value that switches each optional setting on (the generated test checks it is refused)."""
 
 
@@ -50,12 +59,16 @@ def _py(value, indent: int = 0) -> str:
 
 def report_lines(a: Analysis) -> list[str]:
     """What differs and what is refused, one bullet each (the report printed and written into model.py)."""
-    lines = [f"transformers' {a.hf_class} (model_type '{a.source.model_type}') on Archon's shared decoder blocks.",
-             f"Weights: {len(a.layer_keys)} tensors per block and {len(a.top_keys)} outside matched by name and "
-             "shape.", ""]
+    lines = [
+        f"transformers' {a.hf_class} (model_type '{a.source.model_type}') on Archon's shared decoder blocks.",
+        f"Weights: {len(a.layer_keys)} tensors per block and {len(a.top_keys)} outside matched by name and shape.",
+        "",
+    ]
     if a.points:
-        lines.append(f"Differences from models/common ({len(a.points)}; the parity test fails on each until it is "
-                     "implemented, and from_hf_config refuses real checkpoints meanwhile):")
+        lines.append(
+            f"Differences from models/common ({len(a.points)}; the parity test fails on each until it is "
+            "implemented, and from_hf_config refuses real checkpoints meanwhile):"
+        )
         lines += [f"  - [{p.id}] {p.what}" for p in a.points]
     else:
         lines.append("Differences from models/common: none; the shared blocks compute this model exactly.")
@@ -74,14 +87,17 @@ def render_package(a: Analysis, name: str) -> dict[str, str]:
     settings = _py(tuple(a.refused), 4)
     bias = a.model_fields
     if a.bias_key:
-        fields = (f'        bias = bool(cfg.get({_py(a.bias_key)}, False))\n'
-                  f'        return dict(qkv_bias={"bias" if bias["qkv_bias"] else "False"}, '
-                  f'o_bias={"bias" if bias["o_bias"] else "False"}, qk_norm={bias["qk_norm"]})')
-        update = (f'\n    def _update_hf_config(self, cfg: dict[str, Any]) -> None:\n'
-                  f'        cfg[{_py(a.bias_key)}] = {"self.qkv_bias" if bias["qkv_bias"] else "self.o_bias"}\n')
+        fields = (
+            f"        bias = bool(cfg.get({_py(a.bias_key)}, False))\n"
+            f"        return dict(qkv_bias={'bias' if bias['qkv_bias'] else 'False'}, "
+            f"o_bias={'bias' if bias['o_bias'] else 'False'}, qk_norm={bias['qk_norm']})"
+        )
+        update = (
+            f"\n    def _update_hf_config(self, cfg: dict[str, Any]) -> None:\n"
+            f"        cfg[{_py(a.bias_key)}] = {'self.qkv_bias' if bias['qkv_bias'] else 'self.o_bias'}\n"
+        )
     else:
-        fields = (f'        return dict(qkv_bias={bias["qkv_bias"]}, o_bias={bias["o_bias"]}, '
-                  f'qk_norm={bias["qk_norm"]})')
+        fields = f"        return dict(qkv_bias={bias['qkv_bias']}, o_bias={bias['o_bias']}, qk_norm={bias['qk_norm']})"
         update = ""
     report = textwrap.indent("\n".join(report_lines(a)), "    ").replace("\n    \n", "\n\n")
     files = {
@@ -222,12 +238,16 @@ def refused_examples(a: Analysis) -> list[tuple[str, object, str]]:
 def render_test(a: Analysis, name: str) -> str:
     """``tests/models/test_<name>_parity.py``."""
     refused = refused_examples(a)
-    doc = ("A tiny random ``{mt}`` checkpoint made by transformers must give the same logits in Archon\n"
-           "(whole and packed rows), load with every tensor used, and save to a folder transformers loads\n"
-           "with the same logits; settings the package lacks are refused.").format(mt=a.source.model_type)
+    doc = (
+        f"A tiny random ``{a.source.model_type}`` checkpoint made by transformers must give the same logits in Archon\n"
+        "(whole and packed rows), load with every tensor used, and save to a folder transformers loads\n"
+        "with the same logits; settings the package lacks are refused."
+    )
     if a.points:
-        doc += ("\n\nEach difference listed at the top of ``models/{name}/model/model.py`` is a case of\n"
-                "``test_difference_is_implemented``; they fail until implemented.").format(name=name)
+        doc += (
+            f"\n\nEach difference listed at the top of ``models/{name}/model/model.py`` is a case of\n"
+            "``test_difference_is_implemented``; they fail until implemented."
+        )
     text = f'''"""Parity of ``models/{name}`` with transformers' {a.hf_class} (written by ``scripts/add_model.py``).
 
 {doc}
@@ -276,7 +296,7 @@ def test_refuses_unsupported_settings(case, key, value, mention):
     case.check_refuses(key, value, mention)
 '''
     if a.points:
-        text += f'''
+        text += f"""
 
 DIFFERENCES = {_py(a.points)}
 
@@ -284,7 +304,7 @@ DIFFERENCES = {_py(a.points)}
 @pytest.mark.parametrize("point", DIFFERENCES, ids=[p.id for p in DIFFERENCES])
 def test_difference_is_implemented(case, point):
     case.check_point(point)
-'''
+"""
     return text
 
 

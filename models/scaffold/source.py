@@ -25,8 +25,12 @@ OPTIONAL_SETTINGS: tuple[RefusedSetting, ...] = (
     RefusedSetting("sliding_window", None, "sliding-window attention"),
     RefusedSetting("attn_logit_softcapping", None, "soft-capping of attention logits"),
     RefusedSetting("final_logit_softcapping", None, "soft-capping of the final logits"),
-    RefusedSetting("query_pre_attn_scalar", None, "attention scaled by 1/sqrt(query_pre_attn_scalar), not "
-                                                  "1/sqrt(head_dim)", off_key="head_dim"),
+    RefusedSetting(
+        "query_pre_attn_scalar",
+        None,
+        "attention scaled by 1/sqrt(query_pre_attn_scalar), not 1/sqrt(head_dim)",
+        off_key="head_dim",
+    ),
     RefusedSetting("mlp_bias", False, "biases in the MLP projections"),
     RefusedSetting("partial_rotary_factor", 1.0, "RoPE on only part of each head"),
     RefusedSetting("embedding_multiplier", 1.0, "a scaled embedding output"),
@@ -46,8 +50,15 @@ SHARED_REFUSALS: dict[str, str] = {
 }
 """Config keys whose unsupported values the shared reader (``DecoderArgs``) already refuses."""
 
-TINY_SIZES = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+TINY_SIZES = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
 TINY_HEAD_DIM = 24
 """Deliberately not hidden_size / num_attention_heads, where the config has a head_dim field."""
 
@@ -77,29 +88,36 @@ def resolve_source(arg: str) -> Source:
     folder = None
     if path.exists() or "/" in arg or arg.startswith("."):
         if not path.is_dir() or not (path / "config.json").is_file():
-            raise ScaffoldError(f"'{arg}' is not a Hugging Face model folder (no config.json in it); pass a folder "
-                                "with config.json, or a transformers model_type such as 'llama'")
+            raise ScaffoldError(
+                f"'{arg}' is not a Hugging Face model folder (no config.json in it); pass a folder "
+                "with config.json, or a transformers model_type such as 'llama'"
+            )
         try:
             model_type = json.loads((path / "config.json").read_text()).get("model_type")
         except (OSError, json.JSONDecodeError) as exc:
             raise ScaffoldError(f"'{path / 'config.json'}' is not readable JSON ({exc}); fix or replace it") from None
         if not model_type:
-            raise ScaffoldError(f"'{path / 'config.json'}' has no model_type; a Hugging Face model folder names its "
-                                "architecture there")
+            raise ScaffoldError(
+                f"'{path / 'config.json'}' has no model_type; a Hugging Face model folder names its architecture there"
+            )
         folder = path
     else:
         model_type = arg
     if model_type not in CONFIG_MAPPING:
         near = difflib.get_close_matches(model_type, list(CONFIG_MAPPING.keys()), n=3)
         hint = f"; did you mean {', '.join(repr(n) for n in near)}?" if near else ""
-        raise ScaffoldError(f"unknown model type '{model_type}': this transformers has no config class for it"
-                            f"{hint} (upgrade transformers if the model is newer)")
+        raise ScaffoldError(
+            f"unknown model type '{model_type}': this transformers has no config class for it"
+            f"{hint} (upgrade transformers if the model is newer)"
+        )
     config = AutoConfig.from_pretrained(folder) if folder is not None else AutoConfig.for_model(model_type)
     try:
         cls = AutoModelForCausalLM._model_mapping[type(config)]
     except KeyError:
-        raise ScaffoldError(f"model type '{model_type}' has no *ForCausalLM class in transformers; Archon's model "
-                            "packages are causal LMs") from None
+        raise ScaffoldError(
+            f"model type '{model_type}' has no *ForCausalLM class in transformers; Archon's model "
+            "packages are causal LMs"
+        ) from None
     return Source(model_type, config, folder, cls)
 
 
@@ -122,8 +140,9 @@ def tiny_config_kwargs(source: Source) -> dict[str, Any]:
         kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
     for setting in refused_settings_of(source)[0]:
         if setting.key in cfg:
-            kwargs[setting.key] = kwargs.get(setting.off_key, cfg.get(setting.off_key)) if setting.off_key \
-                else setting.off
+            kwargs[setting.key] = (
+                kwargs.get(setting.off_key, cfg.get(setting.off_key)) if setting.off_key else setting.off
+            )
     for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
         value = cfg.get(key)
         # Ids from the real vocabulary do not fit the tiny one.

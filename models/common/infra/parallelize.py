@@ -25,14 +25,9 @@ from torch.distributed.tensor.parallel import (
 from parallel.activation_checkpoint import apply_ac
 from parallel.compile import apply_compile
 from parallel.context_parallel import apply_cp, check_heads_divisible
-from parallel.expert_parallel import (
-    apply_expert_fsdp,
-    apply_moe_folding,
-    check_expert_parallel,
-    expert_fsdp_mesh,
-)
 from parallel.dims import ParallelDims
 from parallel.dtypes import to_dtype
+from parallel.expert_parallel import apply_expert_fsdp, apply_moe_folding, check_expert_parallel, expert_fsdp_mesh
 from parallel.fsdp import apply_fsdp
 from parallel.options import ParallelizeOptions
 from parallel.tensor_parallel import (
@@ -43,7 +38,6 @@ from parallel.tensor_parallel import (
     check_divisible,
 )
 
-
 MOE_TP_MODES = ("etp", "local")
 """How MoE layers use the TP ranks (see ``apply_tp``)."""
 
@@ -53,18 +47,18 @@ def _moe_tp_plan(moe_tp: str) -> dict[str, Any]:
         # MoE folding: each TP rank keeps its sequence shard (and cuts the mask and replayed
         # choices to it); the expert layout (EP, ETP token pooling) is applied afterwards.
         # The router is replicated and its gradient summed over the TP ranks.
-        return {
-            "moe": LocalTokensParallel(),
-            "moe.router.gate": ReplicateParallel(input_layout=Shard(0)),
-        }
+        return {"moe": LocalTokensParallel(), "moe.router.gate": ReplicateParallel(input_layout=Shard(0))}
     return {
         # Every TP rank routes all tokens and runs its slice of every expert's hidden dim;
         # the partial outputs are reduce-scattered back to sequence shards.  The mask and
         # replayed choices cover the whole sequence already.
-        "moe": PrepareModuleInputOutput(input_layouts=(Shard(1), None, None),
-                                        desired_input_layouts=(Replicate(), None, None),
-                                        use_local_input=True, output_layouts=(Partial(),),
-                                        desired_output_layouts=(Shard(1),)),
+        "moe": PrepareModuleInputOutput(
+            input_layouts=(Shard(1), None, None),
+            desired_input_layouts=(Replicate(), None, None),
+            use_local_input=True,
+            output_layouts=(Partial(),),
+            desired_output_layouts=(Shard(1),),
+        ),
         "moe.router.gate": ReplicateParallel(partial_output_grad=True),
         "moe.experts": ExpertTensorParallel(),
     }
@@ -75,8 +69,10 @@ def _tp_plan_for_block(block: nn.Module, moe_tp: str = "etp") -> dict[str, Any]:
     plan: dict[str, Any] = {
         "attention_norm": SequenceParallel(),
         # Attention's positional inputs: x, rope (cos, sin), cu_seqlens, cache, max_seqlen.
-        "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None, None, None),
-                                        desired_input_layouts=(Replicate(), None, None, None, None)),
+        "attention": PrepareModuleInput(
+            input_layouts=(Shard(1), None, None, None, None),
+            desired_input_layouts=(Replicate(), None, None, None, None),
+        ),
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
@@ -91,12 +87,14 @@ def _tp_plan_for_block(block: nn.Module, moe_tp: str = "etp") -> dict[str, Any]:
     if block.moe_enabled:
         plan.update(_moe_tp_plan(moe_tp))
     else:
-        plan.update({
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-        })
+        plan.update(
+            {
+                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w3": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            }
+        )
     return plan
 
 
@@ -125,12 +123,13 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool = True, 
     if model.output is not None:
         if args.is_critic:
             # A 1-wide value head cannot be split: replicate it and keep values sequence-sharded.
-            top["output"] = ReplicateParallel(input_layout=Shard(1), output_layout=Replicate(),
-                                              use_local_output=True)
+            top["output"] = ReplicateParallel(input_layout=Shard(1), output_layout=Replicate(), use_local_output=True)
         else:
-            top["output"] = ColwiseParallel(input_layouts=Shard(1),
-                                            output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                            use_local_output=not loss_parallel)
+            top["output"] = ColwiseParallel(
+                input_layouts=Shard(1),
+                output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                use_local_output=not loss_parallel,
+            )
     if model.norm is None:
         top.pop("norm")
     apply_tensor_parallel(model, tp_mesh, top)
@@ -169,37 +168,64 @@ def parallelize_decoder(model: nn.Module, *, parallel_dims: ParallelDims, option
     experts = [m.experts for m in moes]
     folding = parallel_dims.moe_folding_enabled
     if folding:
-        check_expert_parallel(experts[0].num_experts if experts else 0, len(experts), parallel_dims.ep,
-                              type(model).__name__, etp=parallel_dims.etp,
-                              moe_hidden_dim=getattr(model.args, "moe_hidden_dim", 0))
+        check_expert_parallel(
+            experts[0].num_experts if experts else 0,
+            len(experts),
+            parallel_dims.ep,
+            type(model).__name__,
+            etp=parallel_dims.etp,
+            moe_hidden_dim=getattr(model.args, "moe_hidden_dim", 0),
+        )
     router_dtype = options.router_dtype
     for m in moes:
         m.router.gate_dtype = router_dtype
     if parallel_dims.tp_enabled:
-        apply_tp(model, parallel_dims.get_mesh("tp"), loss_parallel=parallel_dims.loss_parallel_enabled,
-                 moe_tp="local" if folding else "etp")
+        apply_tp(
+            model,
+            parallel_dims.get_mesh("tp"),
+            loss_parallel=parallel_dims.loss_parallel_enabled,
+            moe_tp="local" if folding else "etp",
+        )
     if folding:
         apply_moe_folding(moes, parallel_dims)
     if parallel_dims.cp_enabled:
         check_heads_divisible(model.args.n_heads, parallel_dims.tp, parallel_dims.cp, type(model).__name__)
         apply_cp(model.layers, parallel_dims.get_mesh("cp"), core="attention.core")
     if options.ac_enabled:
-        apply_ac(model.layers, options.ac_mode, options.selective_ac_option, options.ac_memory_budget,
-                 compile_enabled=options.enable_compile, preserve_rng_state=options.deterministic,
-                 debug=options.ac_debug)
+        apply_ac(
+            model.layers,
+            options.ac_mode,
+            options.selective_ac_option,
+            options.ac_memory_budget,
+            compile_enabled=options.enable_compile,
+            preserve_rng_state=options.deterministic,
+            debug=options.ac_debug,
+        )
     if options.enable_compile:
         # Under MoE folding the dispatch/pooling hooks break the block graph (data-dependent
         # all-to-alls), and MoE router bookkeeping runs eagerly too.
         apply_compile(model.layers, fullgraph=not moes)
-    fsdp = dict(reduce_dtype=options.reduce_dtype, pp_enabled=parallel_dims.pp_enabled,
-                cpu_offload=options.cpu_offload, reshard_after_forward_policy=options.reshard_after_forward_policy)
+    fsdp = dict(
+        reduce_dtype=options.reduce_dtype,
+        pp_enabled=parallel_dims.pp_enabled,
+        cpu_offload=options.cpu_offload,
+        reshard_after_forward_policy=options.reshard_after_forward_policy,
+    )
     if folding:
         # Experts first, on their own mesh, so that the block units below leave them out.
-        apply_expert_fsdp(experts, expert_fsdp_mesh(parallel_dims), parallel_dims.fsdp_gradient_divide_factor,
-                          param_dtype=options.param_dtype, **fsdp)
+        apply_expert_fsdp(
+            experts,
+            expert_fsdp_mesh(parallel_dims),
+            parallel_dims.fsdp_gradient_divide_factor,
+            param_dtype=options.param_dtype,
+            **fsdp,
+        )
     if parallel_dims.fsdp_enabled:
-        mesh = parallel_dims.get_mesh("hsdp") if parallel_dims.dp_replicate_enabled else \
-            parallel_dims.get_mesh("dp_shard_cp")
+        mesh = (
+            parallel_dims.get_mesh("hsdp")
+            if parallel_dims.dp_replicate_enabled
+            else parallel_dims.get_mesh("dp_shard_cp")
+        )
         if router_dtype is not None and to_dtype(options.param_dtype) != router_dtype:
             # Gates get their own units so that FSDP gathers them in float32, not in `param_dtype`.
             apply_fsdp(model, mesh, [m.router.gate for m in moes], param_dtype=router_dtype, shard_root=False, **fsdp)
