@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -265,6 +266,21 @@ def test_server_exiting_during_startup_reports_its_log_tail(tmp_path):
     ):
         launcher.start()
     assert launcher.pids == []  # the healthy one was stopped too
+
+
+def test_a_server_whose_port_was_taken_meanwhile_starts_on_another(tmp_path):
+    """Ports are picked before the servers bind them; another process may take one in between."""
+    specs = _fake_specs(tmp_path)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", specs[0].port))
+        taken.listen()
+        with RolloutLauncher(specs, setup_timeout=300) as launcher:
+            first = launcher.addrs[0]
+            assert first != f"127.0.0.1:{specs[0].port}" and launcher.addrs[1] == specs[1].addr
+            with urllib.request.urlopen(f"http://{first}/health", timeout=5) as resp:
+                assert resp.status == 200
+    log = (tmp_path / "rollout" / "server_0.log").read_text()
+    assert "address already in use" in log.lower() and f"starting on {first}" in log
 
 
 def test_startup_timeout_is_a_clear_error(tmp_path):

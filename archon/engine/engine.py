@@ -26,7 +26,6 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.tensor import DTensor
 
 from archon.alloc import ModelAllocation
 from archon.config import ConfigError, TrainEngineConfig
@@ -41,20 +40,19 @@ from archon.engine.microbatch import (
     pack_token_values,
     plan_microbatches,
     seqlens_of,
-    unpack,
 )
 from archon.engine.optimizer import build_lr_scheduler, build_optimizer
 from archon.engine.options import parallelize_options, pipeline_options
 from archon.engine.state import TrainState, engine_states
 from archon.engine.step_loss import LossFn, LossWeightFn, StepTotals, microbatch_loss, token_count_weight
-from archon.engine.weights import hf_full_tensors, init_from_seed, init_unloaded, write_hf_folder
+from archon.engine.token_outputs import loss_positions, output_keys, token_outputs
+from archon.engine.weights import hf_full_tensors, init_from_seed, init_unloaded, load_hf_config, write_hf_folder
 from archon.errors import ArchonError
-from parallel.context_parallel import gather_sequence, shard_sequence
+from parallel.context_parallel import shard_sequence
 from parallel.dims import ParallelDims
 from parallel.dtypes import to_dtype
 from parallel.errors import ParallelConfigError
 from parallel.grad_clip import clip_grad_norm_
-from parallel.loss_parallel import vocab_parallel_logprobs_entropy
 from pipeline import Microbatch, PipelineConfigError, PipelinedModel
 
 logger = logging.getLogger("archon.engine")
@@ -218,27 +216,10 @@ class ArchonEngine:
             raise EngineError(f"{self.name}.backend = '{self.config.backend}': {exc}") from None
 
     def _load_hf_config(self):
-        from transformers import AutoConfig
-
-        source = self.config.path or self.config.model_config
-        if not source:
-            raise EngineError(
-                f"{self.name}.path is empty and {self.name}.model_config is empty; set one to an "
-                "HF model folder (path loads its weights, model_config only its architecture)"
-            )
-        p = Path(source)
-        folder = p.parent if p.name == "config.json" else p
-        if not (folder / "config.json").is_file():
-            raise EngineError(
-                f"{self.name}: no config.json in '{folder}'; point {self.name}.path at a Hugging Face "
-                "model folder (config.json + *.safetensors)"
-            )
-        from models import get_model_spec, read_hf_config
-
-        if self.backend == "archon":
-            # Archon's sentence for an unsupported model_type, before transformers' paragraph about it.
-            get_model_spec(read_hf_config(folder).get("model_type", ""))
-        return AutoConfig.from_pretrained(str(folder))
+        try:
+            return load_hf_config(self.name, self.config.path or self.config.model_config, self.backend == "archon")
+        except ConfigError as exc:
+            raise EngineError(str(exc)) from None
 
     @torch.no_grad()
     def _init_weights(self) -> None:
@@ -328,22 +309,12 @@ class ArchonEngine:
         return self._token_outputs(out, mb, keep)
 
     def _loss_positions(self, batch: Batch, mb: PackedMicrobatch) -> torch.Tensor | None:
-        """Packed positions whose logits the loss can read: those predicting a ``loss_mask`` token.
-
-        The LM head and the logprobs then skip the rest (an RL batch's prompts).  None (every
-        position) for a critic, without ``loss_mask``, when the layout shards the sequence or
-        the vocabulary (TP, CP, PP), or when nearly every position is needed anyway.
-        """
+        """Packed positions the loss reads (``loss_positions``); None (every position) for a critic
+        or when the layout shards the sequence or the vocabulary (TP, CP, PP)."""
         pd = self.parallel_dims
-        if self.is_critic or "loss_mask" not in batch or pd.tp_enabled or pd.cp_enabled or pd.pp_enabled:
+        if self.is_critic or pd.tp_enabled or pd.cp_enabled or pd.pp_enabled:
             return None
-        loss_mask = batch["loss_mask"]
-        masked = torch.zeros(mb.total_len, dtype=torch.bool, device=loss_mask.device)
-        if mb.indices:
-            masked[: mb.n_real_tokens] = torch.cat([loss_mask[i, :n] for i, n in zip(mb.indices, mb.seqlens)]) > 0
-        masked[mb.seq_starts] = False  # a sequence's first token has no predicting position (its logprob is 0)
-        keep = masked.nonzero().squeeze(1) - 1
-        return keep if keep.numel() < 0.9 * mb.total_len else None
+        return loss_positions(batch, mb)
 
     def _model_inputs(self, mb: PackedMicrobatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Tokens and the per-token keyword inputs the model (or every pipeline stage) sees: this CP rank's chunk.
@@ -361,48 +332,12 @@ class ArchonEngine:
             return mb.tokens, kwargs
         return shard_sequence(mb.tokens, cp_mesh), {k: shard_sequence(v, cp_mesh) for k, v in kwargs.items()}
 
-    @property
-    def _output_keys(self) -> list[str]:
-        """Per-token outputs of ``forward``: a critic's values, or an LM's logprobs and entropy."""
-        return ["values"] if self.is_critic else ["logprobs", "entropy"]
-
     def _token_outputs(
         self, out: torch.Tensor, mb: PackedMicrobatch, keep: torch.Tensor | None = None
     ) -> dict[str, torch.Tensor]:
-        """The model's output for packed ``mb`` (logits or values) as token-aligned per-token rows.
-
-        Next-token targets come from the full row; under context parallel the per-token outputs
-        are gathered back to full rows, the same on every CP rank (see ``gather_sequence``).
-        ``keep``: the packed positions ``out`` holds (all when None); the others get 0.
-        """
+        """The model's output for packed ``mb`` as token-aligned per-token rows (``token_outputs``)."""
         cp_mesh = self.parallel_dims.get_optional_mesh("cp")
-        if self.is_critic:
-            values = out.full_tensor() if isinstance(out, DTensor) else out
-            rows = [values.reshape(-1).float()]
-        else:
-            targets = torch.roll(mb.tokens[0], -1)
-            if cp_mesh is not None:
-                targets = shard_sequence(targets, cp_mesh, dim=0)
-            if keep is not None:
-                targets = targets[keep]
-            # Kept apart (not stacked): an output the loss ignores then gets no gradient at all,
-            # and its backward is skipped (the entropy's is a tokens x vocab pass).
-            # The whole [1, T, V] logits (a view inside), not out[0]: a select's backward would
-            # write its gradient into a zero-filled copy of the logits.
-            rows = [r[0] for r in vocab_parallel_logprobs_entropy(out, targets.unsqueeze(0), self.temperature)]
-        # ``_anchor`` keeps a graph through the model even when the microbatch has no sample.
-        anchor = rows[0].sum() * 0.0
-        if keep is not None:
-            rows = [row.new_zeros(mb.total_len).index_copy(0, keep, row) for row in rows]
-        result = {}
-        for key, row in zip(self._output_keys, rows):
-            if cp_mesh is not None:
-                row = gather_sequence(row, cp_mesh, dim=0)
-            # Output i is about token i: shift the next-token values right; sequence starts get 0.
-            aligned = torch.roll(row, 1, dims=0).index_fill(0, mb.seq_starts, 0.0)
-            result[key] = unpack(aligned, mb)
-        result["_anchor"] = anchor
-        return result
+        return token_outputs(out, mb, keep, is_critic=self.is_critic, temperature=self.temperature, cp_mesh=cp_mesh)
 
     def _plan(self, batch: Batch):
         mb_spec = self.config.mb_spec
@@ -577,7 +512,7 @@ class ArchonEngine:
             dist.all_gather_object(gathered, payload, group=self._dp_group())
         else:
             gathered = [payload]
-        keys = self._output_keys
+        keys = output_keys(self.is_critic)
         result = {k: torch.zeros(B, S, dtype=torch.float32) for k in keys}
         for indices, values in gathered:
             for key in keys:

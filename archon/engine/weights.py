@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from archon.config import ConfigError
 from parallel.fqn import clean_fqn
 from pipeline import PipelinedModel
 
@@ -136,3 +137,30 @@ def write_hf_folder(
         for _ in on_cpu:  # join the collectives
             pass
     dist.barrier()
+
+
+def load_hf_config(name: str, source: str, check_spec: bool) -> Any:
+    """The transformers config of the HF folder (or config.json) ``source``, for engine ``name``.
+
+    ``check_spec``: first check that Archon has a model for its ``model_type`` (Archon's sentence
+    for an unsupported model, before transformers' paragraph about it).
+    """
+    from transformers import AutoConfig
+
+    from models import get_model_spec, read_hf_config
+
+    if not source:
+        raise ConfigError(
+            f"{name}.path is empty and {name}.model_config is empty; set one to an "
+            "HF model folder (path loads its weights, model_config only its architecture)"
+        )
+    p = Path(source)
+    folder = p.parent if p.name == "config.json" else p
+    if not (folder / "config.json").is_file():
+        raise ConfigError(
+            f"{name}: no config.json in '{folder}'; point {name}.path at a Hugging Face "
+            "model folder (config.json + *.safetensors)"
+        )
+    if check_spec:
+        get_model_spec(read_hf_config(folder).get("model_type", ""))
+    return AutoConfig.from_pretrained(str(folder))

@@ -37,7 +37,6 @@ import threading
 import time
 import uuid
 from collections.abc import Coroutine, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import aiohttp
@@ -45,6 +44,7 @@ import aiohttp
 from archon.alloc import ModelAllocation
 from archon.config import ConfigError, RolloutConfig
 from archon.rollout.auth import api_key_from_env, auth_headers
+from archon.rollout.control import ServerControl, ServerState
 from archon.rollout.server_api import (  # noqa: F401 - errors, results and helpers are public here too
     HEALTH_PROBE_TIMEOUT_S,
     Call,
@@ -66,35 +66,13 @@ _MAX_BACKOFF_S = 30.0
 _KEEPALIVE_S = 2.0
 
 
-class _ServerFailure(Exception):
+class ServerStateFailure(Exception):
     """A failure worth retrying elsewhere: connection error, timeout or 5xx."""
 
     def __init__(self, message: str, *, refused: bool = False, timed_out: bool = False):
         super().__init__(message)
         self.refused = refused
         self.timed_out = timed_out
-
-
-@dataclass
-class _Server:
-    """Load and health of one server, touched only on the client's event loop."""
-
-    index: int
-    """Position in the client's address list (tie-breaker)."""
-    url: str
-    """Base URL, e.g. http://127.0.0.1:30000."""
-    in_flight: int = 0
-    """Generate requests currently waiting on this server."""
-    sent: int = 0
-    """Generate requests sent so far."""
-    consecutive_failures: int = 0
-    """Failures since the last success."""
-    down: bool = False
-    """Marked down: receives no more requests."""
-    last_error: str = ""
-    """Most recent failure, for error messages."""
-    weight_version: str = ""
-    """Version of the last weight update this client made on the server ("" before any)."""
 
 
 async def _cancel_on_first_error(tasks: list[asyncio.Task]) -> list[BaseException]:
@@ -108,7 +86,7 @@ async def _cancel_on_first_error(tasks: list[asyncio.Task]) -> list[BaseExceptio
     return errors
 
 
-class RolloutClient:
+class RolloutClient(ServerControl):
     """Sends generate and control requests to a fixed set of rollout servers."""
 
     def __init__(
@@ -136,7 +114,7 @@ class RolloutClient:
             raise ConfigError(
                 f"rollout server address(es) {', '.join(dupes)} listed more than once; list each server once"
             )
-        self._servers = [_Server(i, u) for i, u in enumerate(urls)]
+        self._servers = [ServerState(i, u) for i, u in enumerate(urls)]
         self.api = api or ServerAPI()
         self.request_timeout = request_timeout
         self.retries = retries
@@ -145,7 +123,7 @@ class RolloutClient:
         self.down_after = max(1, down_after)
         self._headers = auth_headers(api_key or api_key_from_env())
         self._healthy = False
-        self._group_members: dict[str, list[_Server]] = {}
+        self._group_members: dict[str, list[ServerState]] = {}
         self._counters = {"requests": 0, "retries": 0}
 
         self._loop = asyncio.new_event_loop()
@@ -259,7 +237,7 @@ class RolloutClient:
                 self.mark_down(server.url, f"/health failed: {why}")
         return [s.url for s, why in zip(up, reasons) if why is not None]
 
-    def _server(self, url: str) -> _Server:
+    def _server(self, url: str) -> ServerState:
         url = normalize_addr(url)
         for server in self._servers:
             if server.url == url:
@@ -276,9 +254,9 @@ class RolloutClient:
 
     # ------------------------------------------------------------------ HTTP
     async def _http(
-        self, server: _Server, method: str, path: str, payload: Any = None, timeout: float | None = None
+        self, server: ServerState, method: str, path: str, payload: Any = None, timeout: float | None = None
     ) -> Any:
-        """One HTTP call; 4xx -> RolloutRequestError, retryable failures -> _ServerFailure."""
+        """One HTTP call; 4xx -> RolloutRequestError, retryable failures -> ServerStateFailure."""
         assert self._session is not None
         timeout_s = self.request_timeout if timeout is None else timeout
         try:
@@ -288,22 +266,22 @@ class RolloutClient:
                 text = await resp.text()
                 status = resp.status
         except asyncio.TimeoutError:
-            raise _ServerFailure(f"no answer to {path} within {timeout_s:g} s", timed_out=True) from None
+            raise ServerStateFailure(f"no answer to {path} within {timeout_s:g} s", timed_out=True) from None
         except aiohttp.ClientConnectorError as exc:
-            raise _ServerFailure(f"cannot connect ({exc.os_error or exc})", refused=True) from None
+            raise ServerStateFailure(f"cannot connect ({exc.os_error or exc})", refused=True) from None
         except aiohttp.ClientError as exc:
-            raise _ServerFailure(f"{type(exc).__name__}: {exc or 'connection lost'}") from None
+            raise ServerStateFailure(f"{type(exc).__name__}: {exc or 'connection lost'}") from None
         try:
             body: Any = json.loads(text) if text else None
         except ValueError:
             body = text
         if status >= 500:
-            raise _ServerFailure(f"HTTP {status} on {path}: {error_message(body, text)}")
+            raise ServerStateFailure(f"HTTP {status} on {path}: {error_message(body, text)}")
         if status >= 400:
             raise RolloutRequestError(server.url, status, error_message(body, text))
         return body
 
-    def _record_failure(self, server: _Server, exc: _ServerFailure) -> None:
+    def _record_failure(self, server: ServerState, exc: ServerStateFailure) -> None:
         server.consecutive_failures += 1
         server.last_error = str(exc)
         if not server.down and (exc.refused or server.consecutive_failures >= self.down_after):
@@ -321,7 +299,7 @@ class RolloutClient:
         detail = "; ".join(f"{s.url} (last error: {s.last_error or 'unknown'})" for s in self._servers)
         return RolloutError(f"all rollout servers are down: {detail}; check their logs, restart them and the run")
 
-    def _pick(self, avoid: set[str]) -> _Server:
+    def _pick(self, avoid: set[str]) -> ServerState:
         up = [s for s in self._servers if not s.down]
         if not up:
             raise self._all_down_error()
@@ -332,12 +310,12 @@ class RolloutClient:
         return min(self.backoff_s * (2**attempt), _MAX_BACKOFF_S)
 
     # ------------------------------------------------------------------ health
-    async def _probe(self, server: _Server, timeout: float) -> str | None:
+    async def _probe(self, server: ServerState, timeout: float) -> str | None:
         """None if /health answers 200 within ``timeout`` s, else why not."""
         try:
             await self._http(server, "GET", "/health", timeout=timeout)
             return None
-        except (_ServerFailure, RolloutRequestError) as exc:
+        except (ServerStateFailure, RolloutRequestError) as exc:
             return str(exc)
 
     async def await_healthy(self, timeout: float | None = None) -> None:
@@ -408,7 +386,7 @@ class RolloutClient:
                 self._counters["retries"] += 1
             try:
                 body = await self._http(server, "POST", self.api.generate_path, payload)
-            except _ServerFailure as exc:
+            except ServerStateFailure as exc:
                 self._record_failure(server, exc)
                 if exc.timed_out:
                     # The server may still be working on it; free its slot (best effort).
@@ -432,13 +410,13 @@ class RolloutClient:
             f"last error from {last}; check the server logs or raise rollout.request_retries"
         )
 
-    async def _abort_quietly(self, server: _Server, rid: str) -> None:
+    async def _abort_quietly(self, server: ServerState, rid: str) -> None:
         call = self.api.abort(rid)
         if call is None:
             return
         try:
             await self._http(server, call.method, call.path, call.payload, timeout=_ABORT_TIMEOUT_S)
-        except (RolloutError, _ServerFailure):
+        except (RolloutError, ServerStateFailure):
             pass
 
     async def agenerate_many(
@@ -514,7 +492,7 @@ class RolloutClient:
         )
 
     # ------------------------------------------------------------------ control fan-out
-    async def _control_one(self, server: _Server, calls: Sequence[Call], retry: bool, timeout: float | None) -> Any:
+    async def _control_one(self, server: ServerState, calls: Sequence[Call], retry: bool, timeout: float | None) -> Any:
         """Make ``calls`` in order on one server; returns the last answer."""
         attempts = self.retries + 1 if retry else 1
         body: Any = None
@@ -530,7 +508,7 @@ class RolloutClient:
                             f"(HTTP 404){self.api.missing_endpoint_hint}"
                         ) from None
                     raise
-                except _ServerFailure as exc:
+                except ServerStateFailure as exc:
                     if attempt + 1 == attempts:
                         raise RolloutError(f"rollout server {server.url} failed {call.path}: {exc}") from None
                     await asyncio.sleep(self._backoff(attempt))
@@ -546,7 +524,7 @@ class RolloutClient:
         calls: Sequence[Call] = (),
         *,
         retry: bool = False,
-        servers: Sequence[_Server] | None = None,
+        servers: Sequence[ServerState] | None = None,
         per_server: Sequence[Sequence[Call]] | None = None,
         timeout: float | None = None,
     ) -> dict[str, Any]:
@@ -563,146 +541,3 @@ class RolloutClient:
                 raise errors[0]  # type: ignore[misc]
             raise RolloutError(f"{len(errors)} rollout servers failed: " + "; ".join(map(str, errors)))
         return {s.url: t.result() for s, t in zip(targets, tasks)}
-
-    def _no_distributed_weights(self) -> RolloutError:
-        return RolloutError(
-            f"{self.api.name} rollout servers cannot join a weight-update group; set "
-            "rollout.weight_sync = 'disk' so that new weights reach them through a folder"
-        )
-
-    async def apause_generation(self, mode: str | None = None) -> dict[str, Any]:
-        """Pause every server; ``mode`` is SGLang's ('abort', 'retract', 'in_place'; None: the server's default, abort)."""
-        return await self._fan_out(self.api.pause(mode), retry=True)
-
-    async def acontinue_generation(self) -> dict[str, Any]:
-        return await self._fan_out(self.api.resume(), retry=True)
-
-    async def aflush_cache(self) -> dict[str, Any]:
-        return await self._fan_out(self.api.flush_cache(), retry=True)
-
-    async def aupdate_weights_from_disk(
-        self, path: str, version: int | str, *, abort_all_requests: bool = False
-    ) -> dict[str, Any]:
-        targets = [s for s in self._servers if not s.down]
-        result = await self._fan_out(
-            self.api.update_weights_from_disk(str(path), str(version), abort_all_requests), servers=targets
-        )
-        for s in targets:
-            s.weight_version = str(version)
-        return result
-
-    def weight_group_layout(self, ranks_per_server: int) -> tuple[int, list[int]]:
-        """(world size, rank offset of each up server) of a weight-update group; the trainer is rank 0."""
-        if ranks_per_server < 1:
-            raise ValueError(f"ranks_per_server = {ranks_per_server} must be at least 1 (a server's tp size)")
-        n = sum(not s.down for s in self._servers)
-        return 1 + n * ranks_per_server, [1 + i * ranks_per_server for i in range(n)]
-
-    async def ainit_weights_update_group(
-        self, master_address: str, master_port: int, group_name: str, backend: str, ranks_per_server: int = 1
-    ) -> dict[str, Any]:
-        """Ask every up server to join ``group_name``; server i's processes are ranks 1+i*t .. t+i*t."""
-        if not self.api.distributed_weights:
-            raise self._no_distributed_weights()
-        members = [s for s in self._servers if not s.down]
-        world_size, offsets = self.weight_group_layout(ranks_per_server)
-        plans = [
-            [
-                Call(
-                    "POST",
-                    "/init_weights_update_group",
-                    {
-                        "master_address": master_address,
-                        "master_port": int(master_port),
-                        "rank_offset": off,
-                        "world_size": world_size,
-                        "group_name": group_name,
-                        "backend": backend,
-                    },
-                )
-            ]
-            for off in offsets
-        ]
-        result = await self._fan_out(servers=members, per_server=plans)
-        self._group_members[group_name] = members
-        return result
-
-    async def aupdate_weights_from_distributed(
-        self,
-        names: Sequence[str],
-        dtypes: Sequence[str],
-        shapes: Sequence[Sequence[int]],
-        group_name: str,
-        version: int | str | None,
-        *,
-        flush_cache: bool = True,
-    ) -> dict[str, Any]:
-        """Tell the group's servers to receive these tensors; the trainer broadcasts them meanwhile.
-
-        SGLang sets its weight version after every call that carries one, so a sync in several
-        buckets passes ``version`` with the last bucket only (None for the others): a sync that
-        fails half-way never reports new weights on half-updated ones.
-        """
-        if not self.api.distributed_weights:
-            raise self._no_distributed_weights()
-        members = self._group_members.get(group_name)
-        if members is None:
-            raise RolloutError(
-                f"weight-update group '{group_name}' was not initialised by this client; call "
-                "init_weights_update_group first"
-            )
-        down = [s.url for s in members if s.down]
-        if down:
-            raise RolloutError(
-                f"rollout server(s) {', '.join(down)} of weight-update group '{group_name}' are down, "
-                "so the broadcast cannot complete; restart the servers and the run"
-            )
-        payload = {
-            "names": list(names),
-            "dtypes": list(dtypes),
-            "shapes": [list(s) for s in shapes],
-            "group_name": group_name,
-            "flush_cache": flush_cache,
-        }
-        if version is not None:
-            payload["weight_version"] = str(version)
-        result = await self._fan_out([Call("POST", "/update_weights_from_distributed", payload)], servers=members)
-        if version is not None:
-            for s in members:
-                s.weight_version = str(version)
-        return result
-
-    def pause_generation(self, mode: str | None = None) -> dict[str, Any]:
-        return self._wait(self.apause_generation(mode))
-
-    def continue_generation(self) -> dict[str, Any]:
-        return self._wait(self.acontinue_generation())
-
-    def flush_cache(self) -> dict[str, Any]:
-        return self._wait(self.aflush_cache())
-
-    def update_weights_from_disk(
-        self, path: str, version: int | str, *, abort_all_requests: bool = False
-    ) -> dict[str, Any]:
-        return self._wait(self.aupdate_weights_from_disk(path, version, abort_all_requests=abort_all_requests))
-
-    def init_weights_update_group(
-        self, master_address: str, master_port: int, group_name: str, backend: str, ranks_per_server: int = 1
-    ) -> dict[str, Any]:
-        return self._wait(
-            self.ainit_weights_update_group(master_address, master_port, group_name, backend, ranks_per_server)
-        )
-
-    def update_weights_from_distributed(
-        self,
-        names: Sequence[str],
-        dtypes: Sequence[str],
-        shapes: Sequence[Sequence[int]],
-        group_name: str,
-        version: int | str | None,
-        *,
-        flush_cache: bool = True,
-    ) -> dict[str, Any]:
-        return self._wait(
-            self.aupdate_weights_from_distributed(names, dtypes, shapes, group_name, version, flush_cache=flush_cache)
-        )

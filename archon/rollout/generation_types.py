@@ -7,15 +7,21 @@ what the engine (``archon.rollout.generator``) keeps for each request it serves.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn as nn
 
 from archon.rollout.sampling import SamplingParams
 
 # ---- requests and results -----------------------------------------------------------------
+
+
+PAUSE_MODES = ("abort", "retract")
+"""``pause`` modes (SGLang's names; SGLang's 'in_place' keeps a KV cache of the old weights, which this server never does)."""
 
 
 @dataclass
@@ -107,6 +113,20 @@ class ActiveSequence:
         top_k = next(iter(moe.values())).top_k if moe else 0
         routed = torch.cat(self.routed) if self.routed else torch.zeros(0, n_layers, top_k, dtype=torch.int32)
         return routed[self.request.routed_experts_start_len :]
+
+
+@dataclass
+class ExclusiveOp:
+    """A function to run on the engine thread with no request running (a weight update)."""
+
+    fn: Callable[[nn.Module], Any]
+    """Called with the model."""
+    future: Future
+    """Resolved with ``fn``'s return value."""
+    weight_version: str | None
+    """New ``weight_version`` once ``fn`` succeeded (None keeps the current one)."""
+    abort_running: bool
+    """Abort running requests instead of waiting for them."""
 
 
 def keep_routing(

@@ -39,7 +39,6 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -49,7 +48,9 @@ import torch.nn as nn
 
 import models
 from archon.rollout.generation_types import (  # noqa: F401 - GenerationResult is public here
+    PAUSE_MODES,
     ActiveSequence,
+    ExclusiveOp,
     GenerationRequest,
     GenerationResult,
     fail_future,
@@ -65,25 +66,7 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-PAUSE_MODES = ("abort", "retract")
-"""``pause`` modes (SGLang's names; SGLang's 'in_place' keeps a KV cache of the old weights, which this server never does)."""
-
-
 # ---- engine-internal state ----------------------------------------------------------------
-
-
-@dataclass
-class _Exclusive:
-    """A function to run on the engine thread with no request running (a weight update)."""
-
-    fn: Callable[[nn.Module], Any]
-    """Called with the model."""
-    future: Future
-    """Resolved with ``fn``'s return value."""
-    weight_version: str | None
-    """New ``weight_version`` once ``fn`` succeeded (None keeps the current one)."""
-    abort_running: bool
-    """Abort running requests instead of waiting for them."""
 
 
 class Generator:
@@ -159,7 +142,7 @@ class Generator:
         self._abort_everything = False
         self._pause_waiters: list[tuple[Future, str]] = []
         self._paused = False
-        self._exclusive: deque[_Exclusive] = deque()
+        self._exclusive: deque[ExclusiveOp] = deque()
         self._stopping = False
 
         # Owned by the engine thread.
@@ -307,7 +290,7 @@ class Generator:
         with self._cond:
             if self._stopping:
                 raise RuntimeError("the generator is closed; create a new one.")
-            self._exclusive.append(_Exclusive(fn, future, weight_version, abort_running))
+            self._exclusive.append(ExclusiveOp(fn, future, weight_version, abort_running))
             self._cond.notify()
         return future
 
@@ -407,7 +390,7 @@ class Generator:
                 fail_future(op.future, RuntimeError("the generator was closed before the weight update ran."))
             self._exclusive.clear()
 
-    def _run_exclusive(self, op: _Exclusive) -> None:
+    def _run_exclusive(self, op: ExclusiveOp) -> None:
         try:
             with torch.no_grad():
                 value = op.fn(self.model)

@@ -31,7 +31,7 @@ serve-node steps pass ``write_key_file=False``; ``archon.rollout.discovery``).
 from __future__ import annotations
 
 import atexit
-import json
+import dataclasses
 import logging
 import os
 import signal
@@ -49,24 +49,18 @@ from types import FrameType
 from typing import Any
 
 from archon.alloc import AllocationError, ModelAllocation
-from archon.config import Config, ConfigError, SGLangConfig
+from archon.config import Config, ConfigError
 from archon.errors import ArchonError
 from archon.plan import ClusterPlan, Process, plan_for_config
 from archon.rollout.auth import API_KEY_ENV, generate_api_key, write_api_key
 from archon.rollout.server_api import HEALTH_PROBE_TIMEOUT_S
+from archon.rollout.server_commands import check_sglang_options, local_command, resolve_context_length, sglang_command
 from archon.rollout.vllm import check_vllm_config, vllm_command, vllm_env
 
 logger = logging.getLogger("archon.rollout.launcher")
 
 _LOG_TAIL_LINES = 40
-# SGLang's get_context_length (vLLM's rule is alike): the first of these keys, times a rope scaling factor.
-_CONTEXT_LENGTH_KEYS = (
-    "max_sequence_length",
-    "seq_length",
-    "max_seq_len",
-    "model_max_length",
-    "max_position_embeddings",
-)
+_PORT_CLASH_RETRIES = 3
 
 
 class RolloutLaunchError(ArchonError, RuntimeError):
@@ -118,153 +112,6 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
 def ranks_per_server(rollout: ModelAllocation) -> int:
     """Processes one server contributes to a weight-update group (SGLang: its tp size; built-in: 1)."""
     return rollout.parallel.tp_size * rollout.parallel.pp_size if rollout.backend != "local" else 1
-
-
-def check_sglang_options(sg: SGLangConfig, tp_size: int, alloc: str) -> None:
-    """Reject [sglang] options that SGLang would refuse or that would need more GPUs than a server gets."""
-    where = f"rollout.backend = '{alloc}' gives each server {tp_size} GPU(s) (t{tp_size})"
-    if sg.dp_size < 1 or sg.ep_size < 1:
-        raise ConfigError(f"sglang.dp_size = {sg.dp_size} and sglang.ep_size = {sg.ep_size} must be at least 1")
-    if sg.dp_size > 1 and not sg.enable_dp_attention:
-        raise ConfigError(
-            f"sglang.dp_size = {sg.dp_size} without sglang.enable_dp_attention would make SGLang start "
-            f"{sg.dp_size} replicas of {tp_size} GPUs each, more than {where}; set "
-            "sglang.enable_dp_attention = true, or raise the d of rollout.backend for more servers"
-        )
-    if tp_size % sg.dp_size:
-        raise ConfigError(
-            f"sglang.dp_size = {sg.dp_size} must divide the server's tp size, but {where}; pick "
-            f"sglang.dp_size from the divisors of {tp_size}"
-        )
-    if tp_size % sg.ep_size:
-        raise ConfigError(
-            f"sglang.ep_size = {sg.ep_size} must divide the server's tp size, but {where}; pick "
-            f"sglang.ep_size from the divisors of {tp_size}"
-        )
-    if sg.enable_dp_attention and tp_size == 1:
-        raise ConfigError(
-            f"sglang.enable_dp_attention needs more than one GPU per server, but {where}; use "
-            "a t > 1 in rollout.backend or turn it off"
-        )
-
-
-def model_context_length(model_path: str) -> int | None:
-    """The context SGLang derives from ``<model_path>/config.json``; None if there is no such file here."""
-    path = Path(model_path) / "config.json"
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    cfg = {**cfg, **(cfg.get("text_config") or {})}
-    factor = 1.0
-    rope = cfg.get("rope_scaling")
-    if isinstance(rope, dict) and "original_max_position_embeddings" not in rope and rope.get("rope_type") != "llama3":
-        factor = float(rope.get("factor", 1))
-    for key in _CONTEXT_LENGTH_KEYS:
-        if cfg.get(key) is not None:
-            return int(factor * cfg[key])
-    return 2048
-
-
-def resolve_context_length(requested: int, model_path: str, key: str) -> int | None:
-    """``requested`` clamped to the model's own context; None (pass nothing, the server derives it) when 0."""
-    if requested <= 0:
-        return None
-    own = model_context_length(model_path)
-    if own is not None and requested > own:
-        logger.warning(
-            "%s = %d exceeds the context of %s (%d, from its config.json), above which SGLang and vLLM "
-            "refuse to start; using %d",
-            key,
-            requested,
-            model_path,
-            own,
-            own,
-        )
-        return own
-    return requested
-
-
-def sglang_command(
-    cfg: Config,
-    model_path: str,
-    host: str,
-    port: int,
-    seed: int,
-    tp_size: int,
-    context_length: int | None = None,
-    api_key: str | None = None,
-) -> list[str]:
-    """``python -m sglang.launch_server ...`` for one server (SGLang reads its key from the command line only)."""
-    sg = cfg.sglang
-    cmd = [
-        sys.executable,
-        "-m",
-        "sglang.launch_server",
-        "--model-path",
-        model_path,
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--tp-size",
-        str(tp_size),
-        "--skip-tokenizer-init",
-        "--dtype",
-        sg.dtype,
-        "--mem-fraction-static",
-        str(sg.mem_fraction_static),
-        "--random-seed",
-        str(seed),
-        "--log-level",
-        sg.log_level,
-    ]
-    if context_length is not None:
-        cmd += ["--context-length", str(context_length)]
-    if sg.enable_deterministic_inference:
-        cmd += ["--enable-deterministic-inference"]
-    if sg.dp_size > 1:
-        cmd += ["--dp-size", str(sg.dp_size)]
-    if sg.ep_size > 1:
-        cmd += ["--ep-size", str(sg.ep_size)]
-    if sg.enable_dp_attention:
-        cmd += ["--enable-dp-attention"]
-    if sg.disable_cuda_graph:
-        cmd += ["--disable-cuda-graph"]
-    if sg.max_running_requests > 0:
-        cmd += ["--max-running-requests", str(sg.max_running_requests)]
-    if sg.attention_backend:
-        cmd += ["--attention-backend", sg.attention_backend]
-    if api_key:
-        cmd += ["--api-key", api_key]
-    if cfg.actor.moe_routing_replay and "--enable-return-routed-experts" not in sg.extra_args:
-        # Routing replay needs the experts SGLang chose for every token.
-        cmd += ["--enable-return-routed-experts"]
-    return cmd + list(sg.extra_args)
-
-
-def local_command(
-    cfg: Config, model_path: str, host: str, port: int, seed: int, context_length: int | None = None
-) -> list[str]:
-    """``python -m archon.rollout.server ...`` for one built-in CPU server."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "archon.rollout.server",
-        "--model-path",
-        model_path,
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--dtype",
-        cfg.actor.dtype,
-        "--random-seed",
-        str(seed),
-    ]
-    if context_length is not None:
-        cmd += ["--context-length", str(context_length)]
-    return cmd
 
 
 def _server_model_path(cfg: Config, backend: str) -> str:
@@ -468,7 +315,7 @@ class RolloutLauncher:
                 write_api_key(self.key_path, self.api_key)
             for spec in self.specs:
                 self._launch(spec)
-            self._wait_healthy(self._running)
+            self._wait_healthy(self._running, new_port_on_clash=True)
         except BaseException:
             self.stop()
             raise
@@ -532,13 +379,24 @@ class RolloutLauncher:
         self._running.append(_Running(spec, proc, log))
         logger.info("started rollout server %d (pid %d) on %s, log %s", spec.index, proc.pid, spec.addr, spec.log_path)
 
-    def _wait_healthy(self, runs: list[_Running]) -> None:
+    def _wait_healthy(self, runs: list[_Running], new_port_on_clash: bool = False) -> None:
+        """Wait until every run answers /health.
+
+        ``new_port_on_clash``: a server that could not bind its port (free when picked, taken since
+        by another process: a port can only be chosen before the server binds it) starts again on
+        another one, a few times at most.  Not for a restart, whose address the clients know.
+        """
         deadline = time.monotonic() + self.setup_timeout
         pending = list(runs)
+        clashes = 0
         delay = 0.1
         while pending:
             for run in list(pending):
                 code = run.proc.poll()
+                if code is not None and new_port_on_clash and clashes < _PORT_CLASH_RETRIES and _port_clash(run):
+                    clashes += 1
+                    pending[pending.index(run)] = self._relaunch_on_new_port(run)
+                    continue
                 if code is not None:
                     raise RolloutLaunchError(
                         f"rollout server {run.spec.index} ({run.spec.addr}) exited with code {code} during startup; "
@@ -557,6 +415,21 @@ class RolloutLauncher:
                 )
             time.sleep(delay)
             delay = min(delay * 1.5, 1.0)
+
+    def _relaunch_on_new_port(self, run: _Running) -> _Running:
+        old = run.spec
+        port = free_ports(1, old.host)[0]
+        cmd = list(old.cmd)
+        cmd[cmd.index("--port") + 1] = str(port)
+        spec = dataclasses.replace(old, cmd=cmd, port=port)
+        logger.warning(
+            "rollout server %d could not bind %s (taken meanwhile); starting it on port %d", old.index, old.addr, port
+        )
+        run.log.close()
+        self._running.remove(run)
+        self.specs[self.specs.index(old)] = spec
+        self._launch(spec)
+        return self._running[-1]
 
     def stop(self) -> None:
         """Terminate every server's process group, kill what is left after the grace period (idempotent)."""
@@ -614,6 +487,11 @@ class RolloutLauncher:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _port_clash(run: _Running) -> bool:
+    """Whether the server exited because its port was taken (uvicorn, SGLang and vLLM all log errno 98)."""
+    return "address already in use" in _tail(run.spec.log_path).lower()
 
 
 def _terminate(running: list[_Running], grace_s: float) -> None:

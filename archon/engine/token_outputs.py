@@ -1,0 +1,81 @@
+"""Per-token outputs of a packed forward: which positions the loss reads, and token-aligned rows.
+
+``loss_positions`` picks the packed positions whose logits a loss can read (those predicting a
+``loss_mask`` token), so that the LM head and the logprobs skip the rest (an RL batch's
+prompts).  ``token_outputs`` turns the model's output for a packed microbatch (logits, or a
+critic's values) into token-aligned ``[b, s]`` rows: ``logprobs[b, i]`` is about token ``i``
+given the tokens before it, 0 at each sequence's first token.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from archon.engine.microbatch import Batch, PackedMicrobatch, unpack
+from parallel.context_parallel import gather_sequence, shard_sequence
+from parallel.loss_parallel import vocab_parallel_logprobs_entropy
+
+
+def output_keys(is_critic: bool) -> list[str]:
+    """Per-token outputs of a forward: a critic's values, or an LM's logprobs and entropy."""
+    return ["values"] if is_critic else ["logprobs", "entropy"]
+
+
+def loss_positions(batch: Batch, mb: PackedMicrobatch) -> torch.Tensor | None:
+    """Packed positions of ``mb`` that predict a ``loss_mask`` token; None (every position) without
+    ``loss_mask`` or when nearly every position is needed anyway."""
+    if "loss_mask" not in batch:
+        return None
+    loss_mask = batch["loss_mask"]
+    masked = torch.zeros(mb.total_len, dtype=torch.bool, device=loss_mask.device)
+    if mb.indices:
+        masked[: mb.n_real_tokens] = torch.cat([loss_mask[i, :n] for i, n in zip(mb.indices, mb.seqlens)]) > 0
+    masked[mb.seq_starts] = False  # a sequence's first token has no predicting position (its logprob is 0)
+    keep = masked.nonzero().squeeze(1) - 1
+    return keep if keep.numel() < 0.9 * mb.total_len else None
+
+
+def token_outputs(
+    out: torch.Tensor,
+    mb: PackedMicrobatch,
+    keep: torch.Tensor | None,
+    *,
+    is_critic: bool,
+    temperature: float,
+    cp_mesh: DeviceMesh | None,
+) -> dict[str, torch.Tensor]:
+    """The model's output for packed ``mb`` (logits or values) as token-aligned per-token rows.
+
+    Next-token targets come from the full row; under context parallel the per-token outputs
+    are gathered back to full rows, the same on every CP rank (see ``gather_sequence``).
+    ``keep``: the packed positions ``out`` holds (all when None); the others get 0.
+    """
+    if is_critic:
+        values = out.full_tensor() if isinstance(out, DTensor) else out
+        rows = [values.reshape(-1).float()]
+    else:
+        targets = torch.roll(mb.tokens[0], -1)
+        if cp_mesh is not None:
+            targets = shard_sequence(targets, cp_mesh, dim=0)
+        if keep is not None:
+            targets = targets[keep]
+        # Kept apart (not stacked): an output the loss ignores then gets no gradient at all,
+        # and its backward is skipped (the entropy's is a tokens x vocab pass).
+        # The whole [1, T, V] logits (a view inside), not out[0]: a select's backward would
+        # write its gradient into a zero-filled copy of the logits.
+        rows = [r[0] for r in vocab_parallel_logprobs_entropy(out, targets.unsqueeze(0), temperature)]
+    # ``_anchor`` keeps a graph through the model even when the microbatch has no sample.
+    anchor = rows[0].sum() * 0.0
+    if keep is not None:
+        rows = [row.new_zeros(mb.total_len).index_copy(0, keep, row) for row in rows]
+    result = {}
+    for key, row in zip(output_keys(is_critic), rows):
+        if cp_mesh is not None:
+            row = gather_sequence(row, cp_mesh, dim=0)
+        # Output i is about token i: shift the next-token values right; sequence starts get 0.
+        aligned = torch.roll(row, 1, dims=0).index_fill(0, mb.seq_starts, 0.0)
+        result[key] = unpack(aligned, mb)
+    result["_anchor"] = anchor
+    return result

@@ -1,0 +1,175 @@
+"""Command lines of the rollout servers Archon launches: SGLang's and the built-in one's.
+
+``sglang_command`` spells a server's ``python -m sglang.launch_server`` invocation from the
+``[sglang]`` options (checked first by ``check_sglang_options`` against the GPUs a server gets);
+``local_command`` the built-in CPU server's.  A context length is passed only when the user sets
+one, clamped to the model's own (``resolve_context_length``): SGLang refuses to start above it.
+vLLM's command lives in ``archon.rollout.vllm``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+from archon.config import Config, ConfigError, SGLangConfig
+
+logger = logging.getLogger("archon.rollout.launcher")
+
+# SGLang's get_context_length (vLLM's rule is alike): the first of these keys, times a rope scaling factor.
+_CONTEXT_LENGTH_KEYS = (
+    "max_sequence_length",
+    "seq_length",
+    "max_seq_len",
+    "model_max_length",
+    "max_position_embeddings",
+)
+
+
+def check_sglang_options(sg: SGLangConfig, tp_size: int, alloc: str) -> None:
+    """Reject [sglang] options that SGLang would refuse or that would need more GPUs than a server gets."""
+    where = f"rollout.backend = '{alloc}' gives each server {tp_size} GPU(s) (t{tp_size})"
+    if sg.dp_size < 1 or sg.ep_size < 1:
+        raise ConfigError(f"sglang.dp_size = {sg.dp_size} and sglang.ep_size = {sg.ep_size} must be at least 1")
+    if sg.dp_size > 1 and not sg.enable_dp_attention:
+        raise ConfigError(
+            f"sglang.dp_size = {sg.dp_size} without sglang.enable_dp_attention would make SGLang start "
+            f"{sg.dp_size} replicas of {tp_size} GPUs each, more than {where}; set "
+            "sglang.enable_dp_attention = true, or raise the d of rollout.backend for more servers"
+        )
+    if tp_size % sg.dp_size:
+        raise ConfigError(
+            f"sglang.dp_size = {sg.dp_size} must divide the server's tp size, but {where}; pick "
+            f"sglang.dp_size from the divisors of {tp_size}"
+        )
+    if tp_size % sg.ep_size:
+        raise ConfigError(
+            f"sglang.ep_size = {sg.ep_size} must divide the server's tp size, but {where}; pick "
+            f"sglang.ep_size from the divisors of {tp_size}"
+        )
+    if sg.enable_dp_attention and tp_size == 1:
+        raise ConfigError(
+            f"sglang.enable_dp_attention needs more than one GPU per server, but {where}; use "
+            "a t > 1 in rollout.backend or turn it off"
+        )
+
+
+def model_context_length(model_path: str) -> int | None:
+    """The context SGLang derives from ``<model_path>/config.json``; None if there is no such file here."""
+    path = Path(model_path) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    cfg = {**cfg, **(cfg.get("text_config") or {})}
+    factor = 1.0
+    rope = cfg.get("rope_scaling")
+    if isinstance(rope, dict) and "original_max_position_embeddings" not in rope and rope.get("rope_type") != "llama3":
+        factor = float(rope.get("factor", 1))
+    for key in _CONTEXT_LENGTH_KEYS:
+        if cfg.get(key) is not None:
+            return int(factor * cfg[key])
+    return 2048
+
+
+def resolve_context_length(requested: int, model_path: str, key: str) -> int | None:
+    """``requested`` clamped to the model's own context; None (pass nothing, the server derives it) when 0."""
+    if requested <= 0:
+        return None
+    own = model_context_length(model_path)
+    if own is not None and requested > own:
+        logger.warning(
+            "%s = %d exceeds the context of %s (%d, from its config.json), above which SGLang and vLLM "
+            "refuse to start; using %d",
+            key,
+            requested,
+            model_path,
+            own,
+            own,
+        )
+        return own
+    return requested
+
+
+def sglang_command(
+    cfg: Config,
+    model_path: str,
+    host: str,
+    port: int,
+    seed: int,
+    tp_size: int,
+    context_length: int | None = None,
+    api_key: str | None = None,
+) -> list[str]:
+    """``python -m sglang.launch_server ...`` for one server (SGLang reads its key from the command line only)."""
+    sg = cfg.sglang
+    cmd = [
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        model_path,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--tp-size",
+        str(tp_size),
+        "--skip-tokenizer-init",
+        "--dtype",
+        sg.dtype,
+        "--mem-fraction-static",
+        str(sg.mem_fraction_static),
+        "--random-seed",
+        str(seed),
+        "--log-level",
+        sg.log_level,
+    ]
+    if context_length is not None:
+        cmd += ["--context-length", str(context_length)]
+    if sg.enable_deterministic_inference:
+        cmd += ["--enable-deterministic-inference"]
+    if sg.dp_size > 1:
+        cmd += ["--dp-size", str(sg.dp_size)]
+    if sg.ep_size > 1:
+        cmd += ["--ep-size", str(sg.ep_size)]
+    if sg.enable_dp_attention:
+        cmd += ["--enable-dp-attention"]
+    if sg.disable_cuda_graph:
+        cmd += ["--disable-cuda-graph"]
+    if sg.max_running_requests > 0:
+        cmd += ["--max-running-requests", str(sg.max_running_requests)]
+    if sg.attention_backend:
+        cmd += ["--attention-backend", sg.attention_backend]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    if cfg.actor.moe_routing_replay and "--enable-return-routed-experts" not in sg.extra_args:
+        # Routing replay needs the experts SGLang chose for every token.
+        cmd += ["--enable-return-routed-experts"]
+    return cmd + list(sg.extra_args)
+
+
+def local_command(
+    cfg: Config, model_path: str, host: str, port: int, seed: int, context_length: int | None = None
+) -> list[str]:
+    """``python -m archon.rollout.server ...`` for one built-in CPU server."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "archon.rollout.server",
+        "--model-path",
+        model_path,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--dtype",
+        cfg.actor.dtype,
+        "--random-seed",
+        str(seed),
+    ]
+    if context_length is not None:
+        cmd += ["--context-length", str(context_length)]
+    return cmd
