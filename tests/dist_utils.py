@@ -10,6 +10,7 @@ ignored, because the report is what counts.
 from __future__ import annotations
 
 import multiprocessing as mp
+import multiprocessing.connection
 import os
 import pickle
 import socket
@@ -114,11 +115,11 @@ def run_distributed(
         while pending:
             if time.monotonic() > deadline:
                 raise DistributedTestError(f"ranks {sorted(pending)} did not finish within {timeout:.0f}s")
-            ready = mp.connection.wait([conns[r] for r in pending], timeout=0.5)
+            ready = multiprocessing.connection.wait([conns[r] for r in pending], timeout=0.5)
             for conn in ready:
                 rank = conns.index(conn)
                 try:
-                    status, payload = pickle.loads(conn.recv_bytes())
+                    status, payload = pickle.loads(conns[rank].recv_bytes())  # conn itself, as a Connection
                 except EOFError:
                     procs[rank].join(1)
                     raise DistributedTestError(

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from archon.config import ArchonEngineConfig, MicroBatchSpec, OptimizerConfig, TrainEngineConfig
 
 
 def engine_config(path: str, backend: str = "archon:d1", **kw) -> TrainEngineConfig:
-    archon = dict(enable_compile=False, ac_mode="full")
+    archon: dict[str, Any] = dict(enable_compile=False, ac_mode="full")
     archon.update(kw.pop("archon", {}))
-    opt = dict(lr=1e-2, warmup_steps=1, lr_schedule="cosine", max_grad_norm=1.0, weight_decay=0.1)
+    opt: dict[str, Any] = dict(lr=1e-2, warmup_steps=1, lr_schedule="cosine", max_grad_norm=1.0, weight_decay=0.1)
     opt.update(kw.pop("optimizer", {}))
-    mb = dict(n_mbs=1)
+    mb: dict[str, Any] = dict(n_mbs=1)
     mb.update(kw.pop("mb_spec", {}))
     return TrainEngineConfig(
         backend=backend,

@@ -38,7 +38,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from aiohttp import web
 
@@ -411,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     config = Path(args.model) / "config.json"
     if config.is_file():
         value = json.loads(config.read_text()).get("eos_token_id")
-        eos = value[0] if isinstance(value, list) and value else value
+        eos = cast("int | None", value[0] if isinstance(value, list) and value else value)
     server = FakeVLLM(
         args.model,
         max_model_len=args.max_model_len or derived,

@@ -13,9 +13,12 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
+
+if TYPE_CHECKING:
+    from models.common.decoder import Decoder, TransformerBlock
 
 TINY: dict[str, Any] = dict(
     vocab_size=128,
@@ -141,3 +144,13 @@ def make_tiny_tokenizer(folder: str | os.PathLike | None = None, vocab: list[str
 def random_tokens(n: int, seed: int, vocab: int = TINY["vocab_size"]) -> list[int]:
     """``n`` token ids drawn uniformly from the tiny vocabulary (deterministic in ``seed``)."""
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def decoder(model: Any) -> Decoder:
+    """``model`` typed as Archon's ``Decoder`` (``load_hf_model``/``build_model`` return a plain ``nn.Module``)."""
+    return cast("Decoder", model)
+
+
+def block_of(model: Any, i: int) -> TransformerBlock:
+    """Block ``i`` of an Archon model, typed (``model.layers`` is an ``nn.ModuleDict`` keyed by ``str(i)``)."""
+    return cast("TransformerBlock", model.layers[str(i)])

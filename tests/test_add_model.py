@@ -14,6 +14,7 @@ import subprocess
 import sys
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -142,7 +143,8 @@ def test_generated_package_trains_on_every_layout_and_round_trips_hf(generated, 
     import models
 
     folder = tmp_path / "hf"
-    save_tiny_hf(folder, model_type, seed=5, **({"sliding_window": None} if model_type == "mistral" else {}))
+    overrides: dict[str, Any] = {"sliding_window": None} if model_type == "mistral" else {}
+    save_tiny_hf(folder, model_type, seed=5, **overrides)
     with registered(generated / "models"):
         ref = run_distributed(_train, 1, str(folder), "archon:d1")[0]
         assert ref["model"] == f"{model_type.capitalize()}Model"  # Archon's generated model, not transformers'
@@ -227,7 +229,7 @@ def test_report_names_each_difference_and_the_parity_test_fails_on_exactly_those
     }
     assert failed == set(expected["differences"]), out.stdout[-3000:]
     assert "test_refuses_unsupported_settings" not in "".join(
-        l for l in out.stdout.splitlines() if l.startswith("FAILED")
+        ln for ln in out.stdout.splitlines() if ln.startswith("FAILED")
     )
 
 

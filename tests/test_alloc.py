@@ -74,6 +74,7 @@ def test_seed_hybrid_table():
         2,
         2,
     )
+    assert alloc.ffn is not None
     assert (alloc.ffn.dp_size, alloc.ffn.pp_size, alloc.ffn.tp_size, alloc.ffn.ep_size) == (2, 2, 4, 2)
     assert alloc.world_size == 32 and alloc.is_hybrid
 
@@ -82,6 +83,7 @@ def test_seed_hybrid_table():
 def test_seed_chains(text, world, gen, train):
     mode = AllocationMode.from_str(text)
     assert (mode.world_size, mode.gen_world_size, mode.train_world_size) == (world, gen, train)
+    assert mode.gen is not None and mode.train is not None
     assert mode.gen.world_size == gen and mode.train.world_size == train
     assert AllocationMode.from_str(str(mode)) == mode
 
@@ -116,14 +118,14 @@ def test_plain_form_has_etp_one_and_local_backend():
 def test_named_components_and_lookup():
     mode = AllocationMode.from_str("sglang[rollout]:d2 + archon[actor]:d4 + archon[critic]:d2t2")
     assert mode["rollout"].world_size == 2 and mode["critic"].parallel.tp_size == 2
-    assert mode.gen.backend == "sglang"
+    assert mode.gen is not None and mode.gen.backend == "sglang"
     assert mode.world_size == 10
     with pytest.raises(AllocationError, match="2 training components"):
         _ = mode.train
     with pytest.raises(KeyError, match="no component named 'ref'"):
         _ = mode["ref"]
     two = AllocationMode.from_str("sglang[gen]:d2+archon:d2")
-    assert two.train.world_size == 2 and two["gen"].is_inference
+    assert two.train is not None and two.train.world_size == 2 and two["gen"].is_inference
 
 
 # (string, fragment the message must contain); every message must quote the string.

@@ -63,7 +63,7 @@ def _train_and_save(path: str, run_dir: str, keep_last: int = 2) -> list[float]:
     return losses
 
 
-def _resume(path: str, run_dir: str) -> dict:
+def _resume(path: str, run_dir: str) -> dict | None:
     """Resume like a rerun does; rank 0 reports where from, the warnings, and the next step's loss."""
     import torch.distributed as dist
 
@@ -262,6 +262,7 @@ def _preflight(path: str, run_dir: str, free_bytes: int | None) -> str:
         ckpt.check_writable()
         engine = _engine(path, "archon:d1")
         needed = estimate_checkpoint_bytes({"actor": engine})
+        assert engine.model is not None
         params = sum(p.numel() for p in engine.model.parameters())
         assert needed == 3 * 4 * params  # float32 parameters and AdamW's two moments
         if free_bytes is not None:

@@ -90,7 +90,8 @@ def test_unknown_key_in_file_names_key_file_and_suggestion(tmp_path):
 def test_unknown_override_key_suggests_closest():
     with pytest.raises(
         ConfigError,
-        match=r"unknown config key 'actor\.archon\.enable_compil'.*command line.*did you mean 'actor\.archon\.enable_compile'",
+        match=r"unknown config key 'actor\.archon\.enable_compil'.*command line"
+        r".*did you mean 'actor\.archon\.enable_compile'",
     ):
         load_config(None, ["actor.archon.enable_compil=false"])
 
@@ -215,7 +216,7 @@ def _dataclasses_in(cls: type, seen: set) -> None:
         return
     seen.add(cls)
     for tp in typing.get_type_hints(cls).values():
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             _dataclasses_in(tp, seen)
 
 
@@ -246,7 +247,9 @@ def test_ppo_with_a_critic_defaults_to_standard_ppo_normalisation():
     assert (ppo.actor.adv_norm.mean_level, ppo.actor.adv_norm.std_level) == ("batch", "batch")
     # The same defaults as the rl layer's for API users.
     reward_norm, adv_norm = default_norms("gae")
-    assert reward_norm is None and (adv_norm.mean_level, adv_norm.std_level) == ("batch", "batch")
+    assert (
+        reward_norm is None and adv_norm is not None and (adv_norm.mean_level, adv_norm.std_level) == ("batch", "batch")
+    )
     # Whatever the user sets wins, and a partly set section keeps the schema's other fields.
     own = load_config(None, ["actor.adv_estimator=gae", "actor.reward_norm.mean_level=batch"])
     assert (own.actor.reward_norm.mean_level, own.actor.reward_norm.std_level) == ("batch", "group")

@@ -69,7 +69,9 @@ def _ulysses_vs_plain(n_heads: int, n_kv_heads: int, cu_seqlens: list[int] | Non
     (out * weight[:, chunk]).sum().backward()
 
     errors = [float((out - ref[:, chunk]).abs().max())]
-    errors += [float((mine.grad - whole.grad[:, chunk]).abs().max()) for mine, whole in zip(local, full)]
+    for mine, whole in zip(local, full):
+        assert mine.grad is not None and whole.grad is not None
+        errors.append(float((mine.grad - whole.grad[:, chunk]).abs().max()))
     return errors
 
 

@@ -75,6 +75,7 @@ def test_model_spec_functions_take_keyword_arguments():
         params = inspect.signature(spec.parallelize_fn).parameters
         assert [p.kind for n, p in params.items() if n != "model"] == [inspect.Parameter.KEYWORD_ONLY] * 2, name
         assert set(params) == {"model", "parallel_dims", "options"}
+        assert spec.pipelining_fn is not None, name
         pipe = inspect.signature(spec.pipelining_fn).parameters
         assert set(pipe) == {"model", "parallel_dims", "options", "pipeline", "parallelize_fn", "device"}
         assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for n, p in pipe.items() if n != "model")
@@ -107,7 +108,7 @@ def test_train_state_restores_step_and_every_generator():
     state = TrainState(step=7)
     saved = state.state_dict()
     expected_py, expected_torch = random.random(), torch.rand(3)
-    random.random(), torch.rand(3)  # move both generators on
+    _ = random.random(), torch.rand(3)  # move both generators on
     other = TrainState()
     other.load_state_dict(saved)
     assert other.step == 7
@@ -167,7 +168,7 @@ def test_checkpoint_code_works_on_a_dict_of_states(tmp_path):
 
 
 def test_the_moe_routing_bias_is_part_of_the_model_state(tmp_path):
-    from hf_fixtures import save_tiny_hf
+    from hf_fixtures import block_of, save_tiny_hf
 
     import models
     from archon.engine.state import ModelState
@@ -179,7 +180,7 @@ def test_the_moe_routing_bias_is_part_of_the_model_state(tmp_path):
     # Aux-free balancing moves the bias every step; loading puts a checkpoint's bias back.
     saved = {k: v.clone() + 0.5 for k, v in state.items()}
     ModelState(model).load_state_dict(saved)
-    torch.testing.assert_close(model.layers["1"].moe.expert_bias, saved["layers.1.moe.expert_bias"])
+    torch.testing.assert_close(block_of(model, 1).moe.expert_bias, saved["layers.1.moe.expert_bias"])
 
 
 def test_checkpoint_code_does_not_import_the_engine():

@@ -45,7 +45,7 @@ def qwen3_path(tmp_path_factory) -> str:
     return str(folder)
 
 
-def _train_variants(path: str, backend: str, names: list[str]) -> dict[str, list[float]]:
+def _train_variants(path: str, backend: str, names: list[str]) -> dict[str, dict[str, list[float]]] | None:
     import torch.distributed as dist
 
     from archon.engine.engine import ArchonEngine
@@ -156,6 +156,7 @@ def _skip_and_tokens(path: str, backend: str):
 
     records = capture_log("archon.engine")
     engine = ArchonEngine(engine_config(path, backend, mb_spec={"max_tokens_per_mb": 24}), total_steps=3).initialize()
+    assert engine.model is not None
     before = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
 
     def nan_loss(outputs, mb):

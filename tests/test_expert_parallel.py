@@ -9,6 +9,8 @@ the expert gradients barely moves the losses; the gradients and their norm catch
 
 from __future__ import annotations
 
+from typing import cast
+
 import pytest
 import torch
 from dist_utils import DistributedTestError, run_distributed
@@ -119,9 +121,11 @@ def _train(path: str, backend: str, variant: str, with_grads: bool) -> dict:
     def keep_first_grads(*_) -> None:
         # Runs after clipping, right before the update: a collective every rank reaches.
         if engine.step == 0:
+            assert engine.model is not None
             grads.update(_full_grads(engine.model))
 
     if with_grads:
+        assert engine.optimizer is not None
         engine.optimizer.register_step_pre_hook(keep_first_grads)
     stats = [engine.train_batch(make_batch(s), sft_loss, sft_weight) for s in range(STEPS)]
     return {
@@ -160,7 +164,11 @@ def _assert_matches(got: dict, ref: dict, what: str) -> None:
         assert got["grads"].keys() == ref["grads"].keys(), what
         for name, grad in got["grads"].items():
             torch.testing.assert_close(
-                grad, ref["grads"][name], atol=1e-5, rtol=1e-4, msg=lambda m: f"{what}: gradient of {name}: {m}"
+                grad,
+                ref["grads"][name],
+                atol=1e-5,
+                rtol=1e-4,
+                msg=lambda m, name=name: f"{what}: gradient of {name}: {m}",
             )
 
 
@@ -183,7 +191,7 @@ def test_layouts_match_single_device(moe_path, reference, world):
                 ref_forward[key][mask],
                 atol=1e-5,
                 rtol=1e-5,
-                msg=lambda m: f"{backend} forward {key}: {m}",
+                msg=lambda m, backend=backend, key=key: f"{backend} forward {key}: {m}",
             )
 
 
@@ -211,7 +219,7 @@ def _dispatch_combine(etp: int, alignment: int | None, compiled: bool) -> list[s
     """
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
     from models.common.moe import GroupedExperts
     from parallel.expert_parallel import ExpertParallel
@@ -240,6 +248,7 @@ def _dispatch_combine(etp: int, alignment: int | None, compiled: bool) -> list[s
     out_ref = full(x_ref, counts)
     (out_ref * out_grad).sum().backward()
     for p in full.parameters():  # expert weights see the tokens of every EP rank
+        assert p.grad is not None
         p.grad /= etp
         dist.all_reduce(p.grad)
 
@@ -255,16 +264,18 @@ def _dispatch_combine(etp: int, alignment: int | None, compiled: bool) -> list[s
     if not torch.allclose(out, out_ref, atol=1e-5):
         failures.append(f"rank {rank}: outputs differ by {(out - out_ref).abs().max():.2e}")
     x_grad = x_ep.grad
+    assert x_grad is not None and x_ref.grad is not None
     if etp > 1:  # each ETP rank's token gradient covers its hidden slice; the pooling style sums them
         x_grad = x_grad.clone()
         dist.all_reduce(x_grad, group=mesh["etp"].get_group())
     if not torch.allclose(x_grad, x_ref.grad, atol=1e-5):
         failures.append(f"rank {rank}: token gradients differ by {(x_grad - x_ref.grad).abs().max():.2e}")
     for name, p in sharded.named_parameters():
+        dp = cast(DTensor, p)  # ExpertParallel made every parameter a DTensor
         ref_grad = distribute_tensor(
-            getattr(full, name).grad, p.device_mesh, p.placements, src_data_rank=None
+            getattr(full, name).grad, dp.device_mesh, dp.placements, src_data_rank=None
         ).to_local()
-        if p.grad is None or not torch.allclose(p.grad.to_local(), ref_grad, atol=1e-5):
+        if p.grad is None or not torch.allclose(cast(DTensor, p.grad).to_local(), ref_grad, atol=1e-5):
             failures.append(f"rank {rank}: gradient of {name} differs")
     return failures
 
@@ -344,7 +355,7 @@ def test_hf_load_reads_only_local_experts(moe_path, six_experts_path, layout, n_
             )
 
 
-def _resume(path: str, ckpt: str, phase: str, backends: list[str]) -> list[list[float]]:
+def _resume(path: str, ckpt: str, phase: str, backends: list[str]) -> list[list[float]] | None:
     import torch.distributed as dist
 
     from archon.engine.engine import ArchonEngine

@@ -8,6 +8,8 @@ embeddings, sliding-window layers and logit soft-capping) trains to the same los
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -26,7 +28,7 @@ from engine_utils import (
 from hf_fixtures import save_tiny_hf
 
 STEPS = 3
-GEMMA2 = dict(
+GEMMA2: dict[str, Any] = dict(
     tie=True,
     head_dim=16,
     sliding_window=6,
@@ -62,7 +64,7 @@ def _train(path: str, backend: str, engine_kw: dict | None = None, padded: bool 
     engine = make_engine(engine_config(path, backend, **(engine_kw or {})), total_steps=STEPS)
     if padded:
         # As for a model whose attention ignores packed position_ids.
-        engine._packing_works = lambda: False
+        engine._packing_works = lambda: False  # pyright: ignore[reportAttributeAccessIssue]  # stubbing a method
     engine.initialize()
     stats = [engine.train_batch(make_batch(s), sft_loss, sft_weight) for s in range(STEPS)]
     result = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from hf_fixtures import MODEL_TYPES, save_tiny_hf
+from hf_fixtures import MODEL_TYPES, block_of, decoder, save_tiny_hf
 
 import models
 from archon.rollout.kv_cache import BatchedKVCache
@@ -23,7 +23,7 @@ def folders(tmp_path_factory):
 
 def _run(forward, model: nn.Module, dtype: torch.dtype, steps: int = 4) -> torch.Tensor:
     """A right-padded prefill of 3 rows, then ``steps`` decode steps on fixed tokens; logits of each step."""
-    a = model.args
+    a = decoder(model).args
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, a.vocab_size, (3, 7), generator=g)
     lengths = [7, 4, 2]
@@ -33,7 +33,7 @@ def _run(forward, model: nn.Module, dtype: torch.dtype, steps: int = 4) -> torch
     last = torch.tensor(lengths) - 1
     out = [forward(prompts, cache, last)]
     cache.end_forward()
-    for step in range(steps):  # grows the cache past its initial length
+    for _ in range(steps):  # grows the cache past its initial length
         cache.begin_forward(0, 3, 1)
         out.append(forward(torch.randint(0, a.vocab_size, (3, 1), generator=g), cache, None))
         cache.end_forward()
@@ -74,8 +74,9 @@ def test_fused_weights_follow_updates(folders):
     model = models.load_hf_model(folders / "qwen3")
     lean = InferenceForward.for_model(model)
     assert InferenceForward.for_model(model) is lean
+    assert lean is not None
     donor = models.load_hf_model(folders / "donor")  # same shapes, other values
-    block, other = model.layers["0"], donor.layers["0"]
+    block, other = block_of(model, 0), block_of(donor, 0)
     with torch.no_grad():
         # In place, as weight updates do: the fused buffer follows.
         block.attention.wk.weight.copy_(other.attention.wk.weight)
@@ -93,7 +94,7 @@ def test_fused_weights_follow_updates(folders):
 
 def test_models_it_cannot_run_are_left_to_their_forward(folders):
     model = models.load_hf_model(folders / "qwen3")
-    model.layers["1"].attention.register_forward_hook(lambda *args: None)
+    block_of(model, 1).attention.register_forward_hook(lambda *args: None)
     assert InferenceForward.for_model(model) is None
     critic = models.load_hf_model(folders / "qwen3", is_critic=True)
     assert InferenceForward.for_model(critic) is None

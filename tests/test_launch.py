@@ -320,7 +320,9 @@ def test_slurm_job_runs_the_demo_on_two_simulated_nodes(demo_assets, tmp_path):
     assert f"rollout servers published: {record['addr']}" in log
     assert len(re.findall(r"started rollout server 0 \(pid (\d+)\)", log)) == 1  # by serve-node only
     assert stat.S_IMODE((out / "rollout" / "api_key").stat().st_mode) == 0o600
-    server_pid = int(re.search(r"started rollout server 0 \(pid (\d+)\)", log).group(1))
+    started = re.search(r"started rollout server 0 \(pid (\d+)\)", log)
+    assert started is not None
+    server_pid = int(started.group(1))
     assert not pid_alive(server_pid)  # the script stopped the server step when training ended
 
 
@@ -346,7 +348,9 @@ def test_serve_node_reports_a_server_that_dies_with_its_log(demo_assets, tmp_pat
             time.sleep(0.1)
         record = registry.records()[0]
         assert record.addr and record.host and record.log_path == str(out / "rollout" / "server_0.log")
-        server_pid = int(re.search(r"started rollout server 0 \(pid (\d+)\)", log.read_text()).group(1))
+        started = re.search(r"started rollout server 0 \(pid (\d+)\)", log.read_text())
+        assert started is not None
+        server_pid = int(started.group(1))
         os.kill(server_pid, signal.SIGKILL)
         proc.wait(timeout=60)
     finally:
@@ -399,7 +403,9 @@ def test_a_cancelled_slurm_job_stops_every_step(demo_assets, tmp_path):
             proc.wait()
     text = log.read_text()
     assert proc.returncode == 143, text[-3000:]
-    server_pid = int(re.search(r"started rollout server 0 \(pid (\d+)\)", text).group(1))
+    started = re.search(r"started rollout server 0 \(pid (\d+)\)", text)
+    assert started is not None
+    server_pid = int(started.group(1))
     deadline = time.monotonic() + 30  # the last exits are reaped asynchronously
     while (pid_alive(server_pid) or pids_mentioning(str(out))) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -106,8 +106,8 @@ def test_demo_runs_with_its_server_on_one_node_and_training_on_the_other(cluster
 def _nodes(cluster) -> list[dict]:
     """The cluster's alive nodes, asked through a short-lived driver (the test process is not one)."""
     code = (
-        "import json, ray; ray.init(address=%r, log_to_driver=False); "
-        "print(json.dumps([{'NodeID': n['NodeID']} for n in ray.nodes() if n['Alive']]))" % cluster.address
+        f"import json, ray; ray.init(address={cluster.address!r}, log_to_driver=False); "
+        "print(json.dumps([{'NodeID': n['NodeID']} for n in ray.nodes() if n['Alive']]))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -61,7 +61,7 @@ def test_unused_entropy_gets_no_gradient_work(dtype):
     b = logits.to(dtype).requires_grad_()
     rlp, _ = reference(b, targets, 0.7)
     (rlp * w_lp).sum().backward()
-    assert a.grad.dtype == dtype
+    assert a.grad is not None and a.grad.dtype == dtype
     tol = 1e-6 if dtype == torch.float32 else 1e-2  # bf16: one rounding of the gradient apart
     torch.testing.assert_close(a.grad, b.grad, atol=tol, rtol=tol)
 
@@ -82,6 +82,7 @@ def _sharded_worker(use_dtensor: bool):
         dt = DTensor.from_local(full[:, chunks[rank]], mesh, [Shard(1)], shape=full.shape, stride=full.stride())
         lp, ent = vocab_parallel_logprobs_entropy(dt, targets, 0.9)
         ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
+        assert full.grad is not None
         grad = full.grad[:, chunks[rank]]
     else:
         lp, ent = vocab_parallel_logprobs_entropy(local, targets, 0.9, group=dist.group.WORLD, vocab_start=start)
@@ -90,6 +91,7 @@ def _sharded_worker(use_dtensor: bool):
     ref = logits.clone().requires_grad_()
     rlp, rent = reference(ref, targets, 0.9)
     ((rlp * w_lp).sum() + (rent * w_ent).sum()).backward()
+    assert grad is not None and ref.grad is not None
     return [
         float((lp - rlp).abs().max()),
         float((ent - rent).abs().max()),

@@ -70,4 +70,4 @@ def test_unpack_is_differentiable():
     mb = pack(batch, [0, 1], multiple_of=8)
     values = torch.randn(mb.total_len, requires_grad=True)
     unpack(values, mb).sum().backward()
-    assert values.grad.tolist() == [1.0] * 5 + [0.0] * 3
+    assert values.grad is not None and values.grad.tolist() == [1.0] * 5 + [0.0] * 3

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+from typing import cast
 
 import pytest
 import torch
-from hf_fixtures import make_tiny_hf_model, perturb_, save_tiny_hf
+from hf_fixtures import block_of, decoder, make_tiny_hf_model, perturb_, save_tiny_hf
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
@@ -44,7 +45,7 @@ def test_router_matches_transformers(norm_topk_prob, tmp_path):
     x = torch.randn(40, 64, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         _, hf_scores, hf_idx = hf.model.layers[0].mlp.gate(x)
-        probs, scores, idx = model.layers["0"].moe.router(x)
+        probs, scores, idx = block_of(model, 0).moe.router(x)
     assert torch.equal(idx, hf_idx)
     assert torch.equal(scores, hf_scores)
     assert torch.equal(count_per_expert(idx, 8), torch.bincount(hf_idx.flatten(), minlength=8).float())
@@ -57,11 +58,11 @@ def test_router_stats_are_exposed_per_forward(moe_folder):
     tokens = _tokens(2, 9)
     with torch.no_grad():
         model(tokens)
-        first = model.layers["1"].moe.tokens_per_expert.clone()
+        first = cast(torch.Tensor, block_of(model, 1).moe.tokens_per_expert).clone()  # a buffer: Tensor
         model(tokens)
     assert first.sum().item() == 2 * 9 * 2  # every token counted top_k times
     # Overwritten per forward, not accumulated.
-    assert torch.equal(model.layers["1"].moe.tokens_per_expert, first)
+    assert torch.equal(cast(torch.Tensor, block_of(model, 1).moe.tokens_per_expert), first)
     assert "tokens_per_expert" not in dict(model.state_dict())
     # The routing bias is state (checkpointed), zero for an HF checkpoint without one.
     assert torch.equal(model.state_dict()["layers.1.moe.expert_bias"], torch.zeros(8))
@@ -106,7 +107,7 @@ def test_router_replay_forces_choices_and_keeps_gate_gradient():
     torch.testing.assert_close(scores, ref / ref.sum(-1, keepdim=True))
     # Renormalised scores of a token sum to 1, so weigh them to get a non-trivial gradient.
     (scores * torch.arange(8.0).view(4, 2)).sum().backward()
-    assert router.gate.weight.grad.abs().sum() > 0
+    assert router.gate.weight.grad is not None and router.gate.weight.grad.abs().sum() > 0
 
 
 def test_moe_token_mask_and_aux_loss_gradient():
@@ -119,13 +120,15 @@ def test_moe_token_mask_and_aux_loss_gradient():
     x = torch.randn(1, 10, 16)
     mask = torch.tensor([[True] * 7 + [False] * 3])
     moe.count_tokens = True
-    out = moe(x, mask)
-    assert moe.tokens_per_expert.sum() == 7 * 2
-    assert torch.equal(moe.step_tokens_per_expert, moe.tokens_per_expert)
+    moe(x, mask)
+    # Registered buffers, which pyright types as ``Tensor | Module``.
+    assert cast(torch.Tensor, moe.tokens_per_expert).sum() == 7 * 2
+    assert torch.equal(cast(torch.Tensor, moe.step_tokens_per_expert), cast(torch.Tensor, moe.tokens_per_expert))
     w = torch.tensor([0.5, 1.0, 2.0, 3.0])
     moe.aux_loss_weights, moe.aux_loss_grad_scale = w, 3.0
     moe.zero_grad()
     moe(x, mask).sum().backward()
+    assert moe.router.gate.weight.grad is not None
     with_aux = moe.router.gate.weight.grad.clone()
     moe.aux_loss_weights = None
     moe.zero_grad()
@@ -133,6 +136,7 @@ def test_moe_token_mask_and_aux_loss_gradient():
     gate = moe.router.gate.weight.detach().requires_grad_(True)
     aux = (torch.softmax(x[0, :7] @ gate.T, -1).sum(0) * w).sum() * 3.0
     (aux_grad,) = torch.autograd.grad(aux, gate)
+    assert moe.router.gate.weight.grad is not None
     torch.testing.assert_close(with_aux - moe.router.gate.weight.grad, aux_grad)
     # The step's loss value is accumulated (unscaled) once per forward.
     assert moe.step_aux_loss > 0
@@ -236,7 +240,7 @@ def test_cache_requires_positions(moe_folder):
 @pytest.mark.parametrize("model_type,tie", [("qwen3", True), ("qwen2", False), ("qwen3_moe", False)])
 def test_critic_from_lm_checkpoint_and_round_trip(model_type, tie, tmp_path):
     hf, _ = save_tiny_hf(tmp_path / "lm", model_type, tie=tie, seed=5)
-    critic = models.load_hf_model(tmp_path / "lm", is_critic=True)
+    critic = decoder(models.load_hf_model(tmp_path / "lm", is_critic=True))
     assert critic.output.out_features == 1
     assert critic.output.weight is not critic.tok_embeddings.weight
     assert critic.output.weight.std().item() > 0  # the value head was initialised, not left empty
@@ -274,7 +278,7 @@ def test_meta_model_materialises_and_initialises():
         tie_word_embeddings=True,
         mlp_only_layers=[0],
     )
-    model = models.build_model(args)  # meta
+    model = decoder(models.build_model(args))  # meta
     assert all(p.device.type == "meta" for p in model.parameters())
     model.to_empty(device="cpu")
     torch.manual_seed(0)
@@ -283,9 +287,11 @@ def test_meta_model_materialises_and_initialises():
     inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, 16, 2).float() / 16))
     assert torch.equal(model.rope.inv_freq, inv_freq)
     # A dtype cast keeps the RoPE frequencies exact in float32.
-    assert torch.equal(models.build_model(args).to_empty(device="cpu").to(torch.bfloat16).rope.inv_freq, inv_freq)
+    assert torch.equal(
+        decoder(models.build_model(args).to_empty(device="cpu").to(torch.bfloat16)).rope.inv_freq, inv_freq
+    )
     assert torch.equal(model.norm.weight, torch.ones(64))
-    assert abs(model.layers["1"].moe.experts.w1.std().item() - 0.02) < 0.002
+    assert abs(block_of(model, 1).moe.experts.w1.std().item() - 0.02) < 0.002
     out = model(_tokens(2, 5))
     assert out.shape == (2, 5, 128) and torch.isfinite(out).all()
 
@@ -365,7 +371,7 @@ def test_tied_checkpoint_that_also_stores_lm_head(tmp_path):
     assert "lm_head.weight" in sd
     save_file(sd, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     (tmp_path / "config.json").write_text(json.dumps(hf.config.to_dict()))
-    model = models.load_hf_model(tmp_path)
+    model = decoder(models.load_hf_model(tmp_path))
     assert model.output.weight is model.tok_embeddings.weight
     tokens = _tokens(1, 6)
     with torch.no_grad():
@@ -377,7 +383,7 @@ def test_wrapped_blocks_load_and_save_under_clean_names(moe_folder, tmp_path):
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     folder, hf = moe_folder
-    model = models.build_model(models.read_hf_config(folder))
+    model = decoder(models.build_model(models.read_hf_config(folder)))
     for key in list(model.layers.keys()):
         model.layers[key] = checkpoint_wrapper(model.layers[key])
     assert any("_checkpoint_wrapped_module" in n for n, _ in model.named_parameters())
@@ -396,7 +402,7 @@ def test_wrapped_blocks_load_and_save_under_clean_names(moe_folder, tmp_path):
 def test_bfloat16_follows_transformers(model_type, tmp_path):
     """Norms in float32 then cast, RoPE frequencies kept in float32: bf16 logits track transformers'."""
     save_tiny_hf(tmp_path, model_type, seed=9)
-    model = models.load_hf_model(tmp_path, dtype=torch.bfloat16)
+    model = decoder(models.load_hf_model(tmp_path, dtype=torch.bfloat16))
     hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
     assert model.rope.inv_freq.dtype == torch.float32
     assert model.output.weight.dtype == torch.bfloat16

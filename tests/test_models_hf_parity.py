@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,7 +22,7 @@ def case(request, tmp_path_factory):
     """A sharded tiny HF checkpoint, the HF model it came from, and Archon's load of it."""
     model_type, tie = request.param
     folder = tmp_path_factory.mktemp(f"{model_type}_{tie}")
-    overrides = {}
+    overrides: dict[str, Any] = {}
     if model_type == "qwen3_moe" and not tie:
         # One dense block inside an MoE model, and plain (unnormalised) top-k weights.
         overrides = dict(mlp_only_layers=[1], norm_topk_prob=False)
@@ -101,13 +103,14 @@ def test_backward_matches_transformers_gradients(case):
 
     adapter = models.get_model_spec(case["model_type"]).state_dict_adapter_class(model.args)
     ours = dict(model.named_parameters())
-    expert_grads: dict[str, dict[int, torch.Tensor]] = {}
     compared = 0
     for hf_name, p in hf.named_parameters():
         assert p.grad is not None, hf_name
         for name, expert, ref_grad in adapter.from_hf_tensor(hf_name, p.grad):
             grad = ours[name].grad if expert is None else ours[name].grad[expert]
-            torch.testing.assert_close(grad, ref_grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{hf_name}: {m}")
+            torch.testing.assert_close(
+                grad, ref_grad, rtol=1e-4, atol=1e-6, msg=lambda m, hf_name=hf_name: f"{hf_name}: {m}"
+            )
             compared += 1
     assert compared >= len(ours)
     model.zero_grad(set_to_none=True)

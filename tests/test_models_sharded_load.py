@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING, cast
 
 import pytest
 import torch
 import torch.nn as nn
 from dist_utils import run_distributed
-from hf_fixtures import make_tiny_hf_model, save_tiny_hf
+from hf_fixtures import block_of, decoder, make_tiny_hf_model, save_tiny_hf
 from safetensors.torch import save_file
 
 import models
 import models.hf_checkpoint as hf_checkpoint
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +73,7 @@ def _load_into_dtensors(folder: str, read_slices: bool) -> dict:
     if not read_slices:  # exercise the distribute_tensor path other placements take
         hf_checkpoint._local_box = lambda dst: None
     mesh = init_device_mesh("cpu", (2,))
-    model = models.build_model(models.read_hf_config(folder))
+    model = decoder(models.build_model(models.read_hf_config(folder)))
     model.to_empty(device="cpu")
     model.init_buffers("cpu")
     for mod_name, mod in model.named_modules():
@@ -85,11 +89,11 @@ def _load_into_dtensors(folder: str, read_slices: bool) -> dict:
     ref_params = dict(ref.named_parameters())
     worst = 0.0
     for name, p in model.named_parameters():
-        worst = max(worst, (p.full_tensor() - ref_params[name]).abs().max().item())
+        worst = max(worst, (cast("DTensor", p).full_tensor() - ref_params[name]).abs().max().item())
 
     # Expert parallel forward: each rank runs its own experts on the tokens routed to them.
-    experts = model.layers["0"].moe.experts
-    local_e = experts.w1.to_local().shape[0]
+    experts = block_of(model, 0).moe.experts
+    local_e = cast("DTensor", experts.w1).to_local().shape[0]
     first = dist.get_rank() * local_e
     counts = torch.tensor([3, 1, 0, 2, 4, 2, 1, 3])
     x = torch.randn(int(counts.sum()), 64, generator=torch.Generator().manual_seed(0))
@@ -97,12 +101,12 @@ def _load_into_dtensors(folder: str, read_slices: bool) -> dict:
     lo, hi = int(starts[first]), int(starts[first] + counts[first : first + local_e].sum())
     with torch.no_grad():
         local_out = experts(x[lo:hi], counts[first : first + local_e])
-        ref_out = ref.layers["0"].moe.experts(x, counts)[lo:hi]
+        ref_out = block_of(ref, 0).moe.experts(x, counts)[lo:hi]
     return {
         "worst": worst,
         "local_experts": local_e,
         "expert_diff": (local_out - ref_out).abs().max().item(),
-        "wq_local_rows": model.layers["0"].attention.wq.weight.to_local().shape[0],
+        "wq_local_rows": cast("DTensor", block_of(model, 0).attention.wq.weight).to_local().shape[0],
         "full_reads": len(full_reads),
     }
 
@@ -121,10 +125,10 @@ def test_load_hf_weights_into_dtensor_parameters(moe_folder, fused_moe_folder):
 
 
 def test_pipeline_stage_loads_only_what_it_holds(moe_folder):
-    full = models.load_hf_model(moe_folder)
-    stage = models.build_model(models.read_hf_config(moe_folder))
+    full = decoder(models.load_hf_model(moe_folder))
+    stage = decoder(models.build_model(models.read_hf_config(moe_folder)))
     del stage.layers["0"]  # a last stage: layer 1, norm, output
-    stage.tok_embeddings = None
+    stage.tok_embeddings = None  # pyright: ignore[reportAttributeAccessIssue]  # Decoder types it non-Optional
     stage.to_empty(device="cpu")
     stage.init_buffers("cpu")
     result = models.load_hf_weights(stage, moe_folder)  # strict: other stages' tensors are skipped, not errors
@@ -136,5 +140,5 @@ def test_pipeline_stage_loads_only_what_it_holds(moe_folder):
     with torch.no_grad():
         h = full.tok_embeddings(tokens)
         rope = full.rope(torch.arange(7).unsqueeze(0), h.dtype)
-        h = full.layers["0"](h, rope)
+        h = block_of(full, 0)(h, rope)
         torch.testing.assert_close(stage(h), full(tokens), rtol=0, atol=1e-6)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from dist_utils import run_distributed
 from engine_utils import engine_config, make_batch, sft_loss, sft_weight
-from hf_fixtures import save_tiny_hf
+from hf_fixtures import block_of, save_tiny_hf
 
 STEPS = 3
 AUX = {"moe_load_balance": "aux_loss", "moe_aux_loss_coef": 0.5}
@@ -207,6 +207,7 @@ def _gate_dtypes(path: str, backend: str, router_dtype: str) -> list[tuple] | No
         exact = torch.equal(out.float(), F.linear(x.float(), weight.float())) if out.dtype == torch.float32 else None
         seen.append((x.dtype, weight.dtype, out.dtype, exact))
 
+    assert engine.model is not None
     for name, module in engine.model.named_modules():
         if name.endswith("router.gate"):
             module.register_forward_pre_hook(keep_weight)
@@ -283,6 +284,6 @@ def test_hf_export_leaves_the_bias_out_and_sync_folders_carry_it(moe_path, tmp_p
     assert not [k for k in keys(tmp_path / "hf") if "correction_bias" in k]  # Qwen's HF format has no field
     assert len([k for k in keys(tmp_path / "sync") if "correction_bias" in k]) == 2
     served = models.load_hf_model(tmp_path / "sync", dtype=torch.bfloat16)  # as the built-in server loads it
-    bias = served.layers["0"].moe.expert_bias
+    bias = block_of(served, 0).moe.expert_bias
     assert bias.dtype == torch.float32 and float(bias.abs().max()) == pytest.approx(FREE["moe_bias_update_rate"])
-    assert float(models.load_hf_model(tmp_path / "hf").layers["0"].moe.expert_bias.abs().max()) == 0.0
+    assert float(block_of(models.load_hf_model(tmp_path / "hf"), 0).moe.expert_bias.abs().max()) == 0.0

@@ -12,17 +12,22 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import pytest
 import torch
 from dist_utils import run_distributed
 from engine_utils import make_batch, sft_loss, sft_weight
-from hf_fixtures import make_tiny_tokenizer, random_tokens, save_tiny_hf
+from hf_fixtures import decoder, make_tiny_tokenizer, random_tokens, save_tiny_hf
 
 import models
 from archon.rollout.generator import GenerationRequest, Generator
 from archon.rollout.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from models.common.decoder import TransformerBlock
 
 
 @pytest.fixture(scope="module")
@@ -35,13 +40,15 @@ def moe_path(tmp_path_factory) -> str:
 @torch.no_grad()
 def _routing_of(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
     """``[len(tokens), n_layers, top_k]`` experts of one plain forward (dense layers 0)."""
-    moes = {int(i): block.moe for i, block in model.layers.items() if block.moe_enabled}
+    layers = cast("Mapping[str, TransformerBlock]", decoder(model).layers)
+    moes = {int(i): block.moe for i, block in layers.items() if block.moe_enabled}
     for moe in moes.values():
         moe.record_routing = True
     model(torch.tensor([tokens]))
     k = next(iter(moes.values())).top_k
-    out = torch.zeros(len(tokens), model.args.n_layers, k, dtype=torch.int32)
+    out = torch.zeros(len(tokens), decoder(model).args.n_layers, k, dtype=torch.int32)
     for i, moe in moes.items():
+        assert moe.selected_experts is not None
         out[:, i] = moe.selected_experts[0].int()
     return out
 
@@ -62,6 +69,7 @@ def test_generator_reports_the_experts_of_every_token_it_ran(moe_path):
     for prompt, result, start in zip(prompts, results, (0, 2, 0)):
         fed = prompt + result.output_ids[:-1]  # the last sampled token is never run
         expected = _routing_of(reference, fed)[start:]
+        assert result.routed_experts is not None
         assert result.routed_experts.dtype == torch.int32
         assert result.routed_experts.shape == (len(fed) - start, 2, 2)
         assert torch.equal(result.routed_experts, expected)
@@ -155,10 +163,12 @@ def _replayed(path: str, backend: str, kw: dict) -> dict | None:
     def gate_grad(*_) -> None:
         from torch.distributed.tensor import DTensor
 
+        assert engine.model is not None
         g = [p.grad for n, p in engine.model.named_parameters() if n.endswith("router.gate.weight")]
         g = [x.full_tensor() if isinstance(x, DTensor) else x for x in g if x is not None]
         grads.append(float(sum(x.norm() for x in g)) if g else 0.0)
 
+    assert engine.optimizer is not None
     engine.optimizer.register_step_pre_hook(gate_grad)
     stats = [engine.train_batch(_replay_batch(s), sft_loss, sft_weight) for s in range(2)]
     out = {
@@ -220,7 +230,7 @@ def test_replay_is_allocation_invariant(moe_path, replay_reference, world):
             replay_reference["forward"]["logprobs"][mask],
             atol=1e-5,
             rtol=1e-5,
-            msg=lambda m: f"{backend}: {m}",
+            msg=lambda m, backend=backend: f"{backend}: {m}",
         )
         for key in ("losses", "norms"):
             diff = max(abs(a - b) for a, b in zip(got[key], replay_reference[key]))

@@ -72,12 +72,15 @@ def expected_groups(world: int, pd: ParallelDims) -> dict[str, list[list[int]]]:
         # Inside one (pp, dp_replicate) block the ranks (dp_shard, cp, tp) are consecutive; EP takes
         # consecutive chunks of ep*etp ranks' worth with etp fastest.
         s = r.reshape(pd.pp, pd.dp_replicate, pd.efsdp, pd.ep, pd.etp)
-        sub = lambda keep: [
-            sorted(row.tolist())
-            for row in s.permute(*[d for d in range(5) if d not in keep], *keep).reshape(
-                -1, int(torch.tensor([s.shape[d] for d in keep]).prod())
-            )
-        ]
+
+        def sub(keep: list[int]) -> list[list[int]]:
+            return [
+                sorted(row.tolist())
+                for row in s.permute(*[d for d in range(5) if d not in keep], *keep).reshape(
+                    -1, int(torch.tensor([s.shape[d] for d in keep]).prod())
+                )
+            ]
+
         out.update(ep=sub([3]), etp=sub([4]), efsdp=sub([2]))
     return out
 
@@ -118,7 +121,7 @@ def fake_world():
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: "-".join(f"{k}{v}" for k, v in l.items()))
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: "-".join(f"{k}{v}" for k, v in lay.items()))
 def test_mesh_groups_match_hand_computed(fake_world, layout):
     world = layout["world"]
     for rank in sorted({0, world // 2 + 1, world - 1}):

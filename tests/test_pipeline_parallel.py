@@ -15,7 +15,7 @@ import pytest
 import torch
 from dist_utils import run_distributed
 from engine_utils import capture_log, engine_config, export_after_one_step, make_batch, sft_loss, sft_weight
-from hf_fixtures import save_tiny_hf
+from hf_fixtures import decoder, save_tiny_hf
 
 from pipeline.placement import rank_of_stage, stages_of_rank
 from pipeline.schedules import check_activation_checkpointing, microbatch_count
@@ -105,8 +105,8 @@ def test_microbatch_and_activation_checkpointing_rules():
 def test_stage_modules_keep_full_model_names(qwen3_path):
     import models
 
-    model = models.build_model(models.read_hf_config(qwen3_path))  # meta device
-    last = build_stage_module(model, ["layers.2", "layers.3", "norm", "output"])
+    model = decoder(models.build_model(models.read_hf_config(qwen3_path)))  # meta device
+    last = decoder(build_stage_module(model, ["layers.2", "layers.3", "norm", "output"]))
     assert last.tok_embeddings is None and list(last.layers) == ["2", "3"] and last.rope is not None
     names = {n for n, _ in last.named_parameters()}
     assert names == {

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from archon.plan.memory import GiB, Workload, estimate_training_rank, model_args
 
 REPO = Path(__file__).resolve().parents[1]
 # Wide enough that parameters, activations and the loss all matter (hidden 256, 4 layers).
-DENSE = dict(
+DENSE: dict[str, Any] = dict(
     hidden_size=256,
     intermediate_size=512,
     num_attention_heads=8,
@@ -27,7 +28,7 @@ DENSE = dict(
     vocab_size=512,
     num_hidden_layers=4,
 )
-MOE = dict(
+MOE: dict[str, Any] = dict(
     hidden_size=128,
     intermediate_size=256,
     num_attention_heads=8,
@@ -108,6 +109,7 @@ def test_recipes_fit_80_gb_gpus(monkeypatch):
     monkeypatch.chdir(REPO)
     for name in ("qwen3_8b_dense.toml", "qwen3_30b_a3b_moe.toml"):
         report = check_fit(load_config(REPO / "configs" / name))
+        assert report.train is not None and report.rollout is not None
         assert report.fits, (name, report.train.total / GiB)
         # One rollout GPU holds a t-th of the bf16 weights: 30.53e9 * 2 / 4 bytes for the MoE recipe.
         if "moe" in name:
@@ -120,6 +122,7 @@ def test_a_misfit_names_its_largest_term_and_fixes_that_were_checked(monkeypatch
     cfg = load_config(REPO / "configs" / "qwen3_30b_a3b_moe.toml", base)
     report = check_fit(cfg)
     assert not report.fits_train()
+    assert report.train is not None
     assert report.verdict(report.train).startswith("does not fit") and "activations" in report.verdict(report.train)
     assert report.fixes
     for fix in report.fixes:
@@ -132,6 +135,8 @@ def test_sft_estimate_counts_no_rollout_and_only_the_actor(monkeypatch):
     overrides = ["cluster.n_nodes=2", "actor.kl_ctl=0.1"]
     cfg = load_config(REPO / "configs" / "qwen3_30b_a3b_moe.toml", overrides, job="sft")
     report = check_fit(cfg, "sft")
+    assert report.train is not None
     assert report.rollout is None and not any(t.name.startswith("ref") for t in report.train.terms)
     rl = check_fit(load_config(REPO / "configs" / "qwen3_30b_a3b_moe.toml", overrides[1:]))
+    assert rl.train is not None
     assert any(t.name.startswith("ref parameters") for t in rl.train.terms)

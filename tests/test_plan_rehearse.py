@@ -56,7 +56,8 @@ def test_first_difference_names_the_step_and_values():
     ref = [{"loss": 2.0, "grad_norm": 1.0}, {"loss": 1.5, "grad_norm": 0.9}]
     assert _first_difference([dict(r) for r in ref], ref) is None
     bad = [dict(ref[0]), {"loss": 1.5, "grad_norm": 0.95}]
-    assert _first_difference(bad, ref).startswith("step 2: grad_norm 0.95 under the layout but 0.9 on one device")
+    diff = _first_difference(bad, ref)
+    assert diff is not None and diff.startswith("step 2: grad_norm 0.95 under the layout but 0.9 on one device")
 
 
 def test_a_layout_that_cannot_train_is_one_line(monkeypatch):

@@ -3,11 +3,16 @@ values, aligned like the engine's, plus the value after each row's last token (G
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import pytest
 import torch
 from dist_utils import run_distributed
 from engine_utils import engine_config, make_batch
 from hf_fixtures import save_tiny_hf
+
+if TYPE_CHECKING:
+    from archon.engine.engine import ArchonEngine
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +88,11 @@ def test_actor_overlong_filtering_and_epochs_reach_the_engine():
     from archon.rl.actor import PPOActor
 
     engine = RecordingEngine()
-    actor = PPOActor(engine, ActorConfig(ppo_n_minibatches=2, ppo_epochs=3, overlong_filtering=True), max_new_tokens=4)
+    actor = PPOActor(
+        cast("ArchonEngine", engine),
+        ActorConfig(ppo_n_minibatches=2, ppo_epochs=3, overlong_filtering=True),
+        max_new_tokens=4,
+    )
     actor.ppo_update(_rl_batch())
     assert len(engine.batches) == 6  # ppo_epochs x ppo_n_minibatches optimizer steps
     for mb in engine.batches:
@@ -91,7 +100,7 @@ def test_actor_overlong_filtering_and_epochs_reach_the_engine():
         no_eos = mb["seq_no_eos_mask"].bool()
         assert mb["loss_mask"][no_eos].sum() == 0 and (mb["loss_mask"][~no_eos].sum(1) == 2).all()
     engine = RecordingEngine()
-    actor = PPOActor(engine, ActorConfig(overlong_filtering=True), max_new_tokens=4)
+    actor = PPOActor(cast("ArchonEngine", engine), ActorConfig(overlong_filtering=True), max_new_tokens=4)
     batch = _rl_batch()
     batch["seq_no_eos_mask"] = torch.ones(4, dtype=torch.bool)
     assert actor.ppo_update(batch) == {} and engine.batches == []  # everything filtered: no step
@@ -105,7 +114,7 @@ def test_critic_epochs_and_shuffle_use_the_engine_step_as_seed():
         engine = RecordingEngine()
         engine.step = start_step
         critic = PPOCritic(
-            engine,
+            cast("ArchonEngine", engine),
             CriticConfig(ppo_n_minibatches=2, ppo_epochs=2, shuffle=True),
             agg_mode="token-mean",
             max_new_tokens=4,

@@ -10,6 +10,7 @@ import random
 import threading
 import time
 from types import SimpleNamespace
+from typing import cast
 
 import pytest
 import torch
@@ -101,6 +102,7 @@ class _RecordingLoader:
         self.submitted_at: list[int] = []
 
     def next_rollout_batch(self):
+        assert self.worker is not None
         self.submitted_at.append(self.worker.version)
         return self.loader.next_rollout_batch()
 
@@ -110,7 +112,7 @@ def _fake_worker(setup, k: int, **kw) -> tuple[RolloutWorker, _FakeClient, _Reco
     loader = _RecordingLoader(_loader(setup))
     worker = RolloutWorker(
         client,
-        loader,
+        cast(PromptLoader, loader),  # duck-typed: records each draw
         sampling={"max_new_tokens": 3, "temperature": 1.0},
         seed=1,
         max_offpolicyness=k,
@@ -138,7 +140,10 @@ def test_rounds_are_submitted_as_soon_as_the_bound_allows_and_never_earlier(setu
             rnd = worker.take(new_step=True)
             assert rnd.index == step - 1
             # Round r is submitted once the servers hold version r - k: exactly k versions stale.
-            heads = {c.output_versions[0] for c in rnd.completions}
+            heads = set()
+            for c in rnd.completions:
+                assert c.output_versions is not None
+                heads.add(c.output_versions[0])
             assert heads == {max(0, step - 1 - k)}
             assert len(loader.submitted_at) == min(steps, step + k)
             _update(worker, client, step)
@@ -261,6 +266,7 @@ def test_weight_updates_interrupt_generation_and_tokens_keep_their_version(setup
     interrupted = 0
     for rnd in rounds:
         for c, p in zip(rnd.completions, rnd.prompts):
+            assert c.output_versions is not None
             assert len(c.output_ids) == max_new and c.finish_reason == "length"
             assert c.output_versions == sorted(c.output_versions) and set(c.output_versions) <= {0, 1}
             if c.output_versions[0] == 0:

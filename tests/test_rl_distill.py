@@ -50,7 +50,8 @@ def _actor(kd_coef: float):
     from archon.config import ActorConfig
     from archon.rl.actor import PPOActor
 
-    return PPOActor(None, ActorConfig(kd_coef=kd_coef, kd_estimator="k3"), max_new_tokens=6)
+    # Only the loss is used: no engine.
+    return PPOActor(None, ActorConfig(kd_coef=kd_coef, kd_estimator="k3"), max_new_tokens=6)  # pyright: ignore[reportArgumentType]
 
 
 def test_actor_loss_adds_kd_coef_times_the_term_and_nothing_without_it():

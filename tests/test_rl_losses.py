@@ -2,6 +2,7 @@
 
 import itertools
 import math
+from typing import Any, cast
 
 import pytest
 import torch
@@ -80,16 +81,19 @@ def _expected_estimator_gradient(estimator: str) -> torch.Tensor:
     z, ref_logp = _softmax_case()
     logp = torch.log_softmax(z, -1)
     probs = logp.exp().detach()
-    total = sum(
-        probs[y] * kl_estimate(logp[y], ref_logp[y], estimator, log_ratio_clamp=None, value_clamp=None)
-        for y in range(5)
+    total = cast(
+        torch.Tensor,
+        sum(
+            probs[y] * kl_estimate(logp[y], ref_logp[y], estimator, log_ratio_clamp=None, value_clamp=None)
+            for y in range(5)
+        ),
     )
     (grad,) = torch.autograd.grad(total, z)
     return grad
 
 
 @pytest.mark.parametrize("estimator", KL_LOSS_TYPES)
-def test_kl_loss_gradients_match_the_kl_they_claim(estimator):
+def test_kl_loss_gradients_match_the_kl_they_claim(estimator: str):
     z, ref_logp = _softmax_case()
     p = torch.softmax(z.detach(), -1)
     logp = p.log()
@@ -157,7 +161,7 @@ def test_aggregate_errors_and_empty():
     x = torch.ones(2, 3, requires_grad=True)
     out = aggregate(x, torch.zeros(2, 3), "token-mean")
     out.backward()  # an all-masked microbatch still has a graph
-    assert out.item() == 0.0 and x.grad.abs().sum() == 0
+    assert out.item() == 0.0 and x.grad is not None and x.grad.abs().sum() == 0
 
 
 # ---------------------------------------------------------------------------------------
@@ -216,6 +220,7 @@ def test_masking_ignores_padding_even_if_it_is_inf():
     loss, stats = ppo_actor_loss(logp, old, adv, mask, eps_clip=0.2)
     assert loss.item() == pytest.approx((-1.2 + 2.0) / 2)
     loss.backward()
+    assert logp.grad is not None
     assert torch.isfinite(logp.grad).all()
     torch.testing.assert_close(logp.grad, torch.tensor([[0.0, 0.0, 1.0, 0.0]]))
     logp.grad = None
@@ -223,6 +228,7 @@ def test_masking_ignores_padding_even_if_it_is_inf():
     loss, stats = ppo_actor_loss(logp, old, adv, mask, eps_clip=0.2, ref_logprobs=ref, kl_loss_coef=1.0)
     assert loss.item() == pytest.approx((-1.2 + 2.0) / 2) and stats["kl_loss"].item() == 0.0
     loss.backward()
+    assert logp.grad is not None
     assert torch.isfinite(logp.grad).all()
 
 
@@ -275,7 +281,7 @@ def test_gspo_averages_advantages_per_sequence_and_matches_the_paper_under_seq_m
     for i in range(3):
         s_i = torch.exp((x[i] - old[i])[m[i]].mean())
         objective = objective + s_i * adv[i][m[i]].mean()
-    (-objective / 3).backward()
+    cast(torch.Tensor, -objective / 3).backward()
     torch.testing.assert_close(logp.grad, x.grad)
     abar = [adv[i][m[i]].mean().item() for i in range(3)]
     assert stats["advantages_mean"].item() == pytest.approx(sum(abar) / 3, rel=1e-5)
@@ -330,13 +336,15 @@ def test_decoupled_weight_multiplies_clipped_surrogate():
     logp = logs([1.5]).requires_grad_()
     prox = torch.zeros(1, 1)
     behav = -logs([2.0])
-    kw = dict(eps_clip=0.2, behav_logprobs=behav, rejection_sampling=_rs())
+    kw: dict[str, Any] = dict(eps_clip=0.2, behav_logprobs=behav, rejection_sampling=_rs())
     loss, _ = ppo_actor_loss(logp, prox, row([1.0]), torch.ones(1, 1), **kw)
     assert loss.item() == pytest.approx(2.0 * -1.2)  # w * max(-1.5, -1.2)
     logp2 = logs([0.9]).requires_grad_()
     loss2, _ = ppo_actor_loss(logp2, prox, row([1.0]), torch.ones(1, 1), **kw)
     loss2.backward()
-    assert logp2.grad.item() == pytest.approx(-2.0 * 0.9)  # unclipped: d(-w r A)/dlogp = -w r A
+    assert logp2.grad is not None and logp2.grad.item() == pytest.approx(
+        -2.0 * 0.9
+    )  # unclipped: d(-w r A)/dlogp = -w r A
 
 
 def test_rejection_sampling_sequence_level():
@@ -486,7 +494,7 @@ def test_on_policy_ratio_is_one_and_gradient_is_policy_gradient():
     loss.backward()
     n = mask.sum()
     torch.testing.assert_close(logp.grad, -adv * mask / n)
-    grads = [p.grad.clone() for p in layer.parameters()]
+    grads = [cast(torch.Tensor, p.grad).clone() for p in layer.parameters()]
     layer.zero_grad()
     (-(adv * logprobs() * mask).sum() / n).backward()
     for g, p in zip(grads, layer.parameters()):
@@ -592,7 +600,7 @@ def test_weighted_microbatch_losses_equal_full_batch(mode, kind):
         loss_fn = make_critic_loss_fn(value_eps_clip=0.3, agg_mode=mode, max_response_len=9)
         out_keys = {"attention_mask": batch["attention_mask"], "values": outputs["values"]}
     else:
-        extra = (
+        extra: dict[str, Any] = (
             dict(
                 use_decoupled_loss=True,
                 importance_sampling_level="sequence",
@@ -635,7 +643,7 @@ def test_weighted_microbatch_losses_equal_full_batch(mode, kind):
             total += loss.item() * w / total_w
             for k, v in stats.items():
                 stats_acc[k] = stats_acc.get(k, 0.0) + v.item() * w / total_w
-        grads = {k: v.grad.clone() for k, v in leaves.items()}
+        grads = {k: cast(torch.Tensor, v.grad).clone() for k, v in leaves.items()}
         return total, stats_acc, grads
 
     ref_loss, ref_stats, ref_grads = run(SPLITS[0])

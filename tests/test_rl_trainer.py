@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from dist_utils import run_distributed
@@ -102,7 +103,7 @@ def test_on_policy_step_has_ratio_one_and_server_logprobs_match_trainer(rl_setup
 
 def test_grpo_losses_do_not_depend_on_the_allocation(rl_setup):
     model, data, root = rl_setup
-    extra = dict(
+    extra: dict[str, Any] = dict(
         total_train_steps=3, **{"actor.ppo_n_minibatches": 2, "actor.kl_ctl": 0.05, "actor.recompute_logprob": True}
     )
     d1 = _run(1, overrides(model, data, root / "inv_d1", **extra))
@@ -123,8 +124,9 @@ def test_resume_repeats_the_uninterrupted_run(rl_setup):
     model, data, root = rl_setup
     full = _run(1, overrides(model, data, root / "full", total_train_steps=4))
     out = root / "resumed"
-    _run(1, overrides(model, data, out, total_train_steps=4, **{"saver.freq_steps": 2}) + ["total_train_steps=2"])
-    resumed = _run(1, overrides(model, data, out, total_train_steps=4, **{"saver.freq_steps": 2}))
+    every_2: dict[str, Any] = {"saver.freq_steps": 2}
+    _run(1, overrides(model, data, out, total_train_steps=4, **every_2) + ["total_train_steps=2"])
+    resumed = _run(1, overrides(model, data, out, total_train_steps=4, **every_2))
     assert [r["step"] for r in resumed] == [3, 4]
     for key in ("actor/loss", "reward_mean", "response_len_mean", "actor/grad_norm"):
         assert [r[key] for r in resumed] == pytest.approx([r[key] for r in full[2:]], abs=1e-5), key

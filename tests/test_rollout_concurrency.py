@@ -118,6 +118,7 @@ def test_200_concurrent_requests_are_correct_and_leave_nothing_behind(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     env.pop("ARCHON_API_KEY", None)
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -132,6 +133,7 @@ def test_200_concurrent_requests_are_correct_and_leave_nothing_behind(tmp_path):
         bodies = _requests()
         model = models.load_hf_model(folder)
         rss = []
+        first: list = []  # the first burst's answers, compared with the second's
         for burst in range(2):
             answers = asyncio.run(_burst(url, bodies))
             assert [status for status, _ in answers] == [200] * N_REQUESTS

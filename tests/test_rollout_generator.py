@@ -8,7 +8,8 @@ sequence through the model at every step, logprobs from one full forward over
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Set
+from typing import Any
 
 import pytest
 import torch
@@ -44,7 +45,7 @@ def qwen3(folders):
 
 @torch.no_grad()
 def greedy_reference(
-    model: nn.Module, prompt: list[int], n: int, banned: tuple[set[int], int] = (set(), 0), stop: set[int] = frozenset()
+    model: nn.Module, prompt: list[int], n: int, banned: tuple[set[int], int] = (set(), 0), stop: Set[int] = frozenset()
 ) -> list[int]:
     """Argmax decoding with full recomputation; ``banned = (ids, until)`` masks ids before ``until`` tokens."""
     tokens = list(prompt)
@@ -139,7 +140,7 @@ def test_greedy_equals_full_recomputation(folders, model_type):
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 5, 0.9), (0.7, 3, 0.8)])
 def test_logprobs_equal_recomputation_before_filtering(qwen3, temperature, top_k, top_p):
     prompts = [random_tokens(6, 20), random_tokens(3, 21)]
-    params = dict(max_new_tokens=16, temperature=temperature, top_k=top_k, top_p=top_p)
+    params: dict[str, Any] = dict(max_new_tokens=16, temperature=temperature, top_k=top_k, top_p=top_p)
     with Generator(qwen3) as gen:
         results = gen.generate(
             [
@@ -171,7 +172,7 @@ class _Triggered(nn.Module):
         super().__init__()
         self.inner = model
         self.args = model.args
-        self.calls: list[tuple[int, int]] = []
+        self.calls: list[tuple[int, ...]] = []
         self.triggers: dict[int, Callable[[], None]] = {}
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache=None) -> torch.Tensor:
@@ -198,8 +199,9 @@ def test_continuous_batching_equals_one_at_a_time(qwen3):
     decode_batches = [b for b, s in calls if s == 1]
     prefills = [b for b, s in calls if s > 1]
     assert max(decode_batches) == 3 and len(prefills) >= 3  # rows were shared and arrivals staggered
-    for b, a, (n, m) in zip(batched, alone, specs):
+    for b, a, (_, m) in zip(batched, alone, specs):
         assert b.output_ids == a.output_ids and len(b.output_ids) == m
+        assert b.output_logprobs is not None and a.output_logprobs is not None
         assert max(abs(x - y) for x, y in zip(b.output_logprobs, a.output_logprobs)) < ATOL
     assert [b.output_ids for b in batched[:2]] == [
         greedy_reference(qwen3, r.input_ids, m) for r, (_, m) in zip(requests[:2], specs[:2])
@@ -226,6 +228,7 @@ def test_identical_prompts_prefilled_once_give_per_request_results(qwen3):
     assert prefills[0] == 2  # one row per distinct prompt
     for t, a in zip(together, alone):
         assert t.output_ids == a.output_ids
+        assert t.output_logprobs is not None and a.output_logprobs is not None
         assert max(abs(x - y) for x, y in zip(t.output_logprobs, a.output_logprobs)) < ATOL
     assert len({tuple(r.output_ids) for r in together}) == 5  # the copies sampled independently
 

@@ -13,6 +13,7 @@ import os
 import signal
 import urllib.request
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import pytest
 import torch
@@ -21,6 +22,9 @@ from engine_utils import engine_config, make_batch, sft_loss, sft_weight
 from hf_fixtures import save_tiny_hf
 
 from archon.rollout.auth import auth_headers
+
+if TYPE_CHECKING:
+    from archon.rollout.weight_sync import WeightSyncEngine
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +103,7 @@ def test_client_spreads_load_and_survives_a_killed_server(model_dir, tmp_path):
                 client.generate_many(prompts[:2], params[:2])
 
 
-def _sync_and_compare(model: str, run_dir: str, mode: str):
+def _sync_and_compare(model: str, run_dir: str, mode: Literal["distributed", "disk"]):
     import torch.distributed as dist
 
     from archon.engine.engine import ArchonEngine
@@ -116,13 +120,17 @@ def _sync_and_compare(model: str, run_dir: str, mode: str):
             client = RolloutClient(launcher.start(), request_timeout=300, api_key=launcher.api_key)
             client.wait_healthy(300)
         engine = ArchonEngine(engine_config(model, "archon:d2"), total_steps=2).initialize()
-        sync = build_weight_sync(mode, engine, client, folder=Path(run_dir) / "weights", chunk_mb=0.05)
+        # ArchonEngine's methods take ``extras`` where the protocol says ``**kw``: cast.
+        sync = build_weight_sync(
+            mode, cast("WeightSyncEngine", engine), client, folder=Path(run_dir) / "weights", chunk_mb=0.05
+        )
         sync.setup()
         engine.train_batch(make_batch(0), sft_loss, sft_weight)  # the policy moves away from the folder's
         stats = sync.sync("1")
         prompts = _prompts(6)
-        payload = [None]
+        payload: list[Any] = [None]
         if rank0:
+            assert client is not None
             results = client.generate_many(prompts, {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True})
             payload = [[(r.output_ids, r.output_logprobs, r.weight_version, r.server) for r in results]]
         dist.broadcast_object_list(payload, src=0)

@@ -344,7 +344,7 @@ def test_signal_or_exit_of_the_trainer_stops_the_servers(tmp_path, sig):
 
 def _sglang_and_cuda() -> bool:
     try:
-        import sglang  # noqa: F401
+        import sglang  # noqa: F401  # pyright: ignore[reportMissingImports]
         import torch
     except ImportError:
         return False

@@ -76,6 +76,7 @@ def test_retract_and_resume_without_an_update_changes_nothing(old_and_new):
     again = _interrupted(old, copy.deepcopy(requests), after_forward=4)
     for a, b in zip(alone, again):
         assert a.output_ids == b.output_ids  # the request's own random stream goes on where it was
+        assert a.output_logprobs is not None and b.output_logprobs is not None
         assert max(abs(x - y) for x, y in zip(a.output_logprobs, b.output_logprobs)) < ATOL
         assert b.weight_versions == [("default", 0, len(b.output_ids))] and b.weight_version == "default"
 

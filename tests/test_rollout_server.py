@@ -401,6 +401,7 @@ def _wait_healthy(proc: subprocess.Popen, url: str, timeout: float = 300.0) -> N
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
+            assert proc.stdout is not None
             raise AssertionError(f"the server exited with {proc.returncode}:\n{proc.stdout.read()}")
         try:
             if _get(url, "/health")[0] == 200:

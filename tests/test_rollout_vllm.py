@@ -12,6 +12,7 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ from archon.rl.trainer import policy_temperature
 from archon.rollout.client import RolloutClient, RolloutError, RolloutRequestError
 from archon.rollout.launcher import RolloutLauncher, RolloutLaunchError, build_launch_specs, ranks_per_server
 from archon.rollout.vllm import VLLMAPI, vllm_logprobs_mode
-from archon.rollout.weight_sync import DiskWeightSync, WeightSyncError
+from archon.rollout.weight_sync import DiskWeightSync, WeightSyncEngine, WeightSyncError
 
 EOS = 7
 
@@ -309,7 +310,7 @@ def test_launched_servers_generate_and_reload_weights_from_disk(model_dir, tmp_p
         assert isinstance(client.api, VLLMAPI)
         with client:
             before = client.generate_many(prompts, greedy)
-            sync = DiskWeightSync(engine, client, tmp_path / "weights")
+            sync = DiskWeightSync(cast(WeightSyncEngine, engine), client, tmp_path / "weights")  # a duck-typed double
             sync.setup()
             sync.sync(1)
             after = client.generate_many(prompts, greedy)

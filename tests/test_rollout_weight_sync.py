@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 import torch
@@ -23,6 +23,10 @@ from archon.rollout.weight_sync import (
     build_weight_sync,
     dtype_name,
 )
+
+if TYPE_CHECKING:
+    # The test doubles duck-type it (their methods take no ``**kw``): cast at each use.
+    from archon.rollout.weight_sync import WeightSyncEngine
 
 # HF-style names and full shapes; at 1 MiB buckets in float32 they pack as [[q, k], [v], [embed], [norm, bias]].
 SHAPES = {
@@ -92,7 +96,9 @@ def _snapshot(addrs: list[str]) -> list[dict[str, Any]]:
 def _distributed_worker(addrs: list[str]) -> dict[str, Any]:
     client = RolloutClient(addrs, setup_timeout=300, backoff_s=0.01)
     engine = ShardedEngine(step=0)
-    sync = build_weight_sync("distributed", engine, client, chunk_mb=1, backend="gloo", master_address="127.0.0.1")
+    sync = build_weight_sync(
+        "distributed", cast("WeightSyncEngine", engine), client, chunk_mb=1, backend="gloo", master_address="127.0.0.1"
+    )
     assert isinstance(sync, DistributedWeightSync)
     sync.group_name = "wsync_happy"
     sync.setup()
@@ -143,7 +149,7 @@ def test_distributed_sync_sends_exact_full_tensors_in_buckets(servers):
 def _disk_worker(addrs: list[str], folder: str) -> dict[str, Any]:
     client = RolloutClient(addrs, setup_timeout=300, backoff_s=0.01)
     engine = ShardedEngine(step=0)
-    sync = build_weight_sync("disk", engine, client, folder=folder)
+    sync = build_weight_sync("disk", cast("WeightSyncEngine", engine), client, folder=folder)
     assert isinstance(sync, DiskWeightSync)
     sync.setup()
     out: dict[str, Any] = {"v1": sync.sync(1)}
@@ -191,7 +197,12 @@ def test_disk_sync_publishes_versioned_folders(servers, tmp_path):
 def _failing_bucket_worker(addrs: list[str]) -> str:
     client = RolloutClient(addrs, setup_timeout=300, backoff_s=0.01)
     sync = DistributedWeightSync(
-        ShardedEngine(), client, chunk_mb=1, backend="gloo", master_address="127.0.0.1", group_name="wsync_fail_bucket"
+        cast("WeightSyncEngine", ShardedEngine()),
+        client,
+        chunk_mb=1,
+        backend="gloo",
+        master_address="127.0.0.1",
+        group_name="wsync_fail_bucket",
     )
     sync.setup()
     if dist.get_rank() == 0:
@@ -212,7 +223,12 @@ def test_a_server_refusing_a_bucket_fails_every_rank(servers):
 def _half_sync_worker(addrs: list[str]) -> dict[str, Any]:
     client = RolloutClient(addrs, setup_timeout=30, backoff_s=0.01)
     sync = DistributedWeightSync(
-        ShardedEngine(step=2), client, chunk_mb=1, backend="gloo", master_address="127.0.0.1", group_name="wsync_half"
+        cast("WeightSyncEngine", ShardedEngine(step=2)),
+        client,
+        chunk_mb=1,
+        backend="gloo",
+        master_address="127.0.0.1",
+        group_name="wsync_half",
     )
     sync.setup()
     out: dict[str, Any] = {}
@@ -238,10 +254,15 @@ def test_a_sync_failing_half_way_keeps_the_old_version(servers):
     assert len(out["after"][1]["update_calls"]) >= 2
 
 
-def _refused_setup_worker(addrs: list[str]) -> str:
+def _refused_setup_worker(addrs: list[str]) -> list[str]:
     client = RolloutClient(addrs, setup_timeout=300, backoff_s=0.01)
     sync = DistributedWeightSync(
-        ShardedEngine(), client, chunk_mb=1, backend="gloo", master_address="127.0.0.1", group_name="wsync_refused"
+        cast("WeightSyncEngine", ShardedEngine()),
+        client,
+        chunk_mb=1,
+        backend="gloo",
+        master_address="127.0.0.1",
+        group_name="wsync_refused",
     )
     msgs = []
     for step in (sync.setup, lambda: sync.sync(1)):
@@ -265,8 +286,8 @@ def test_servers_refusing_the_group_fail_fast(servers):
 def test_factory_and_dtype_names():
     assert dtype_name(torch.bfloat16) == "bfloat16" and dtype_name(torch.float32) == "float32"
     with pytest.raises(ValueError, match="needs a folder"):
-        build_weight_sync("disk", ShardedEngine(), None)
+        build_weight_sync("disk", cast("WeightSyncEngine", ShardedEngine()), None)
     with pytest.raises(ValueError, match="must be 'distributed' or 'disk'"):
         build_weight_sync("nfs", ShardedEngine(), None)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="weight_chunk_mb = 0 must be positive"):
-        build_weight_sync("distributed", ShardedEngine(), None, chunk_mb=0)
+        build_weight_sync("distributed", cast("WeightSyncEngine", ShardedEngine()), None, chunk_mb=0)

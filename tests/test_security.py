@@ -192,7 +192,7 @@ def _plant_and_load(model: str, folder: str, where: str) -> str:
     else:  # a model tensor replaced by an object DCP would torch.load(weights_only=False)
         state = dcp_state_dict(engine.checkpoint_states())
         state["model"][next(iter(state["model"]))] = _Payload(marker)
-        dcp.save(state, checkpoint_id=str(path / "dcp"))
+        dcp.save(state, checkpoint_id=str(path / "dcp"))  # pyright: ignore[reportPrivateImportUsage]
     try:
         engine.load(path)
         outcome = "loaded"

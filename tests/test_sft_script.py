@@ -64,7 +64,7 @@ def _torchrun(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
 
 
-def _reference(model: str, data: str, out: str) -> list[float]:
+def _reference(model: str, data: str, out: str) -> list[float] | None:
     import torch.distributed as dist
 
     from archon.config import load_config
