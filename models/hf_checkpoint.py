@@ -16,7 +16,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
 import torch
 import torch.nn as nn
@@ -25,6 +25,9 @@ from safetensors.torch import save_file
 
 from models.state_dict_adapter import BaseStateDictAdapter, HFKeyTarget, UnknownKeyError
 from parallel.fqn import clean_fqn
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 CONFIG_NAME = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -118,13 +121,13 @@ class HFLoadResult:
     """Model tensors the adapter allows to keep their initial value (a critic's value head)."""
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
+def _is_dtensor(t: torch.Tensor) -> TypeGuard[DTensor]:
     return hasattr(t, "device_mesh") and hasattr(t, "placements")
 
 
 def _model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """Parameters (tied ones under every name) and persistent buffers, by wrapper-free name."""
-    tensors = {clean_fqn(n): p for n, p in model.named_parameters(remove_duplicate=False)}
+    tensors: dict[str, torch.Tensor] = {clean_fqn(n): p for n, p in model.named_parameters(remove_duplicate=False)}
     for mod_name, mod in model.named_modules(remove_duplicate=False):
         for buf_name, buf in mod.named_buffers(prefix=mod_name, recurse=False):
             if buf is not None and buf_name.rsplit(".", 1)[-1] not in mod._non_persistent_buffers_set:
@@ -174,12 +177,12 @@ def _copy_full(dst: torch.Tensor, full: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def _copy_local(dst: torch.Tensor, local: torch.Tensor) -> None:
+def _copy_local(dst: DTensor, local: torch.Tensor) -> None:
     """Copy this rank's slice into a DTensor's local shard."""
     dst.to_local().copy_(local)
 
 
-def _local_box(dst: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+def _local_box(dst: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """``(local_shape, global_offset)`` of a DTensor's shard, when it is one rectangular slice.
 
     Plain ``Shard``/``Replicate`` placements give one box per rank, so the rank can read just
@@ -200,7 +203,7 @@ def _local_box(dst: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]] | N
     return tuple(local_shape), tuple(offset)
 
 
-def _strided_local_box(dst: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+def _strided_local_box(dst: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """``_local_box`` for FSDP over an already sharded dim (experts under EP, FSDP x TP).
 
     Such a dim carries a ``_StridedShard``; which of its indices this rank holds is found by
@@ -217,10 +220,12 @@ def _strided_local_box(dst: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, .
         for p in dst.placements:
             if type(p) not in (Shard, Replicate, _StridedShard):
                 return None
-            if type(p) is Replicate or p.dim != d:
+            if type(p) is Replicate or cast("Shard | _StridedShard", p).dim != d:
                 on_d.append(Replicate())
+            elif type(p) is Shard:
+                on_d.append(Shard(0))
             else:
-                on_d.append(Shard(0) if type(p) is Shard else _StridedShard(0, split_factor=p.split_factor))
+                on_d.append(_StridedShard(0, split_factor=cast(_StridedShard, p).split_factor))
         index = distribute_tensor(
             torch.arange(size, device=device), dst.device_mesh, on_d, src_data_rank=None
         ).to_local()
@@ -264,9 +269,10 @@ class _TensorReader:
         self._full: torch.Tensor | None = None
 
     def full(self) -> torch.Tensor:
-        if self._full is None:
-            self._full = self._f.get_tensor(self._key)
-        return self._full
+        full = self._full
+        if full is None:
+            full = self._full = self._f.get_tensor(self._key)
+        return full
 
     def read(self, index: tuple[slice, ...]) -> torch.Tensor:
         if self._full is not None:
@@ -357,7 +363,8 @@ def load_hf_weights(
                     box = _local_box(dst) if _is_dtensor(dst) else None
                     if t.expert is None:
                         if box is not None:
-                            _copy_local(dst, reader.read(_source_index(t, *box)))
+                            # (a box is only found for a DTensor)
+                            _copy_local(cast("DTensor", dst), reader.read(_source_index(t, *box)))
                         else:
                             _copy_full(dst, t.take(reader.full()))
                         filled.add(id(dst))
@@ -368,7 +375,7 @@ def load_hf_weights(
                         if offset[0] <= t.expert < offset[0] + local_shape[0]:  # else another rank's expert
                             index = _source_index(t, local_shape[1:], offset[1:])
                             with torch.no_grad():
-                                dst.to_local()[t.expert - offset[0]].copy_(reader.read(index))
+                                cast("DTensor", dst).to_local()[t.expert - offset[0]].copy_(reader.read(index))
                     elif _is_dtensor(dst):
                         buf = expert_buffers.get(t.name)
                         if buf is None:

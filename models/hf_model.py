@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn as nn
@@ -12,6 +12,14 @@ from models.hf_checkpoint import HFCheckpointError, load_hf_weights, read_hf_con
 from models.model_args import BaseModelArgs, hf_config_to_dict
 from models.registry import ModelSpec, get_model_spec, spec_for_args, spec_for_model
 from parallel.fqn import clean_fqn
+
+
+class _ModelInit(Protocol):
+    """The initialisers a registered model class has besides ``nn.Module``'s (``Decoder``'s)."""
+
+    def init_weights(self, buffer_device: torch.device | str | None = None) -> None: ...
+
+    def init_buffers(self, buffer_device: torch.device | str | None = None) -> None: ...
 
 
 def _spec_and_args(args_or_hf_config: Any, is_critic: bool) -> tuple[ModelSpec, BaseModelArgs]:
@@ -44,7 +52,7 @@ def build_model(
         model.to(dtype=dtype)
     if torch.device(device).type != "meta":
         model.to_empty(device=device)
-        model.init_weights(buffer_device=device)
+        cast(_ModelInit, model).init_weights(buffer_device=device)
     return model
 
 
@@ -74,9 +82,9 @@ def load_hf_model(
     model.to_empty(device=device)
     if is_critic or not hasattr(model, "init_buffers"):
         # The value head may not be in the checkpoint; everything else is overwritten.
-        model.init_weights(buffer_device=device)
+        cast(_ModelInit, model).init_weights(buffer_device=device)
     else:
-        model.init_buffers(buffer_device=device)
+        cast(_ModelInit, model).init_buffers(buffer_device=device)
     load_hf_weights(model, path, spec.state_dict_adapter_class(args), strict=True)
     return model
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -104,7 +105,7 @@ def _context_fn(save_ops: set, recorder: _Recorder | None):
 
 def _wrap(block: nn.Module, name: str, save_ops: set | None, preserve_rng_state: bool, debug: bool) -> nn.Module:
     recorder = _Recorder(name) if debug else None
-    kwargs = dict(preserve_rng_state=preserve_rng_state)
+    kwargs: dict[str, Any] = dict(preserve_rng_state=preserve_rng_state)
     if save_ops is not None or debug:
         _ignore_fsdp_unshard_ops()
         kwargs["context_fn"] = _context_fn(save_ops or set(), recorder)

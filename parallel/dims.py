@@ -64,7 +64,12 @@ def _ensure_fake_backend() -> bool:
         return False
 
     def create(common_opts: Any, backend_opts: Any):
-        return FakeProcessGroup._create_internal(common_opts.group_rank, common_opts.group_size, backend_opts)
+        # (the stubs omit the options argument that torch's own fake backend passes)
+        return FakeProcessGroup._create_internal(
+            common_opts.group_rank,
+            common_opts.group_size,
+            backend_opts,  # pyright: ignore[reportCallIssue]
+        )
 
     dist.Backend.register_backend("fake", create, extended_api=True, devices=["cpu", "cuda"])
     return True
@@ -225,7 +230,9 @@ class ParallelDims:
         names = tuple(n for n, _ in dims)
         sizes = tuple(s for _, s in dims)
         # FSDP meshes keep real groups even at size 1: HSDP's shard dim must actually copy.
-        override = {n: "fake" for n, s in dims if s == 1 and n not in real} if self._fake_ok else None
+        override: dict[str, Any] | None = (
+            {n: "fake" for n, s in dims if s == 1 and n not in real} if self._fake_ok else None
+        )
         return world._unflatten(0, sizes, names, backend_override=override or None)
 
     def build_meshes(self, device_type: str) -> None:

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast, overload
 
 import torch
 import torch.distributed as dist
@@ -109,7 +109,9 @@ def moe_token_replication(parallel_dims: ParallelDims) -> int:
 def expert_parallel_mesh(parallel_dims: ParallelDims) -> DeviceMesh:
     """The mesh experts are split over: ``[ep]``, ``[ep, etp]``, or ``[etp]`` (hidden dim only)."""
     if parallel_dims.ep_enabled and parallel_dims.etp_enabled:
-        return parallel_dims.sparse_mesh["ep", "etp"]
+        sparse = parallel_dims.sparse_mesh
+        assert sparse is not None, "ep and etp over 1 make MoE folding, which builds the sparse mesh"
+        return sparse["ep", "etp"]
     if parallel_dims.ep_enabled:
         return parallel_dims.get_mesh("ep")
     return parallel_dims.get_mesh("etp")
@@ -122,6 +124,7 @@ def expert_fsdp_mesh(parallel_dims: ParallelDims) -> DeviceMesh:
     gradients by the right factor and keeps the experts out of the dense FSDP units.
     """
     sparse = parallel_dims.sparse_mesh
+    assert sparse is not None, "expert FSDP runs under MoE folding, which builds the sparse mesh"
     return sparse["dp_replicate", "efsdp"] if parallel_dims.dp_replicate_enabled else sparse["efsdp"]
 
 
@@ -182,7 +185,9 @@ class ExpertParallel(ParallelStyle):
         if mesh.ndim == 1:
             return mesh, None
         if mesh.ndim == 2:
-            return mesh[mesh.mesh_dim_names[0]], mesh[mesh.mesh_dim_names[1]]
+            names = mesh.mesh_dim_names
+            assert names is not None, "the [ep, etp] mesh is a named slice of the sparse mesh"
+            return mesh[names[0]], mesh[names[1]]
         raise ValueError(
             f"expert parallel needs a 1-D [ep] or 2-D [ep, etp] mesh, got {mesh.ndim} dims {mesh.mesh_dim_names}"
         )
@@ -201,6 +206,7 @@ class ExpertParallel(ParallelStyle):
     @torch.compiler.disable
     def _dispatch(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
         x, num_tokens_per_expert = inputs[0], inputs[1]
+        assert self._meshes is not None, "dispatch before the style was applied"
         ep_mesh, _ = self._meshes
         group = ep_mesh.get_group()
         ep = ep_mesh.size()
@@ -224,13 +230,16 @@ class ExpertParallel(ParallelStyle):
         routing = self._routing
         assert routing is not None, "combine without a dispatch"
         self._routing = None
+        assert self._meshes is not None, "combine before the style was applied"
         ep_mesh, _ = self._meshes
         arrived = output[routing.arrival_to_local]
         return all_to_all_single_autograd(arrived, routing.input_splits, routing.output_splits, ep_mesh.get_group())
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self._meshes = self._split_meshes(device_mesh)
-        return distribute_module(module, device_mesh, self._partition, input_fn=self._dispatch, output_fn=self._combine)
+        # (torch.compiler.disable is untyped: pyright loses the decorated hooks)
+        dispatch, combine = self._dispatch, self._combine  # pyright: ignore[reportAttributeAccessIssue]
+        return distribute_module(module, device_mesh, self._partition, input_fn=dispatch, output_fn=combine)
 
 
 def _exchange(
@@ -259,6 +268,12 @@ class ExpertTensorParallelTokens(ParallelStyle):
         super().__init__()
         self._sizes: list[int] | None = None
 
+    @overload
+    @staticmethod
+    def _pool(t: torch.Tensor, sizes: list[int], group: Any, autograd: bool) -> torch.Tensor: ...
+    @overload
+    @staticmethod
+    def _pool(t: torch.Tensor | None, sizes: list[int], group: Any, autograd: bool) -> torch.Tensor | None: ...
     @staticmethod
     def _pool(t: torch.Tensor | None, sizes: list[int], group: Any, autograd: bool) -> torch.Tensor | None:
         if t is None:
@@ -302,8 +317,10 @@ class ExpertTensorParallelTokens(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         # Hooks only (distribute_module would replicate every parameter over the mesh): the
         # router and the experts have their own layouts.
-        module.register_forward_pre_hook(lambda mod, inputs: self._gather(mod, inputs, device_mesh))
-        module.register_forward_hook(lambda mod, inputs, output: self._return(mod, output, device_mesh))
+        # (torch.compiler.disable is untyped: pyright loses the decorated hooks)
+        gather, ret = self._gather, self._return  # pyright: ignore[reportAttributeAccessIssue]
+        module.register_forward_pre_hook(lambda mod, inputs: gather(mod, inputs, device_mesh))
+        module.register_forward_hook(lambda mod, inputs, output: ret(mod, output, device_mesh))
         return module
 
 
@@ -342,10 +359,10 @@ def apply_moe_folding(
     moes = list(moes)
     mesh = expert_parallel_mesh(parallel_dims)
     if parallel_dims.ep_enabled:
-        apply_ep([m.experts for m in moes], mesh, token_group_alignment)
+        apply_ep([cast(nn.Module, m.experts) for m in moes], mesh, token_group_alignment)
     else:
         for m in moes:
-            ExpertHiddenParallel()._apply(m.experts, mesh)
+            ExpertHiddenParallel()._apply(cast(nn.Module, m.experts), mesh)
     if parallel_dims.etp_enabled:
         etp_mesh = parallel_dims.get_mesh("etp")
         for m in moes:
@@ -373,10 +390,10 @@ def apply_expert_fsdp(
     mp, offload = fsdp_policies(param_dtype, reduce_dtype, cpu_offload)
     reshard = reshard_after_forward(reshard_after_forward_policy, pp_enabled)
     for module in experts:
-        fully_shard(module, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
-        module.set_gradient_divide_factor(float(gradient_divide_factor))
+        sharded = fully_shard(module, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
+        sharded.set_gradient_divide_factor(float(gradient_divide_factor))
         if mesh.device_type == "cpu" and mesh.size(-1) > 1:
             # A divide factor other than the mesh size becomes NCCL's PREMUL_SUM, which gloo
             # lacks; summing and dividing afterwards gives the same gradients.  (Not over one
             # rank: FSDP's copy path already divides there, and would divide twice.)
-            module.set_force_sum_reduction_for_comms(True)
+            sharded.set_force_sum_reduction_for_comms(True)

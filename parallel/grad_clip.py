@@ -16,7 +16,7 @@ def _norm_pow(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     by_mesh: dict[object, list[torch.Tensor]] = defaultdict(list)
     for g in grads:
         by_mesh[g.device_mesh if isinstance(g, DTensor) else None].append(g)
-    for mesh, group in by_mesh.items():
+    for group in by_mesh.values():
         norm = torch.nn.utils.get_total_norm(group, norm_type, error_if_nonfinite=False, foreach=None)
         if isinstance(norm, DTensor):
             # Sharded/partial placements are reduced by DTensor itself.
@@ -38,8 +38,7 @@ def clip_grad_norm_(
     powers are summed over ``pp_group``.  ``max_norm <= 0`` only measures.  A non-finite norm
     leaves the grads untouched: the caller skips the step.
     """
-    params = [p for p in parameters if p.grad is not None]
-    grads = [p.grad for p in params]
+    grads = [g for p in parameters if (g := p.grad) is not None]
     total = _norm_pow(grads, norm_type) if grads else torch.zeros(())
     if pp_group is not None:
         dist.all_reduce(total, group=pp_group)

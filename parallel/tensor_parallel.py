@@ -33,6 +33,8 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from parallel.errors import ParallelConfigError
 
+_REPLICATE = Replicate()
+
 
 def _to_layout(x: Any, mesh: DeviceMesh, layout: Placement | None, desired: Placement | None) -> Any:
     if layout is None or not hasattr(x, "shape"):
@@ -50,7 +52,7 @@ class ReplicateParallel(ParallelStyle):
     def __init__(
         self,
         *,
-        input_layout: Placement | None = Replicate(),
+        input_layout: Placement | None = _REPLICATE,
         desired_input_layout: Placement | None = None,
         output_layout: Placement | None = None,
         use_local_output: bool = True,
@@ -92,7 +94,8 @@ class ReplicateParallel(ParallelStyle):
             module,
             device_mesh,
             partition,
-            input_fn=lambda mod, inputs, mesh: self._prepare_input(mod, inputs, mesh),
+            # (torch annotates input_fn as returning None; its return value replaces the inputs)
+            input_fn=lambda mod, inputs, mesh: self._prepare_input(mod, inputs, mesh),  # pyright: ignore[reportArgumentType]
             output_fn=lambda mod, output, mesh: self._prepare_output(mod, output, mesh),
         )
 
@@ -146,7 +149,8 @@ class ExpertTensorParallel(ParallelStyle):
             x = DTensor.from_local(inputs[0], mesh, (Replicate(),), run_check=False)
             return (x.to_local(grad_placements=(Partial(),)), *inputs[1:])
 
-        return distribute_module(module, device_mesh, partition, input_fn=input_fn)
+        # (torch annotates input_fn as returning None; its return value replaces the inputs)
+        return distribute_module(module, device_mesh, partition, input_fn=input_fn)  # pyright: ignore[reportArgumentType]
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyle]) -> nn.Module:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -172,11 +172,12 @@ def _activation_dtype(model: nn.Module, parallel_dims: ParallelDims, options: Pa
 
 def _rank_view(model: nn.Module, parts: list[nn.Module]) -> nn.Module:
     """``model`` emptied and refilled with the parts' modules, so names are the full model's."""
-    for key in list(model.layers.keys()):
-        del model.layers[key]
+    layers = cast(nn.ModuleDict, model.layers)
+    for key in list(layers.keys()):
+        del layers[key]
     for part in parts:
-        for key, block in part.layers.items():
-            model.layers[key] = block
+        for key, block in cast(nn.ModuleDict, part.layers).items():
+            layers[key] = block
     for name, child in list(model.named_children()):
         if name == "layers":
             continue
@@ -221,7 +222,7 @@ def pipeline_decoder(
             "(put those ranks in d or t) or a model without tied embeddings"
         )
     check_activation_checkpointing(schedule, options.ac_enabled, options.ac_mode, options.selective_ac_option)
-    n_layers = len(model.layers)
+    n_layers = len(cast(nn.ModuleDict, model.layers))
     n_stages = count_stages(n_layers, pp, required_stages_per_rank(schedule), pipeline.layers_per_stage)
     stage_modules = stage_module_names(n_layers, n_stages)
     pp_group = parallel_dims.get_mesh("pp").get_group()
@@ -242,8 +243,9 @@ def pipeline_decoder(
     full_tensors += [
         FullTensorInfo(name, b.shape, b.dtype, owner(name), is_buffer=True) for name, b in _persistent_buffers(model)
     ]
+    args: Any = model.args  # the decoder's args dataclass (defined in models/, above this layer)
     boundary = StageBoundary(
-        hidden_dim=model.args.dim, dtype=_activation_dtype(model, parallel_dims, options), seq_shards=parallel_dims.tp
+        hidden_dim=args.dim, dtype=_activation_dtype(model, parallel_dims, options), seq_shards=parallel_dims.tp
     )
     parts = [
         parallelize_fn(build_stage_module(model, stage_modules[sid]), parallel_dims=parallel_dims, options=options)

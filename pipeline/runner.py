@@ -78,7 +78,7 @@ class PipelineRunner:
         self.stage_ids = list(stage_ids)
         self.n_stages = n_stages
         self.schedule_name = schedule_name
-        self.style = style
+        self.style: PlacementStyle = style
         self.pp_group = pp_group
         self.pp_size = dist.get_world_size(pp_group)
         self.device = device
@@ -194,6 +194,7 @@ class PipelineRunner:
                     else:
                         out = out.contiguous()
                         work = dist.isend(out, dst=self.global_rank_of_stage(sid + 1), group=self.pp_group)
+                        assert work is not None, "isend returns None only on ranks outside the group"
                         sends.append((work, out))
             for work, _ in sends:
                 work.wait()

@@ -15,6 +15,7 @@ every stage: checkpoints, HF loading and weight export need no renaming.
 from __future__ import annotations
 
 import copy
+from typing import cast
 
 import torch.nn as nn
 
@@ -97,9 +98,10 @@ def build_stage_module(model: nn.Module, module_names: list[str]) -> nn.Module:
     stage = copy.deepcopy(model)
     for name, child in list(stage.named_children()):
         if name == "layers":
-            for key in list(child.keys()):
+            layers = cast(nn.ModuleDict, child)
+            for key in list(layers.keys()):
                 if f"layers.{key}" not in keep:
-                    del child[key]
+                    del layers[key]
         elif name not in keep and any(True for _ in child.parameters()):
             setattr(stage, name, None)
     return stage

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from models.model_args import (
     BaseModelArgs,
@@ -17,6 +17,15 @@ from models.model_args import (
     reject_unsupported_activation,
     require_keys,
 )
+
+
+class MoEArgs(Protocol):
+    """The expert fields a decoder with MoE blocks reads (declared by MoE models' args, e.g. Qwen3-MoE)."""
+
+    moe_hidden_dim: int
+    num_experts: int
+    top_k: int
+    norm_topk_prob: bool
 
 
 @dataclass

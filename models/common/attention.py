@@ -18,7 +18,7 @@ lengths, not the squared row length):
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -148,8 +148,8 @@ class CoreAttention(nn.Module):
             pieces = list(zip(q.split(sizes, dim=1), k.split(sizes, dim=1), v.split(sizes, dim=1)))
         outs = []
         for (count, length), (qi, ki, vi) in zip(runs, pieces):
-            batch = [t.reshape(count, length, *t.shape[2:]) for t in (qi, ki, vi)]
-            outs.append(_sdpa(*batch, self.scale, gqa).reshape(1, count * length, *qi.shape[2:]))
+            qb, kb, vb = (t.reshape(count, length, *t.shape[2:]) for t in (qi, ki, vi))
+            outs.append(_sdpa(qb, kb, vb, self.scale, gqa).reshape(1, count * length, *qi.shape[2:]))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
     def _varlen(self, q, k, v, cu_seqlens, max_seqlen, gqa) -> torch.Tensor:
@@ -161,10 +161,12 @@ class CoreAttention(nn.Module):
         cu = torch.cat([cu, cu.new_tensor([seqlen])])
         if max_seqlen is None:  # Decoder.forward passes it (one sync per forward, not per layer)
             max_seqlen = int((cu[1:] - cu[:-1]).max())
+        assert _VARLEN_ATTN is not None, "the varlen path runs only where _can_use_varlen holds"
         out = _VARLEN_ATTN(
             q[0], k[0], v[0], cu, cu, max_seqlen, max_seqlen, scale=self.scale, window_size=(-1, 0), enable_gqa=gqa
         )
-        return out.unsqueeze(0)
+        # Without return_aux the kernel returns the output alone.
+        return cast(torch.Tensor, out).unsqueeze(0)
 
 
 class Attention(nn.Module):
@@ -210,6 +212,7 @@ class Attention(nn.Module):
         k = self.wk(x).view(bs, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         if self.q_norm is not None:
+            assert self.k_norm is not None, "q_norm and k_norm are built together (qk_norm)"
             q = self.q_norm(q)
             k = self.k_norm(k)
         q, k = apply_rotary_emb(q, k, *rope_cos_sin)

@@ -8,12 +8,12 @@ or ``output`` to None; ``forward`` then takes / returns hidden states.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
 
-from models.common.args import DecoderArgs
+from models.common.args import DecoderArgs, MoEArgs
 from models.common.attention import Attention
 from models.common.feed_forward import FeedForward
 from models.common.linear import Linear
@@ -44,7 +44,10 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.moe_enabled = args.is_moe_layer(layer_id)
         if self.moe_enabled:
-            self.moe = MoE(args.dim, args.moe_hidden_dim, args.num_experts, args.top_k, args.norm_topk_prob)
+            moe_args = cast(MoEArgs, args)  # is_moe_layer is only true for args with expert fields
+            self.moe = MoE(
+                args.dim, moe_args.moe_hidden_dim, moe_args.num_experts, moe_args.top_k, moe_args.norm_topk_prob
+            )
         else:
             self.feed_forward = FeedForward(args.dim, args.hidden_dim)
 
@@ -84,6 +87,10 @@ class Decoder(nn.Module):
         # A critic's value head keeps the name ``output`` so parallel plans stay uniform.
         self.output = Linear(args.dim, 1 if args.is_critic else args.vocab_size, bias=False)
         self.tie_weights()
+
+    def _blocks(self) -> list[TransformerBlock]:
+        # ``layers`` holds TransformerBlocks (or wrappers that forward their attributes).
+        return cast("list[TransformerBlock]", list(self.layers.values()))
 
     def tie_weights(self) -> None:
         """Make ``output.weight`` the embedding matrix when the model ties them."""
@@ -184,7 +191,7 @@ class Decoder(nn.Module):
         """Re-create non-persistent buffers (RoPE frequencies, router statistics) and zero routing biases."""
         buffer_device = buffer_device if buffer_device is not None else self._default_buffer_device()
         self.rope.init_buffers(buffer_device)
-        for layer in self.layers.values():
+        for layer in self._blocks():
             if layer.moe_enabled:
                 layer.moe.init_buffers(buffer_device)
 
@@ -195,7 +202,7 @@ class Decoder(nn.Module):
         std = self.args.initializer_range
         if self.tok_embeddings is not None:
             nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std)
-        for layer in self.layers.values():
+        for layer in self._blocks():
             layer.init_weights(std)
         if self.norm is not None:
             self.norm.init_weights()

@@ -25,7 +25,7 @@ core); callers then use the model.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeGuard, overload
 
 import torch
 import torch.nn as nn
@@ -63,6 +63,10 @@ def _rms_norm(x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor
     return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
+@overload
+def _norm(module: RMSNorm) -> tuple[torch.Tensor, float]: ...
+@overload
+def _norm(module: RMSNorm | None) -> tuple[torch.Tensor, float] | None: ...
 def _norm(module: RMSNorm | None) -> tuple[torch.Tensor, float] | None:
     return None if module is None else (module.weight, module.eps)
 
@@ -95,6 +99,7 @@ class _Block:
 
     def _qk_norm_weight(self) -> torch.Tensor:
         """q_norm's weight for every query head, then k_norm's for every KV head: one ``[heads, head_dim]``."""
+        assert self.q_norm is not None and self.k_norm is not None, "called only for blocks with q/k norms"
         (qw, _), (kw, _) = self.q_norm, self.k_norm
         key = (qw._version, kw._version)
         if self._qk_norm is None or self._qk_norm[0] != key:
@@ -143,7 +148,7 @@ class InferenceForward:
     def __init__(self, model: Decoder) -> None:
         self.model = model
         with torch.no_grad():
-            self.blocks = [_Block(block) for block in model.layers.values()]
+            self.blocks = [_Block(block) for block in model._blocks()]
         self.output = PackedLinear(model.output.weight)
 
     @classmethod
@@ -172,7 +177,7 @@ class InferenceForward:
         with torch.no_grad():
             self.blocks = [
                 b if all(x is y for x, y in zip(b.params, _block_params(block))) else _Block(block)
-                for b, block in zip(self.blocks, self.model.layers.values())
+                for b, block in zip(self.blocks, self.model._blocks())
             ]
         if self.output.weight is not self.model.output.weight:
             self.output = PackedLinear(self.model.output.weight)
@@ -198,7 +203,7 @@ class InferenceForward:
         return self.output(_rms_norm(h, _norm(model.norm)))
 
 
-def _is_plain_decoder(model: nn.Module) -> bool:
+def _is_plain_decoder(model: nn.Module) -> TypeGuard[Decoder]:
     """A ``Decoder`` LM whose blocks are the stock ones, unwrapped, without hooks or DTensors."""
     if not isinstance(model, Decoder) or type(model).forward is not Decoder.forward or model.args.is_critic:
         return False

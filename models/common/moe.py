@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     # Expert parallel shards the expert dim; each rank computes with its own experts.
-    return t.to_local() if hasattr(t, "to_local") else t
+    return t.to_local() if hasattr(t, "to_local") else t  # pyright: ignore[reportAttributeAccessIssue]
 
 
 class TokenChoiceTopKRouter(nn.Module):
@@ -156,9 +156,10 @@ def _run_experts_grouped_mm(
 ) -> torch.Tensor:
     offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
     x = x.to(w1.dtype)
-    h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets))
-    h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
-    return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets).type_as(x)
+    # (torch._grouped_mm is private to pyright: torch does not export it)
+    h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets))  # pyright: ignore[reportPrivateImportUsage]
+    h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)  # pyright: ignore[reportPrivateImportUsage]
+    return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets).type_as(x)  # pyright: ignore[reportPrivateImportUsage]
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -205,6 +206,11 @@ class MoE(nn.Module):
     * ``record_routing``: keep the last forward's choices in ``selected_experts [bs, seq, k]``.
     """
 
+    expert_bias: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    step_tokens_per_expert: torch.Tensor
+    step_aux_loss: torch.Tensor
+
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int, norm_topk_prob: bool) -> None:
         super().__init__()
         self.num_experts = num_experts
@@ -243,7 +249,7 @@ class MoE(nn.Module):
             self.selected_experts = selected.view(bs, seqlen, self.top_k)
         all_counts = count_per_expert(selected, self.num_experts)
         aux_loss = self._aux_loss(probs, mask)
-        self._record(selected, mask, aux_loss)
+        self._record(selected, mask, aux_loss)  # pyright: ignore[reportCallIssue]  (torch.compiler.disable hides self)
 
         # Sort token copies by expert; a stable sort keeps token order inside each expert.
         order = torch.argsort(selected.reshape(-1), stable=True)
@@ -254,7 +260,7 @@ class MoE(nn.Module):
         out_sorted = out_sorted * top_scores.reshape(-1)[order].unsqueeze(-1)
         out = torch.zeros_like(x).index_add(0, token_idx, out_sorted.to(x.dtype))
         if aux_loss is not None:
-            out = _AttachAuxLoss.apply(out, aux_loss, self.aux_loss_grad_scale)
+            out = _AttachAuxLoss.apply(out, aux_loss, self.aux_loss_grad_scale)  # pyright: ignore[reportCallIssue]
         return out.reshape(bs, seqlen, dim)
 
     def _aux_loss(self, probs: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 import torch.nn as nn
@@ -25,6 +25,11 @@ from models.model_args import RefusedSetting, allow_unimplemented
 from models.scaffold import probe
 from models.scaffold.probe import Point, same
 from models.scaffold.source import ScaffoldError, Source, make_tiny_config, refused_settings_of, tiny_config_kwargs
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+_M = TypeVar("_M", bound=nn.Module)
 
 # Archon's parameter names inside a block, by role.
 _ATTN = {"wq": "attention.wq", "wk": "attention.wk", "wv": "attention.wv", "wo": "attention.wo"}
@@ -106,7 +111,7 @@ def _pick(role: str, candidates: dict[str, tuple[int, ...]], shape: tuple[int, .
 
 
 @torch.no_grad()
-def perturb_(model: nn.Module, seed: int = 0) -> nn.Module:
+def perturb_(model: _M, seed: int = 0) -> _M:
     """Give every parameter random, non-trivial values (norm weights near 1, biases non-zero)."""
     gen = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
@@ -123,7 +128,7 @@ def perturb_(model: nn.Module, seed: int = 0) -> nn.Module:
     return model
 
 
-def build_hf_model(source: Source, kwargs: dict[str, Any], seed: int = 0) -> nn.Module:
+def build_hf_model(source: Source, kwargs: dict[str, Any], seed: int = 0) -> PreTrainedModel:
     """The tiny transformers model (float32, eval, perturbed weights)."""
     config = make_tiny_config(source.model_type, kwargs)
     torch.manual_seed(seed)
@@ -254,13 +259,14 @@ def analyze(source: Source) -> Analysis:
         if not name or not _is_norm(module):
             continue
         which = "q_norm" if _tokens(name) & {"q", "query"} else "k_norm" if _tokens(name) & {"k", "key"} else None
-        if which and module.weight.shape[0] == head_dim:
+        width = cast(torch.Tensor, module.weight).shape[0]  # a norm (_is_norm) has a weight
+        if which and width == head_dim:
             layer_keys[f"{attn}.{name}.weight"] = f"attention.{which}.weight"
             qk_norm = True
         else:
             unmapped[f"{block0}.{attn}.{name}.weight"] = (
                 f"{'query' if which == 'q_norm' else 'key' if which == 'k_norm' else 'an'} norm '{attn}.{name}' over "
-                f"{module.weight.shape[0]} features (the whole projection), where the shared attention normalises "
+                f"{width} features (the whole projection), where the shared attention normalises "
                 f"each head ({head_dim})"
             )
 
@@ -412,7 +418,6 @@ def _shared_decoder(analysis: Analysis, hf: nn.Module, config: Any, kwargs: dict
 
 def _points(analysis: Analysis, hf, archon, trace, block0, attn, mlp, roles, unmapped, adapter) -> list[Point]:
     """The failing points, each explained; implied ones (a block that fails because a part does) are left out."""
-    config = hf.config
     failing: list[Point] = []
     for hf_name, why in unmapped.items():
         failing.append(Point("hf_param", hf=hf_name, what=why))

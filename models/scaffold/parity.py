@@ -52,7 +52,7 @@ class ParityCase:
             model = self.spec.model_class(args)
         model.to_empty(device="cpu")
         torch.manual_seed(0)
-        model.init_weights()
+        model.init_weights()  # pyright: ignore[reportCallIssue]  (a Decoder-like model class)
         load_hf_weights(model, self.folder, self.spec.state_dict_adapter_class(args), strict=strict)
         return model.eval()
 

@@ -67,9 +67,10 @@ def trace(model: nn.Module, ids: torch.Tensor) -> Trace:
             if name in result.records:
                 return
             inp = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
+            out = _first_tensor(output)
             result.records[name] = Record(
                 inp.detach().clone() if isinstance(inp, torch.Tensor) else None,
-                _first_tensor(output).detach().clone() if _first_tensor(output) is not None else None,
+                out.detach().clone() if out is not None else None,
             )
 
         handles.append(module.register_forward_hook(hook, with_kwargs=True))
@@ -169,27 +170,34 @@ def _check_embedding(point: Point, hf_model, archon_model, hf_trace: Trace, adap
     return None if same(ours.inp, first_block.inp) else max_diff(ours.inp, first_block.inp)
 
 
+def _reached(hf_trace: Trace, path: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Input and output of a module the analysis saw the probe forward feed a hidden state."""
+    rec = hf_trace.records.get(path)
+    assert rec is not None and rec.inp is not None, f"the probe forward fed no hidden state to {path!r}"
+    return rec.inp, rec.out
+
+
 @torch.no_grad()
 def _check_mlp(point: Point, hf_model, archon_model, hf_trace: Trace, adapter) -> str | None:
-    rec = hf_trace.records.get(point.hf)
-    got = archon_model.layers["0"].feed_forward(rec.inp)
-    return None if same(got, rec.out) else max_diff(got, rec.out)
+    inp, out = _reached(hf_trace, point.hf)
+    got = archon_model.layers["0"].feed_forward(inp)
+    return None if same(got, out) else max_diff(got, out)
 
 
 @torch.no_grad()
 def _check_attention(point: Point, hf_model, archon_model, hf_trace: Trace, adapter) -> str | None:
-    rec = hf_trace.records.get(point.hf)
-    positions = torch.arange(rec.inp.shape[1]).unsqueeze(0)
-    got = archon_model.layers["0"].attention(rec.inp, archon_model.rope(positions, rec.inp.dtype))
-    return None if same(got, rec.out) else max_diff(got, rec.out)
+    inp, out = _reached(hf_trace, point.hf)
+    positions = torch.arange(inp.shape[1]).unsqueeze(0)
+    got = archon_model.layers["0"].attention(inp, archon_model.rope(positions, inp.dtype))
+    return None if same(got, out) else max_diff(got, out)
 
 
 @torch.no_grad()
 def _check_block(point: Point, hf_model, archon_model, hf_trace: Trace, adapter) -> str | None:
-    rec = hf_trace.records.get(point.hf)
-    positions = torch.arange(rec.inp.shape[1]).unsqueeze(0)
-    got = archon_model.layers["0"](rec.inp, archon_model.rope(positions, rec.inp.dtype))
-    return None if same(got, rec.out) else max_diff(got, rec.out)
+    inp, out = _reached(hf_trace, point.hf)
+    positions = torch.arange(inp.shape[1]).unsqueeze(0)
+    got = archon_model.layers["0"](inp, archon_model.rope(positions, inp.dtype))
+    return None if same(got, out) else max_diff(got, out)
 
 
 @torch.no_grad()

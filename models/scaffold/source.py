@@ -12,9 +12,12 @@ import difflib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from models.model_args import RefusedSetting
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 class ScaffoldError(ValueError):
@@ -71,7 +74,7 @@ class Source:
     config: Any
     """The folder's config, or the model type's default config (a transformers config object)."""
     folder: Path | None
-    causal_lm_class: type
+    causal_lm_class: type[PreTrainedModel]
     """transformers' ``*ForCausalLM`` class for this config."""
 
     @property
@@ -112,7 +115,8 @@ def resolve_source(arg: str) -> Source:
         )
     config = AutoConfig.from_pretrained(folder) if folder is not None else AutoConfig.for_model(model_type)
     try:
-        cls = AutoModelForCausalLM._model_mapping[type(config)]
+        # (the model mapping's values are model classes; transformers annotates them as pairs)
+        cls = cast("type[PreTrainedModel]", AutoModelForCausalLM._model_mapping[type(config)])
     except KeyError:
         raise ScaffoldError(
             f"model type '{model_type}' has no *ForCausalLM class in transformers; Archon's model "

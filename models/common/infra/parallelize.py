@@ -9,7 +9,7 @@ both from ``parallel/``, so this module depends on nothing above it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -38,6 +38,10 @@ from parallel.tensor_parallel import (
     check_divisible,
 )
 
+if TYPE_CHECKING:
+    from models.common.args import MoEArgs
+    from models.common.decoder import Decoder, TransformerBlock
+
 MOE_TP_MODES = ("etp", "local")
 """How MoE layers use the TP ranks (see ``apply_tp``)."""
 
@@ -64,8 +68,13 @@ def _moe_tp_plan(moe_tp: str) -> dict[str, Any]:
     }
 
 
+def _blocks(model: nn.Module) -> list[TransformerBlock]:
+    # The plan names the shared decoder's modules; the blocks are not yet wrapped (AC) here.
+    return cast("list[TransformerBlock]", list(cast("Decoder", model).layers.values()))
+
+
 def _tp_plan_for_block(block: nn.Module, moe_tp: str = "etp") -> dict[str, Any]:
-    attention = block.attention
+    attention = cast("TransformerBlock", block).attention
     plan: dict[str, Any] = {
         "attention_norm": SequenceParallel(),
         # Attention's positional inputs: x, rope (cos, sin), cu_seqlens, cache, max_seqlen.
@@ -84,7 +93,7 @@ def _tp_plan_for_block(block: nn.Module, moe_tp: str = "etp") -> dict[str, Any]:
         # gradient sums over the heads of every TP rank (Shard(2) input -> Partial grad).
         plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-    if block.moe_enabled:
+    if cast("TransformerBlock", block).moe_enabled:
         plan.update(_moe_tp_plan(moe_tp))
     else:
         plan.update(
@@ -108,19 +117,20 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool = True, 
     """
     if moe_tp not in MOE_TP_MODES:
         raise ValueError(f"moe_tp '{moe_tp}' must be one of {', '.join(MOE_TP_MODES)}")
-    args = model.args
+    decoder = cast("Decoder", model)
+    args = decoder.args
     tp = tp_mesh.size()
     sizes = {"num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads}
-    if moe_tp == "etp" and any(block.moe_enabled for block in model.layers.values()):
-        sizes["moe_intermediate_size"] = args.moe_hidden_dim
-    if any(not block.moe_enabled for block in model.layers.values()):
+    if moe_tp == "etp" and any(block.moe_enabled for block in _blocks(model)):
+        sizes["moe_intermediate_size"] = cast("MoEArgs", args).moe_hidden_dim
+    if any(not block.moe_enabled for block in _blocks(model)):
         sizes["intermediate_size"] = args.hidden_dim
     check_divisible(sizes, tp, type(model).__name__)
 
     top: dict[str, Any] = {"norm": SequenceParallel()}
-    if model.tok_embeddings is not None:
+    if decoder.tok_embeddings is not None:
         top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
-    if model.output is not None:
+    if decoder.output is not None:
         if args.is_critic:
             # A 1-wide value head cannot be split: replicate it and keep values sequence-sharded.
             top["output"] = ReplicateParallel(input_layout=Shard(1), output_layout=Replicate(), use_local_output=True)
@@ -130,25 +140,26 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool = True, 
                 output_layouts=Shard(-1) if loss_parallel else Replicate(),
                 use_local_output=not loss_parallel,
             )
-    if model.norm is None:
+    if decoder.norm is None:
         top.pop("norm")
     apply_tensor_parallel(model, tp_mesh, top)
-    for block in model.layers.values():
+    for block in _blocks(model):
         apply_tensor_parallel(block, tp_mesh, _tp_plan_for_block(block, moe_tp))
     if hasattr(model, "tie_weights"):
         # The embedding and the LM head were distributed separately; both are Shard(0) over
         # the vocabulary, so they can share one DTensor parameter again.
-        model.tie_weights()
+        decoder.tie_weights()
 
 
 def _fsdp_units(model: nn.Module) -> list[Any]:
+    decoder = cast("Decoder", model)
     units: list[Any] = []
-    tied = model.embeddings_tied
-    if model.tok_embeddings is not None and not tied:
-        units.append(model.tok_embeddings)
-    units.extend(model.layers.values())
+    tied = decoder.embeddings_tied
+    if decoder.tok_embeddings is not None and not tied:
+        units.append(decoder.tok_embeddings)
+    units.extend(decoder.layers.values())
     # Tied embeddings stay with the root so that the one shared parameter is in one group.
-    head = [m for m in (model.norm, None if tied else model.output) if m is not None]
+    head = [m for m in (decoder.norm, None if tied else decoder.output) if m is not None]
     if head:
         units.append(head)
     return units
@@ -164,7 +175,8 @@ def parallelize_decoder(model: nn.Module, *, parallel_dims: ParallelDims, option
     its own unit whose parameters stay float32).
     """
     # Collected before AC wraps the blocks; the wrappers keep these module objects.
-    moes = [block.moe for block in model.layers.values() if block.moe_enabled]
+    decoder = cast("Decoder", model)
+    moes = [block.moe for block in _blocks(model) if block.moe_enabled]
     experts = [m.experts for m in moes]
     folding = parallel_dims.moe_folding_enabled
     if folding:
@@ -189,11 +201,11 @@ def parallelize_decoder(model: nn.Module, *, parallel_dims: ParallelDims, option
     if folding:
         apply_moe_folding(moes, parallel_dims)
     if parallel_dims.cp_enabled:
-        check_heads_divisible(model.args.n_heads, parallel_dims.tp, parallel_dims.cp, type(model).__name__)
-        apply_cp(model.layers, parallel_dims.get_mesh("cp"), core="attention.core")
+        check_heads_divisible(decoder.args.n_heads, parallel_dims.tp, parallel_dims.cp, type(model).__name__)
+        apply_cp(decoder.layers, parallel_dims.get_mesh("cp"), core="attention.core")
     if options.ac_enabled:
         apply_ac(
-            model.layers,
+            decoder.layers,
             options.ac_mode,
             options.selective_ac_option,
             options.ac_memory_budget,
@@ -204,8 +216,8 @@ def parallelize_decoder(model: nn.Module, *, parallel_dims: ParallelDims, option
     if options.enable_compile:
         # Under MoE folding the dispatch/pooling hooks break the block graph (data-dependent
         # all-to-alls), and MoE router bookkeeping runs eagerly too.
-        apply_compile(model.layers, fullgraph=not moes)
-    fsdp = dict(
+        apply_compile(decoder.layers, fullgraph=not moes)
+    fsdp: dict[str, Any] = dict(
         reduce_dtype=options.reduce_dtype,
         pp_enabled=parallel_dims.pp_enabled,
         cpu_offload=options.cpu_offload,
