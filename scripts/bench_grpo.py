@@ -220,7 +220,7 @@ def main() -> None:
     try:
         import trl
     except ImportError:
-        raise SystemExit("TRL is not installed; it is a benchmark-only dependency: pip install -e '.[bench]'")
+        raise SystemExit("TRL is not installed; it is a benchmark-only dependency: pip install -e '.[bench]'") from None
     from transformers import TrainerCallback
 
     now = _tree_cpu_seconds if args.clock == "cpu" else CLOCKS["wall"]

@@ -183,10 +183,11 @@ def run_case(folder: str, shape: Shape, dtype: str, kinds: list[str], args, comp
         # Warm-up (compile, allocator); the first losses show both sides compute the same function.
         loss_a, loss_h = archon.step(batch), hf.step(batch)
         for _ in range(args.warmup - 1):
-            archon.step(batch), hf.step(batch)
+            archon.step(batch)
+            hf.step(batch)
         peak_mem = {}
 
-        def timed(side, name):
+        def timed(side, name, batch, peak_mem):
             def fn():
                 if cuda:
                     torch.cuda.reset_peak_memory_stats(device)
@@ -196,10 +197,12 @@ def run_case(folder: str, shape: Shape, dtype: str, kinds: list[str], args, comp
 
             return fn
 
-        fns = {"archon": timed(archon, "archon"), "hf": timed(hf, "hf")}
+        fns = {"archon": timed(archon, "archon", batch, peak_mem), "hf": timed(hf, "hf", batch, peak_mem)}
         if not cuda:  # the matmul peak, measured between the steps under the same load
             peaks: list[float] = []
-            fns["peak"] = lambda: peaks.append(matmul_flops_per_s(torch_dtype, n=args.peak_n, clock=args.clock))
+            fns["peak"] = lambda peaks=peaks: peaks.append(
+                matmul_flops_per_s(torch_dtype, n=args.peak_n, clock=args.clock)
+            )
         times = interleaved(fns, args.reps, sync, args.clock)
         lens = batch["attention_mask"].sum(1).tolist()
         tokens, flops = sum(lens), model_flops(shape, lens)
@@ -301,7 +304,8 @@ def main() -> None:
                     rows.extend(run_case(folder, shape, dtype, kinds, args, compile_))
 
     print(
-        f"training step (forward + backward + clip + AdamW), Archon archon:d1 vs HF transformers; {machine_note(args.clock)}"
+        "training step (forward + backward + clip + AdamW), Archon archon:d1 vs HF transformers; "
+        f"{machine_note(args.clock)}"
     )
     if cuda:
         print(f"device: {_gpu_peak(args.device)[1]}; HF attention: {rows[0]['attn']}")

@@ -361,7 +361,7 @@ class Generator:
             if abort_everything:
                 self._abort_where(lambda s: True, "aborted by abort_all")
             elif abort_rids:
-                self._abort_where(lambda s: s.request.rid in abort_rids, "aborted by abort_request")
+                self._abort_where(lambda s, rids=abort_rids: s.request.rid in rids, "aborted by abort_request")
             if pause_waiters:
                 if any(mode == "abort" for _, mode in pause_waiters):
                     self._abort_running("aborted by pause_generation")

@@ -9,8 +9,8 @@ trainer then broadcasts each tensor from rank 0.
 The rendezvous matches what SGLang's own ``init_custom_process_group`` does (a TCP store
 hosted by rank 0, a ``PrefixStore`` named after the group, torch's process-group
 constructor), so the trainer side also works against real SGLang servers.  Rank 0's store
-listens on ``master_address`` only (loopback in a single-node run), not on every interface.  A process may hold several such
-groups (one per trainer it serves) without a default group of its own.
+listens on ``master_address`` only (loopback in a single-node run), not on every interface.  A process may hold
+several such groups (one per trainer it serves) without a default group of its own.
 """
 
 from __future__ import annotations

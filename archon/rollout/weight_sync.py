@@ -15,8 +15,8 @@ Two ways, chosen by ``rollout.weight_sync``:
 
 The engine is duck-typed (``named_full_tensors(dtype=None)``, ``export_hf(path, dtype=None)``,
 both taking ``extras=True`` when the servers are Archon's own: then the MoE routing bias,
-which Qwen's HF format lacks, travels too), so this module does not import ``archon.engine``.  ``torch.distributed`` must be initialised
-on the trainer ranks (a single process without it acts as rank 0 of one).  Errors on rank 0
+which Qwen's HF format lacks, travels too), so this module does not import ``archon.engine``.  ``torch.distributed``
+must be initialised on the trainer ranks (a single process without it acts as rank 0 of one).  Errors on rank 0
 are broadcast so that every rank raises instead of waiting forever.
 """
 
@@ -53,9 +53,9 @@ _POLL_S = 0.002
 class WeightSyncEngine(Protocol):
     """What weight sync needs from a training engine."""
 
-    def named_full_tensors(self, dtype: torch.dtype | None = None, **kw: Any) -> Iterator[tuple[str, torch.Tensor]]: ...
+    def named_full_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]: ...
 
-    def export_hf(self, path: str | Path, dtype: torch.dtype | None = None, **kw: Any) -> None: ...
+    def export_hf(self, path: str | Path, dtype: torch.dtype | None = None) -> None: ...
 
 
 def _extras_kw(extras: bool) -> dict[str, bool]:
