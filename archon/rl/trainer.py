@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -307,7 +308,7 @@ class RLTrainer:
             recover_servers(self.supervisor, self.weight_sync, self.served_version)
         return out
 
-    def _score(self, prompts: list[Any], completions: list[Completion]) -> list[float]:
+    def _score(self, prompts: Sequence[Any], completions: Sequence[Completion]) -> list[float]:
         """Rank 0: the reward of each completion of ``prompts`` (one entry per sample)."""
         texts = [self.tokenizer.decode(c.output_ids, skip_special_tokens=True) for c in completions]
         extra_keys = sorted({k for p in prompts for k in p.extra})
