@@ -86,7 +86,7 @@ def main() -> None:
                     prompts: torch.Tensor = prompts, outputs: dict[str, list[list[int]]] = outputs
                 ) -> None:
                     with torch.inference_mode():
-                        out = hf.generate(
+                        out = hf.generate(  # pyright: ignore[reportAttributeAccessIssue] - transformers' typing
                             prompts,
                             attention_mask=torch.ones_like(prompts),
                             do_sample=False,

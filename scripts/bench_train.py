@@ -28,6 +28,7 @@ import gc
 import statistics
 import tempfile
 from dataclasses import dataclass
+from typing import Literal, cast
 
 import torch
 from bench_common import interleaved, machine_note, make_qwen3, markdown_table, matmul_flops_per_s, median_ratio
@@ -104,7 +105,7 @@ class ArchonSide:
         cfg = TrainEngineConfig(
             backend="archon:d1",
             path=folder,
-            dtype=dtype,
+            dtype=cast(Literal["float32", "bfloat16", "float16"], dtype),  # --dtypes' choices
             archon=ArchonEngineConfig(enable_compile=compile_),
             optimizer=OptimizerConfig(lr=1e-5),
             # Under compile rows are padded to one length (one graph).
@@ -128,7 +129,7 @@ class HFSide:
         self.attn = _best_hf_attention(device)
         self.model = AutoModelForCausalLM.from_pretrained(
             folder, attn_implementation=self.attn, dtype=torch.float32
-        ).to(device)
+        ).to(device)  # pyright: ignore[reportArgumentType] - transformers' .to typing
         self.model.train()
         if compile_:
             self.model.compile()
@@ -152,7 +153,7 @@ class HFSide:
 def _best_hf_attention(device: str) -> str:
     if device.startswith("cuda"):
         try:
-            import flash_attn  # noqa: F401
+            import flash_attn  # noqa: F401  # pyright: ignore[reportMissingImports] - optional
 
             return "flash_attention_2"
         except ImportError:

@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, cast
 from urllib.parse import urlsplit
 
 import torch
@@ -405,7 +405,8 @@ class DistributedWeightSync:
                 flush_cache=flush,
             )
         )
-        works = [dist.broadcast(t, src=0, group=self._pg, async_op=True) for _, t in bucket]
+        # async_op=True: each returns its Work.
+        works = cast("list[dist.Work]", [dist.broadcast(t, src=0, group=self._pg, async_op=True) for _, t in bucket])
         drill_point("weight_sync")
         # Poll instead of blocking in wait(): a server that refuses the bucket never receives, and its
         # HTTP error must not be hidden behind a broadcast that waits for the group timeout.
