@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -16,8 +16,13 @@ from archon.config import Config, load_config
 from archon.engine.dist import init_distributed, resolve_device_type, shutdown_distributed
 from archon.errors import JobError, user_error_types  # noqa: F401 - JobError is public here
 
+if TYPE_CHECKING:
+    from archon.plan.layout import Job
 
-def run_job(job: Callable[[Config], Any], description: str, argv: Sequence[str] | None = None, kind: str = "rl") -> int:
+
+def run_job(
+    job: Callable[[Config], Any], description: str | None, argv: Sequence[str] | None = None, kind: str = "rl"
+) -> int:
     """Parse ``--config x.toml [dotted.key=value ...]``, run ``job(cfg)``, leave the process group.
 
     ``kind`` ('rl' or 'sft') is the run's kind for the config check: SFT starts no rollout server.
@@ -46,7 +51,7 @@ def run_job(job: Callable[[Config], Any], description: str, argv: Sequence[str] 
     return 0
 
 
-def init_run(cfg: Config, job: str) -> str:
+def init_run(cfg: Config, job: Job) -> str:
     """Start a training process of a run of ``cfg`` (job 'rl' or 'sft'): its GPU from the cluster plan,
     then the process group.  Returns the device type.  The RL trainer and SFT call this before any engine.
     """

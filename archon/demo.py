@@ -237,7 +237,7 @@ def build_model(tokenizer: Any, spec: TinyQwen3 = TinyQwen3()):
     # transformers initialises from the global RNG; fork it so callers' RNG state is untouched.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
-        model = Qwen3ForCausalLM(config).to(torch.float32)
+        model = Qwen3ForCausalLM(config).to(torch.float32)  # pyright: ignore[reportArgumentType] - transformers' .to typing
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.bos_token_id = None

@@ -133,7 +133,11 @@ class DigitsAssets:
     """Held-out RL prompts (jsonl)."""
 
 
-def make_assets(out_dir: str | Path, task: DigitsTask = DigitsTask(), spec: TinyQwen3 = TinyQwen3()) -> DigitsAssets:
+_DEFAULT_SPEC = TinyQwen3()
+"""``make_assets``'s default model (frozen, so one shared instance is safe)."""
+
+
+def make_assets(out_dir: str | Path, task: DigitsTask = DigitsTask(), spec: TinyQwen3 = _DEFAULT_SPEC) -> DigitsAssets:
     """Write model, tokenizer and data into ``out_dir`` (overwriting earlier files there)."""
     root = Path(out_dir)
     if root.exists() and not root.is_dir():

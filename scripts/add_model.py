@@ -22,7 +22,7 @@ from models.scaffold import ScaffoldError, scaffold_model  # noqa: E402
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+        description=(__doc__ or "").split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("source", help="a transformers model_type (e.g. llama) or a Hugging Face model folder")
     parser.add_argument("--name", help="package name under models/ (default: the model type)")

@@ -76,15 +76,17 @@ def main() -> None:
                 )
                 outputs: dict[str, list[list[int]]] = {}
 
-                def archon() -> None:
+                def archon(prompts: torch.Tensor = prompts, outputs: dict[str, list[list[int]]] = outputs) -> None:
                     results = gen.generate(
                         [GenerationRequest(p.tolist(), params, return_logprob=True) for p in prompts]
                     )
                     outputs["archon"] = [r.output_ids for r in results]
 
-                def transformers() -> None:
+                def transformers(
+                    prompts: torch.Tensor = prompts, outputs: dict[str, list[list[int]]] = outputs
+                ) -> None:
                     with torch.inference_mode():
-                        out = hf.generate(
+                        out = hf.generate(  # pyright: ignore[reportAttributeAccessIssue] - transformers' typing
                             prompts,
                             attention_mask=torch.ones_like(prompts),
                             do_sample=False,
@@ -93,7 +95,8 @@ def main() -> None:
                         )
                     outputs["hf"] = out[:, args.prompt_len :].tolist()
 
-                archon(), transformers()  # warm-up
+                archon()  # warm-up
+                transformers()
                 times = interleaved({"archon": archon, "hf": transformers}, reps, clock=args.clock)
                 same = outputs["archon"] == outputs["hf"]
                 all_same &= same

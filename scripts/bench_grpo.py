@@ -148,9 +148,9 @@ def _archon_trainer(root: Path, model: Path, args):
 
 
 def _trl_trainer(root: Path, model_folder: Path, args, callback):
-    from datasets import Dataset
+    from datasets import Dataset  # pyright: ignore[reportMissingImports] - benchmark-only dependency
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOConfig, GRPOTrainer  # pyright: ignore[reportMissingImports] - benchmark-only dependency
 
     rows = [json.loads(line) for line in open(root / "train.jsonl")]
 
@@ -218,9 +218,9 @@ def main() -> None:
         torch.set_num_threads(args.threads)
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the rollout server inherits it
     try:
-        import trl
+        import trl  # pyright: ignore[reportMissingImports] - benchmark-only dependency
     except ImportError:
-        raise SystemExit("TRL is not installed; it is a benchmark-only dependency: pip install -e '.[bench]'")
+        raise SystemExit("TRL is not installed; it is a benchmark-only dependency: pip install -e '.[bench]'") from None
     from transformers import TrainerCallback
 
     now = _tree_cpu_seconds if args.clock == "cpu" else CLOCKS["wall"]

@@ -107,6 +107,7 @@ def _own_choices(engine, batch) -> torch.Tensor:
         for row, n in enumerate(lens):
             engine.model(batch["input_ids"][row : row + 1, :n])
             for i, moe in layers:
+                assert moe.selected_experts is not None  # record_routing is on
                 out[row, :n, i] = moe.selected_experts[0]
     return out
 

@@ -28,6 +28,7 @@ import gc
 import statistics
 import tempfile
 from dataclasses import dataclass
+from typing import Literal, cast
 
 import torch
 from bench_common import interleaved, machine_note, make_qwen3, markdown_table, matmul_flops_per_s, median_ratio
@@ -104,7 +105,7 @@ class ArchonSide:
         cfg = TrainEngineConfig(
             backend="archon:d1",
             path=folder,
-            dtype=dtype,
+            dtype=cast(Literal["float32", "bfloat16", "float16"], dtype),  # --dtypes' choices
             archon=ArchonEngineConfig(enable_compile=compile_),
             optimizer=OptimizerConfig(lr=1e-5),
             # Under compile rows are padded to one length (one graph).
@@ -128,7 +129,7 @@ class HFSide:
         self.attn = _best_hf_attention(device)
         self.model = AutoModelForCausalLM.from_pretrained(
             folder, attn_implementation=self.attn, dtype=torch.float32
-        ).to(device)
+        ).to(device)  # pyright: ignore[reportArgumentType] - transformers' .to typing
         self.model.train()
         if compile_:
             self.model.compile()
@@ -152,7 +153,7 @@ class HFSide:
 def _best_hf_attention(device: str) -> str:
     if device.startswith("cuda"):
         try:
-            import flash_attn  # noqa: F401
+            import flash_attn  # noqa: F401  # pyright: ignore[reportMissingImports] - optional
 
             return "flash_attention_2"
         except ImportError:
@@ -183,10 +184,11 @@ def run_case(folder: str, shape: Shape, dtype: str, kinds: list[str], args, comp
         # Warm-up (compile, allocator); the first losses show both sides compute the same function.
         loss_a, loss_h = archon.step(batch), hf.step(batch)
         for _ in range(args.warmup - 1):
-            archon.step(batch), hf.step(batch)
+            archon.step(batch)
+            hf.step(batch)
         peak_mem = {}
 
-        def timed(side, name):
+        def timed(side, name, batch, peak_mem):
             def fn():
                 if cuda:
                     torch.cuda.reset_peak_memory_stats(device)
@@ -196,10 +198,12 @@ def run_case(folder: str, shape: Shape, dtype: str, kinds: list[str], args, comp
 
             return fn
 
-        fns = {"archon": timed(archon, "archon"), "hf": timed(hf, "hf")}
+        fns = {"archon": timed(archon, "archon", batch, peak_mem), "hf": timed(hf, "hf", batch, peak_mem)}
         if not cuda:  # the matmul peak, measured between the steps under the same load
             peaks: list[float] = []
-            fns["peak"] = lambda: peaks.append(matmul_flops_per_s(torch_dtype, n=args.peak_n, clock=args.clock))
+            fns["peak"] = lambda peaks=peaks: peaks.append(
+                matmul_flops_per_s(torch_dtype, n=args.peak_n, clock=args.clock)
+            )
         times = interleaved(fns, args.reps, sync, args.clock)
         lens = batch["attention_mask"].sum(1).tolist()
         tokens, flops = sum(lens), model_flops(shape, lens)
@@ -301,7 +305,8 @@ def main() -> None:
                     rows.extend(run_case(folder, shape, dtype, kinds, args, compile_))
 
     print(
-        f"training step (forward + backward + clip + AdamW), Archon archon:d1 vs HF transformers; {machine_note(args.clock)}"
+        "training step (forward + backward + clip + AdamW), Archon archon:d1 vs HF transformers; "
+        f"{machine_note(args.clock)}"
     )
     if cuda:
         print(f"device: {_gpu_peak(args.device)[1]}; HF attention: {rows[0]['attn']}")

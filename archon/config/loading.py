@@ -24,11 +24,11 @@ from typing import Any, Literal
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on Python 3.10 only
-    import tomli as tomllib
+    import tomli as tomllib  # pyright: ignore[reportMissingImports]
 
 from archon.alloc import AllocationError, ModelAllocation, megatron_refusal
 from archon.config.ranges import check_ranges
-from archon.config.schema import INHERITED_ENGINE_FIELDS, Config, ConfigError, NormConfig
+from archon.config.schema import INHERITED_ENGINE_FIELDS, Config, ConfigError, NormConfig, NormLevel
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -134,7 +134,7 @@ class _Builder:
                     f"config key '{key}' (from {self.where(key)}) is a section; "
                     f"set its fields as '{key}.<field>' or a [{key}] table, got {value!r}"
                 )
-            return self.build(tp, value, key + ".")
+            return self.build(typing.cast(type, tp), value, key + ".")
         if origin is Literal:
             choices = typing.get_args(tp)
             if value not in choices:
@@ -275,14 +275,15 @@ def _apply_estimator_defaults(cfg: Config, explicit: set[str]) -> None:
     always whitens GAE advantages).  The schema's defaults are GRPO's."""
     if cfg.actor.adv_estimator != "gae":
         return
-    for name, level in (("reward_norm", "none"), ("adv_norm", "batch")):
+    defaults: tuple[tuple[str, NormLevel], ...] = (("reward_norm", "none"), ("adv_norm", "batch"))
+    for name, level in defaults:
         key = f"actor.{name}"
         if key not in explicit and not any(k.startswith(key + ".") for k in explicit):
             setattr(cfg.actor, name, NormConfig(mean_level=level, std_level=level))
 
 
 def _copy(value: Any) -> Any:
-    return dataclasses.replace(value) if dataclasses.is_dataclass(value) else value
+    return dataclasses.replace(typing.cast(Any, value)) if dataclasses.is_dataclass(value) else value
 
 
 def _merge_section(base: Any, own: Any, prefix: str, explicit: set[str]) -> Any:

@@ -132,7 +132,8 @@ class NormConfig:
     mean_level: NormLevel = "group"
     """Subtract the mean over the 'group' of samples of one prompt, the whole 'batch', or 'none'."""
     std_level: NormLevel = "group"
-    """Divide by the std over 'group', 'batch', or 'none' (Dr.GRPO uses none); as in AReaL the std is the spread around the subtracted mean (around 0 when mean_level is 'none')."""
+    """Divide by the std over 'group', 'batch', or 'none' (Dr.GRPO uses none); as in AReaL the std is the spread around
+    the subtracted mean (around 0 when mean_level is 'none')."""
     mean_leave1out: bool = False
     """Use the leave-one-out mean (each sample's baseline excludes itself)."""
     std_unbiased: bool = True
@@ -149,15 +150,19 @@ RSLevel = Literal["token", "sequence", "none"]
 @dataclass
 class RejectionSamplingConfig:
     level: RSLevel = "token"
-    """Decoupled loss: judge each 'token' or each 'sequence' by its divergence pi_prox/pi_behav; 'none' applies no behaviour correction at all (AReaL's rejection_sampling = null)."""
+    """Decoupled loss: judge each 'token' or each 'sequence' by its divergence pi_prox/pi_behav; 'none' applies no
+    behaviour correction at all (AReaL's rejection_sampling = null)."""
     action: Literal["mask", "clamp"] = "mask"
-    """'mask' drops out-of-bounds tokens from the policy gradient (they still count in the normalisation, as in AReaL); 'clamp' bounds their importance weight to [lower or 0, upper] (metric 'ratio' only)."""
+    """'mask' drops out-of-bounds tokens from the policy gradient (they still count in the normalisation, as in AReaL);
+    'clamp' bounds their importance weight to [lower or 0, upper] (metric 'ratio' only)."""
     metric: Literal["ratio", "kl_k1", "kl_k2", "kl_k3"] = "ratio"
     """Divergence judged: the importance ratio pi_prox/pi_behav, or a k1/k2/k3 KL estimate of the two logprobs."""
     agg: Literal["sum", "mean", "max"] = "mean"
-    """level 'sequence': aggregate of the token metric over the sequence (for 'ratio' in log space, so 'mean' is the geometric mean, which is also then every token's weight)."""
+    """level 'sequence': aggregate of the token metric over the sequence (for 'ratio' in log space, so 'mean' is the
+    geometric mean, which is also then every token's weight)."""
     upper: float = 5.0
-    """Upper bound of the metric (above 1 for 'ratio'); AReaL's pre-0.5 default cap (behave_imp_weight_cap = 5, token mask)."""
+    """Upper bound of the metric (above 1 for 'ratio'); AReaL's pre-0.5 default cap (behave_imp_weight_cap = 5, token
+    mask)."""
     lower: float = float("-inf")
     """Lower bound of the metric; -inf means none."""
 
@@ -165,9 +170,12 @@ class RejectionSamplingConfig:
 @dataclass
 class DynamicFilterConfig:
     enable: bool = False
-    """DAPO dynamic sampling (verl's algorithm.filter_groups, AReaL's dynamic_filter_fn): drop prompt groups whose raw rewards are all equal (they have no GRPO signal) and refill the batch from new prompts."""
+    """DAPO dynamic sampling (verl's algorithm.filter_groups, AReaL's dynamic_filter_fn): drop prompt groups whose raw
+    rewards are all equal (they have no GRPO signal) and refill the batch from new prompts."""
     max_num_gen_batches: int = 10
-    """Rollout rounds per step at most, the first included (verl's name); 0 means no limit (verl's default, which loops forever when no prompt ever mixes). When the limit is hit, the batch is completed with dropped groups (counted in dynamic_filter/taken_back_groups) instead of verl's error."""
+    """Rollout rounds per step at most, the first included (verl's name); 0 means no limit (verl's default, which loops
+    forever when no prompt ever mixes). When the limit is hit, the batch is completed with dropped groups (counted in
+    dynamic_filter/taken_back_groups) instead of verl's error."""
 
 
 @dataclass
@@ -180,7 +188,8 @@ class ActorConfig(TrainEngineConfig):
     ppo_epochs: int = 1
     """Passes over the rollout batch per RL step (verl's ppo_epochs); ppo_epochs * ppo_n_minibatches optimizer steps."""
     shuffle: bool = False
-    """Shuffle the rows into different minibatches before every pass (verl's actor.shuffle), seeded by `seed` and the optimizer step so that allocations and resumed runs agree; off keeps contiguous minibatches."""
+    """Shuffle the rows into different minibatches before every pass (verl's actor.shuffle), seeded by `seed` and the
+    optimizer step so that allocations and resumed runs agree; off keeps contiguous minibatches."""
     recompute_logprob: bool = False
     """Recompute proximal logprobs with the trainer before the update instead of using the rollout's."""
     moe_routing_replay: bool = False
@@ -196,21 +205,30 @@ class ActorConfig(TrainEngineConfig):
     c_clip: float = 0.0
     """Dual-clip constant (> 1) for negative advantages; 0 disables dual clip."""
     importance_sampling_level: Literal["token", "sequence"] = "token"
-    """Importance ratio per token (PPO) or per sequence (GSPO, with each sequence's mean advantage as AReaL); the GSPO objective exactly needs loss_agg_mode 'seq-mean-token-mean' (verl's gspo loss always uses it), while 'token-mean' weighs sequences by length, as AReaL does."""
+    """Importance ratio per token (PPO) or per sequence (GSPO, with each sequence's mean advantage as AReaL); the GSPO
+    objective exactly needs loss_agg_mode 'seq-mean-token-mean' (verl's gspo loss always uses it), while 'token-mean'
+    weighs sequences by length, as AReaL does."""
     rejection_sampling: RejectionSamplingConfig = field(default_factory=RejectionSamplingConfig)
-    """Decoupled loss: behaviour importance weight pi_prox/pi_behav and which tokens keep it (AReaL's rejection_sampling); Archon's default is on (ratio <= 5, token mask) where AReaL's is off."""
+    """Decoupled loss: behaviour importance weight pi_prox/pi_behav and which tokens keep it (AReaL's
+    rejection_sampling); Archon's default is on (ratio <= 5, token mask) where AReaL's is off."""
     temperature: float = 0.0
-    """Trainer logprobs are of logits / temperature; 0 follows gconfig.temperature (1 when greedy: temperature 0 or top_k 1), as the server reports."""
+    """Trainer logprobs are of logits / temperature; 0 follows gconfig.temperature (1 when greedy: temperature 0 or
+    top_k 1), as the server reports."""
     entropy_coef: float = 0.0
-    """Weight of the entropy bonus: entropy_coef * (entropy aggregated like the loss) is subtracted from the actor loss (verl's entropy_coeff)."""
+    """Weight of the entropy bonus: entropy_coef * (entropy aggregated like the loss) is subtracted from the actor loss
+    (verl's entropy_coeff)."""
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
         "token-mean"
     )
-    """How per-token losses are aggregated over the global batch; 'seq-mean-token-sum-norm' is Dr.GRPO's mean over sequences of token sums / gconfig.max_new_tokens, which is verl's loss divided by its per-GPU micro-batch size (see archon.rl.losses)."""
+    """How per-token losses are aggregated over the global batch; 'seq-mean-token-sum-norm' is Dr.GRPO's mean over
+    sequences of token sums / gconfig.max_new_tokens, which is verl's loss divided by its per-GPU micro-batch size (see
+    archon.rl.losses)."""
     kl_ctl: float = 0.0
-    """Coefficient of the KL-to-reference penalty inside the reward (the initial one when kl_ctl_type is 'adaptive'); 0 disables it."""
+    """Coefficient of the KL-to-reference penalty inside the reward (the initial one when kl_ctl_type is 'adaptive'); 0
+    disables it."""
     kl_ctl_type: Literal["fixed", "adaptive"] = "fixed"
-    """'adaptive': after each step kl_ctl *= 1 + clip(kl / kl_ctl_target - 1, -0.2, 0.2) * samples / kl_ctl_horizon (verl's algorithm.kl_ctrl.type; the coefficient is checkpointed)."""
+    """'adaptive': after each step kl_ctl *= 1 + clip(kl / kl_ctl_target - 1, -0.2, 0.2) * samples / kl_ctl_horizon
+    (verl's algorithm.kl_ctrl.type; the coefficient is checkpointed)."""
     kl_ctl_target: float = 0.1
     """Target of the per-sequence mean penalty KL for the adaptive controller (verl's kl_ctrl.target_kl)."""
     kl_ctl_horizon: float = 10000.0
@@ -222,11 +240,15 @@ class ActorConfig(TrainEngineConfig):
     kl_loss_type: Literal["k1", "k2", "k3", "k1+", "k3+", "kl", "mse", "low_var_kl", "kl+", "low_var_kl+"] = (
         "low_var_kl"
     )
-    """KL estimator of the loss term (verl's kl_loss_type): low_var_kl = k3, whose gradient is that of KL(ref||pi); k2 (mse) and the straight-through k1+/k3+ (value of k1/k3) have the gradient of KL(pi||ref); k1 (kl) has zero expected gradient."""
+    """KL estimator of the loss term (verl's kl_loss_type): low_var_kl = k3, whose gradient is that of KL(ref||pi); k2
+    (mse) and the straight-through k1+/k3+ (value of k1/k3) have the gradient of KL(pi||ref); k1 (kl) has zero expected
+    gradient."""
     kd_coef: float = 0.0
-    """On-policy distillation: weight of the reverse KL to the teacher (`teacher.*`) on the sampled tokens in the loss; 0 disables it and the teacher."""
+    """On-policy distillation: weight of the reverse KL to the teacher (`teacher.*`) on the sampled tokens in the loss;
+    0 disables it and the teacher."""
     kd_estimator: Literal["k1", "k2", "k3", "k1+", "k3+", "kl", "mse", "low_var_kl", "kl+", "low_var_kl+"] = "k2"
-    """Estimator of the distillation KL (choices as kl_loss_type); k2's and k3+'s gradients are the reverse KL's on on-policy samples, k1's averages to zero."""
+    """Estimator of the distillation KL (choices as kl_loss_type); k2's and k3+'s gradients are the reverse KL's on
+    on-policy samples, k1's averages to zero."""
     discount: float = 1.0
     """Discount factor (GAE, REINFORCE++)."""
     gae_lambda: float = 1.0
@@ -244,15 +266,20 @@ class ActorConfig(TrainEngineConfig):
     overlong_penalty_factor: float = 1.0
     """Penalty at the end of the overlong window."""
     mask_no_eos_with_zero: bool = False
-    """Responses cut off without EOS get a final reward of 0 after reward_norm (AReaL's behaviour); they still train, so with adv_norm a 0 can become a negative advantage; overlong_filtering drops them from the loss instead."""
+    """Responses cut off without EOS get a final reward of 0 after reward_norm (AReaL's behaviour); they still train, so
+    with adv_norm a 0 can become a negative advantage; overlong_filtering drops them from the loss instead."""
     overlong_filtering: bool = False
-    """DAPO overlong filtering: responses cut off without EOS leave the actor loss and adv_norm's statistics (they still count in reward_norm's groups)."""
+    """DAPO overlong filtering: responses cut off without EOS leave the actor loss and adv_norm's statistics (they still
+    count in reward_norm's groups)."""
     bootstrap_truncated: bool = True
-    """'gae': a response cut off without EOS bootstraps from the critic's value of the state after its last token (AReaL); false treats truncation as the episode's end (verl)."""
+    """'gae': a response cut off without EOS bootstraps from the critic's value of the state after its last token
+    (AReaL); false treats truncation as the episode's end (verl)."""
     reward_norm: NormConfig = field(default_factory=NormConfig)
-    """Normalisation of sequence rewards ('grpo', 'gae'). Default: group mean/std for 'grpo'; for 'gae', unless set, none (standard PPO; AReaL leaves it unset). Group levels need groups of more than one sample."""
+    """Normalisation of sequence rewards ('grpo', 'gae'). Default: group mean/std for 'grpo'; for 'gae', unless set,
+    none (standard PPO; AReaL leaves it unset). Group levels need groups of more than one sample."""
     adv_norm: NormConfig = field(default_factory=lambda: NormConfig(mean_level="none", std_level="none"))
-    """Final normalisation of token advantages. Default: none; for 'gae', unless set, batch mean/std (AReaL's PPO recipe; verl always whitens GAE advantages)."""
+    """Final normalisation of token advantages. Default: none; for 'gae', unless set, batch mean/std (AReaL's PPO
+    recipe; verl always whitens GAE advantages)."""
 
 
 @dataclass
@@ -266,7 +293,8 @@ class CriticConfig(TrainEngineConfig):
     eps_clip: float = 0.5
     """Value clip: new values are kept within old values +- eps_clip; 0 disables clipping."""
     loss_fn_type: Literal["mse", "huber"] = "mse"
-    """Value loss: 0.5 * err^2, or Huber (0.5 * err^2 below huber_delta, linear above), as AReaL's ppo_critic_loss_fn."""
+    """Value loss: 0.5 * err^2, or Huber (0.5 * err^2 below huber_delta, linear above), as AReaL's
+    ppo_critic_loss_fn."""
     huber_delta: float = 10.0
     """Where the Huber value loss turns linear (AReaL's fixed value)."""
     mask_no_eos_with_zero: bool = False
@@ -306,7 +334,8 @@ class GenerationConfig:
 @dataclass
 class RolloutConfig:
     backend: str = "local:d1"
-    """Inference allocation: 'sglang:dNtM' (N servers of M GPUs), 'vllm:dNtMpK' (N servers of M*K GPUs) or 'local:dN' (N built-in CPU servers)."""
+    """Inference allocation: 'sglang:dNtM' (N servers of M GPUs), 'vllm:dNtMpK' (N servers of M*K GPUs) or 'local:dN' (N
+    built-in CPU servers)."""
     server_addrs: list[str] = field(default_factory=list)
     """host:port of servers already running; when set, no servers are launched."""
     request_timeout: float = 3600.0
@@ -324,11 +353,19 @@ class RolloutConfig:
     max_server_restarts: int = 3
     """Restarts per run of launched servers that died or hung (they get the current weights); others are dropped."""
     max_head_offpolicyness: int = 0
-    """Asynchronous RL (AReaL's name): 0 trains synchronously (generate, train, sync weights, repeat); k > 0 keeps generating while the trainer trains, and no trajectory enters a batch if the policy version that generated its first token is more than k versions behind the one being trained (new prompts wait for the trainer instead). Use with actor.use_decoupled_loss."""
+    """Asynchronous RL (AReaL's name): 0 trains synchronously (generate, train, sync weights, repeat); k > 0 keeps
+    generating while the trainer trains, and no trajectory enters a batch if the policy version that generated its first
+    token is more than k versions behind the one being trained (new prompts wait for the trainer instead). Use with
+    actor.use_decoupled_loss."""
     partial_rollout: bool = True
-    """Asynchronous RL: a weight update pauses the requests in flight, which then continue with the new weights (every token keeps the version that produced it). false: an update waits until every request that may start under the current weights has finished, so each batch comes from one policy version and a run is reproducible, at some cost in speed."""
+    """Asynchronous RL: a weight update pauses the requests in flight, which then continue with the new weights (every
+    token keeps the version that produced it). false: an update waits until every request that may start under the
+    current weights has finished, so each batch comes from one policy version and a run is reproducible, at some cost in
+    speed."""
     pause_generation_mode: Literal["retract", "abort"] = "retract"
-    """Asynchronous RL: how servers pause for a weight update (SGLang's /pause_generation mode). 'retract' keeps each request's tokens on the server, which continues it after the update; 'abort' ends the requests and the trainer sends prompt + tokens so far again (servers without retract)."""
+    """Asynchronous RL: how servers pause for a weight update (SGLang's /pause_generation mode). 'retract' keeps each
+    request's tokens on the server, which continues it after the update; 'abort' ends the requests and the trainer sends
+    prompt + tokens so far again (servers without retract)."""
 
 
 @dataclass

@@ -74,7 +74,7 @@ def describe_section(section: str) -> str:
         obj = getattr(obj, part)
         if not dataclasses.is_dataclass(cls):
             raise ConfigError(f"'{section}' is a key, not a section")
-    docs = field_docs(cls)
+    docs = field_docs(typing.cast(type, cls))
     lines = []
     for f in dataclasses.fields(cls):
         value = getattr(obj, f.name)

@@ -84,7 +84,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"the DCP index refers to {module}.{name}, which a checkpoint never contains")
 
 
-class _SafeFileSystemReader(dcp.FileSystemReader):
+class _SafeFileSystemReader(dcp.FileSystemReader):  # pyright: ignore[reportPrivateImportUsage]
     """DCP's file reader with the index read by ``_MetadataUnpickler``."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
@@ -189,7 +189,7 @@ def save_checkpoint(
     """
     tensors, groups = _split(states)
     try:
-        dcp.save(tensors, checkpoint_id=str(path / DCP_DIR))
+        dcp.save(tensors, checkpoint_id=str(path / DCP_DIR))  # pyright: ignore[reportPrivateImportUsage]
     except CheckpointException as exc:  # DCP gathers every rank's failure and raises on all of them
         raise CheckpointWriteError(
             f"writing {name}'s shards to {path / DCP_DIR} failed: {_first_failure(exc)}"
@@ -243,7 +243,7 @@ def load_checkpoint(states: Mapping[str, Stateful], path: Path, *, name: str = "
         )
     tensors, _ = _split(states)
     try:
-        dcp.load(tensors, storage_reader=_SafeFileSystemReader(str(path / DCP_DIR)), planner=_TensorOnlyLoadPlanner())
+        dcp.load(tensors, storage_reader=_SafeFileSystemReader(str(path / DCP_DIR)), planner=_TensorOnlyLoadPlanner())  # pyright: ignore[reportPrivateImportUsage]
     except CheckpointException as exc:
         raise CheckpointError(
             f"reading the shards of '{path}' failed ({_first_failure(exc)}); the checkpoint "

@@ -23,6 +23,7 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -45,12 +46,15 @@ class Checkpointable(Protocol):
 
     def save(self, path: Path, extra_state: dict[str, Any]) -> None:
         """Write this engine's states under ``path`` (collective)."""
+        ...
 
     def load(self, path: Path) -> dict[str, Any]:
         """Load ``path`` into this engine's states (collective); returns the extra state saved with it."""
+        ...
 
     def checkpoint_nbytes(self) -> float:
         """This rank's share of the bytes one checkpoint of the engine takes (no collective)."""
+        ...
 
 
 def _fsync_dir(path: Path) -> None:
@@ -104,7 +108,7 @@ def damage(folder: Path) -> str | None:
     return None
 
 
-def estimate_checkpoint_bytes(engines: dict[str, Checkpointable]) -> int:
+def estimate_checkpoint_bytes(engines: Mapping[str, Checkpointable]) -> int:
     """Bytes one checkpoint of ``engines`` takes (collective: the sum of every rank's share)."""
     total = torch.tensor([sum(engine.checkpoint_nbytes() for engine in engines.values())], dtype=torch.float64)
     dist.all_reduce(total)
@@ -166,8 +170,9 @@ class CheckpointManager:
                 "this job can create files in"
             )
 
-    def check_space(self, engines: dict[str, Checkpointable]) -> None:
-        """Collective: the disk has room for one more checkpoint of ``engines``, or every rank raises ``ConfigError``."""
+    def check_space(self, engines: Mapping[str, Checkpointable]) -> None:
+        """Collective: the disk has room for one more checkpoint of ``engines``, or every rank raises
+        ``ConfigError``."""
         needed = estimate_checkpoint_bytes(engines)
         where = self.root
         while not where.exists() and where != where.parent:
@@ -183,7 +188,7 @@ class CheckpointManager:
         )
 
     # ------------------------------------------------------------------ save
-    def save(self, step: int, engines: dict[str, Checkpointable], extra_state: dict[str, Any]) -> Path:
+    def save(self, step: int, engines: Mapping[str, Checkpointable], extra_state: dict[str, Any]) -> Path:
         """Write checkpoint ``step`` of ``engines`` (collective); returns its folder.
 
         On any failure (disk full mid-write, folder not writable) every rank raises
@@ -264,7 +269,7 @@ class CheckpointManager:
             shutil.rmtree(leftover, ignore_errors=True)
 
     # ------------------------------------------------------------------ load
-    def load(self, engines: dict[str, Checkpointable]) -> dict[str, Any] | None:
+    def load(self, engines: Mapping[str, Checkpointable]) -> dict[str, Any] | None:
         """Load the newest intact checkpoint into ``engines`` (collective); its extra state, or None without one.
 
         Damaged checkpoints are skipped with a warning naming them; when every checkpoint there

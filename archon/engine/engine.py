@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterator
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.distributed as dist
@@ -227,7 +227,7 @@ class ArchonEngine:
 
         assert self.model is not None
         # Buffers (RoPE tables) and anything a checkpoint lacks (a critic's value head).
-        self.model.init_weights(buffer_device=self.device)
+        cast(Any, self.model).init_weights(buffer_device=self.device)  # an Archon model (models/)
         if self.config.path:
             result = load_hf_weights(
                 self.model, self.config.path, self.spec.state_dict_adapter_class(self.model_args), strict=True
@@ -304,6 +304,7 @@ class ArchonEngine:
         tokens, kwargs = self._model_inputs(mb)
         if keep is not None:
             kwargs["keep"] = keep
+        assert self.model is not None, "initialize() the engine first"
         with self._autocast():
             out = self.model(tokens, cu_seqlens=mb.cu_seqlens, **kwargs)
         return self._token_outputs(out, mb, keep)
@@ -382,7 +383,9 @@ class ArchonEngine:
         self, batch: Batch, loss_fn: LossFn, loss_weight_fn: LossWeightFn = token_count_weight
     ) -> dict[str, float]:
         """Forward+backward over every microbatch, then one optimizer step; returns global stats."""
-        assert self.model is not None and self.optimizer is not None, "initialize() a trainable engine first"
+        assert self.model is not None and self.optimizer is not None and self.lr_scheduler is not None, (
+            "initialize() a trainable engine first"
+        )
         t0 = time.perf_counter()
         self.model.train()
         batch = self._to_device(batch)
@@ -473,6 +476,7 @@ class ArchonEngine:
             with self._autocast():
                 self.pipeline.forward_step(inputs, lambda out, i: None)
             return
+        assert self.model is not None, "initialize() the engine first"
         for indices in my_mbs:
             packed = self._pack(batch, indices)
             tokens, kwargs = self._model_inputs(packed)
@@ -534,6 +538,7 @@ class ArchonEngine:
         lack (the MoE routing bias, in float32) under the names Archon's own server reads;
         without it only the fields of the model's HF architecture come out.
         """
+        assert self.model is not None, "initialize() the engine first"
         adapter = self.spec.state_dict_adapter_class(self.model_args)
         yield from hf_full_tensors(self.model, adapter, self.pipeline, dtype, extras)
 
@@ -585,6 +590,7 @@ class ArchonEngine:
         counts its stage's global sizes divided by the ranks that hold that stage.
         """
         ranks_per_stage = dist.get_world_size() / self.allocation.parallel.pp_size
+        assert self.model is not None, "initialize() the engine first"
         per_param = 3 if self.optimizer is not None else 1
         stage = sum(p.numel() * p.element_size() for p in self.model.parameters())
         return per_param * stage / ranks_per_stage

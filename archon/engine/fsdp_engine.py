@@ -34,7 +34,7 @@ import copy
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,7 @@ from torch.distributed.tensor import DTensor
 from archon.engine.engine import ArchonEngine, EngineError
 from archon.engine.microbatch import Batch, pack, rows_of
 from archon.engine.optimizer import build_lr_scheduler, build_optimizer
+from archon.engine.token_outputs import output_keys
 from archon.engine.transformers_model import (
     TransformersModelError,
     apply_tp_plan,
@@ -198,7 +199,8 @@ class FSDPEngine(ArchonEngine):
         """Rank 0 reads (or seeds) the full weights on the CPU; every rank receives its shards."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        full: dict[str, torch.Tensor] = {}
+        assert self.model is not None  # initialize() built it
+        full: dict[str, Any] = {}
         if dist.get_rank() == 0:
             full = self._full_state_dict_on_cpu(build_config)
         set_model_state_dict(
@@ -240,6 +242,7 @@ class FSDPEngine(ArchonEngine):
     @torch.no_grad()
     def _packing_works(self) -> bool:
         """Does one packed row (position_ids restarting at 0) give the logits of its sequences run alone?"""
+        assert self.model is not None  # initialize() built it
         vocab = int(getattr(self.model.config, "vocab_size", 2))
         ids = (torch.arange(7, device=self.device) * 5 + 3) % vocab
         first, second = ids[:3], ids[3:]
@@ -290,6 +293,7 @@ class FSDPEngine(ArchonEngine):
             kwargs = dict(
                 archon_cp_group=cp_mesh.get_group(), archon_cp_size=cp_mesh.size(), archon_cu_seqlens=mb.cu_seqlens
             )
+        assert self.model is not None, "initialize() the engine first"
         with self._autocast():
             out = self.model(input_ids=tokens, position_ids=positions, use_cache=False, **kwargs)
         return self._token_outputs(self._head_output(out), mb)
@@ -304,6 +308,7 @@ class FSDPEngine(ArchonEngine):
 
     def _run_padded(self, mb: PaddedMicrobatch) -> dict[str, torch.Tensor]:
         """Right-padded rows through the model; the same token-aligned outputs as the packed path."""
+        assert self.model is not None, "initialize() the engine first"
         with self._autocast():
             out = self.model(input_ids=mb.tokens, attention_mask=mb.attention_mask, use_cache=False)
         head = self._head_output(out)
@@ -318,7 +323,7 @@ class FSDPEngine(ArchonEngine):
         aligned[:, :, 0] = 0.0
         aligned = aligned * mb.attention_mask.to(aligned.dtype)
         width = max(mb.seqlens, default=0)
-        result = {key: rows[: len(mb.indices), :width] for key, rows in zip(self._output_keys, aligned)}
+        result = {key: rows[: len(mb.indices), :width] for key, rows in zip(output_keys(self.is_critic), aligned)}
         result["_anchor"] = anchor
         return result
 
@@ -330,6 +335,7 @@ class FSDPEngine(ArchonEngine):
 
         ``extras`` is accepted for the weight-sync interface; a transformers model has nothing beyond its HF fields.
         """
+        assert self.model is not None, "initialize() the engine first"
         for name, tensor in named_state(self.model, buffers=False):
             full = (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
             yield name, full.to(dtype) if dtype is not None else full

@@ -32,7 +32,7 @@ auxiliary loss or the largest bias.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -51,6 +51,11 @@ class _Layer:
     """Block index in the full model."""
     moe: MoE
     """The block's MoE module on this rank."""
+
+
+def _step_counts(moe: MoE) -> torch.Tensor:
+    """The MoE buffer of the step's tokens per expert (registered buffers are untyped)."""
+    return cast(torch.Tensor, moe.step_tokens_per_expert)
 
 
 def moe_layers(model: nn.Module) -> list[tuple[int, MoE]]:
@@ -96,7 +101,7 @@ class MoEBalancer:
     def begin_step(self) -> None:
         """Zero the counters and start counting the training forwards of a step."""
         for layer in self.layers:
-            layer.moe.step_tokens_per_expert.zero_()
+            _step_counts(layer.moe).zero_()
             layer.moe.step_aux_loss.zero_()
             layer.moe.count_tokens = True
             layer.moe.aux_loss_weights = None
@@ -112,7 +117,7 @@ class MoEBalancer:
             # The loss of every rank is scaled by the FSDP factor before backward; ranks routing
             # the same tokens all add this loss, so each adds its share.
             layer.moe.aux_loss_grad_scale = self.fsdp_grad_scale / self.replication
-            layer.moe.step_tokens_per_expert.zero_()
+            _step_counts(layer.moe).zero_()
             layer.moe.step_aux_loss.zero_()
 
     def end_step(self, optimizer_stepped: bool) -> dict[str, float]:
@@ -130,7 +135,7 @@ class MoEBalancer:
         """``counts [n_layers, E]``, ``aux [n_layers]`` (coef * L) and ``present [n_layers]`` over all ranks."""
         packed = torch.zeros(self.n_layers, self.num_experts + 2, dtype=torch.float64, device=self.device)
         for layer in self.layers:
-            packed[layer.layer_id, : self.num_experts] = layer.moe.step_tokens_per_expert.double()
+            packed[layer.layer_id, : self.num_experts] = _step_counts(layer.moe).double()
             packed[layer.layer_id, self.num_experts] = float(layer.moe.step_aux_loss)
             packed[layer.layer_id, self.num_experts + 1] = 1.0
         if dist.is_initialized() and dist.get_world_size() > 1:

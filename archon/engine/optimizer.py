@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -23,7 +24,7 @@ def build_optimizer(params, cfg: OptimizerConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(
         params,
         lr=cfg.lr,
-        betas=tuple(cfg.betas),
+        betas=cast("tuple[float, float]", tuple(cfg.betas)),  # OptimizerConfig.betas holds two
         eps=cfg.eps,
         weight_decay=cfg.weight_decay,
         **({"foreach": False} if mixed else {"fused": True}),

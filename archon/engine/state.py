@@ -10,7 +10,7 @@ moves every step) is saved and restored with the weights.
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -58,7 +58,7 @@ class OptimizerState:
         return get_optimizer_state_dict(self.model, self.optimizer)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        mine = get_optimizer_state_dict(self.model, self.optimizer)["param_groups"]
+        mine = cast("list[dict[str, Any]]", get_optimizer_state_dict(self.model, self.optimizer)["param_groups"])
         saved = state_dict["param_groups"]
         if len(mine) != len(saved):
             raise ValueError(

@@ -23,7 +23,7 @@ import copy
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -67,8 +67,10 @@ def _parameters_on_meta() -> Iterator[None]:
         original(module, name, param)
         # A parameter already on meta is kept as is, so tying (head.weight = embedding.weight) holds.
         if param is not None and param.device.type != "meta":
-            kwargs = dict(module._parameters[name].__dict__, requires_grad=param.requires_grad)
-            module._parameters[name] = type(param)(module._parameters[name].to("meta"), **kwargs)
+            registered = module._parameters[name]
+            assert registered is not None  # ``original`` just registered ``param``
+            kwargs = dict(registered.__dict__, requires_grad=param.requires_grad)
+            module._parameters[name] = type(param)(registered.to("meta"), **kwargs)
 
     nn.Module.register_parameter = register  # type: ignore[method-assign]
     try:
@@ -83,7 +85,7 @@ def model_class_for(config: Any, is_critic: bool) -> type:
 
     auto = AutoModelForTokenClassification if is_critic else AutoModelForCausalLM
     try:
-        return auto._model_mapping[type(config)]
+        return cast(type, auto._model_mapping[type(config)])
     except KeyError:
         kind = "ForTokenClassification (a critic's value head)" if is_critic else "ForCausalLM"
         raise TransformersModelError(
@@ -127,14 +129,16 @@ def restore_buffers(model: nn.Module, buffers: dict[str, torch.Tensor]) -> None:
 
 def embeddings_tied(model: nn.Module) -> bool:
     """True when the LM head and the input embedding share one parameter."""
-    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    inp = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    hf: Any = model  # a transformers PreTrainedModel
+    out = hf.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    inp = hf.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     return out is not None and inp is not None and out.weight is inp.weight
 
 
 def retie_embeddings(model: nn.Module) -> None:
     """Make the LM head use the embedding's parameter again (after a step that replaced one of them)."""
-    out, inp = model.get_output_embeddings(), model.get_input_embeddings()
+    hf: Any = model  # a transformers PreTrainedModel
+    out, inp = hf.get_output_embeddings(), hf.get_input_embeddings()
     if out.weight is not inp.weight:
         out.weight = inp.weight
 
@@ -226,7 +230,8 @@ def apply_tp_plan(model: nn.Module, tp_mesh, loss_parallel: bool = True) -> None
     from torch.distributed.tensor.parallel import parallelize_module
 
     plan = tp_plan_of(model)
-    config = model.config
+    hf: Any = model  # a transformers PreTrainedModel
+    config = hf.config
     if not plan:
         raise TransformersModelError(
             f"transformers ships no tensor-parallel plan for model_type "
@@ -243,7 +248,7 @@ def apply_tp_plan(model: nn.Module, tp_mesh, loss_parallel: bool = True) -> None
         )
     check_tp_sizes(config, tp_mesh.size(), plan)
     tied = embeddings_tied(model)
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = hf.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head_name = next((n for n, m in model.named_modules() if head is not None and m is head), None)
     torch_plan = {}
     for path, style in plan.items():
@@ -285,6 +290,7 @@ def ulysses_attention(
     from parallel.context_parallel import heads_to_sequence, kv_repeats_for_cp, sequence_to_heads
 
     group, cp, cu_seqlens = (kwargs.get(k) for k in ("archon_cp_group", "archon_cp_size", "archon_cu_seqlens"))
+    cp = cast(int, cp)  # the engine passes it with the group
     name = type(module).__name__
     if group is None or cu_seqlens is None:
         raise TransformersModelError(

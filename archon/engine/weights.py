@@ -10,7 +10,7 @@ from __future__ import annotations
 import shutil
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -57,7 +57,7 @@ def init_from_seed(model: torch.nn.Module, build_full: Callable[[], torch.nn.Mod
     """Initialise ``model`` (maybe sharded) as ``build_full()`` initialises a full copy seeded by ``seed``."""
     torch.manual_seed(seed)
     full = build_full()
-    full.init_weights()
+    cast(Any, full).init_weights()  # an Archon model (models/)
     full_sd = dict(full.named_parameters())
     for name, tensor in named_state(model):
         copy_full_into(tensor, full_sd[name])

@@ -115,7 +115,7 @@ _RUN = {"slurm": _slurm, "ray": _ray, "serve-node": _serve_node, "prepare": _pre
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in COMMANDS:
-        print(__doc__.strip(), file=sys.stderr)
+        print((__doc__ or "").strip(), file=sys.stderr)
         if argv and argv[0] in ("-h", "--help"):
             return 0
         print(f"\nerror: the first argument must be one of {', '.join(COMMANDS)}", file=sys.stderr)

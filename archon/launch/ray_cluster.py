@@ -213,7 +213,7 @@ class RayLaunch:
         self.cfg = cfg
         self.plan = plan
         self.args = run_args(config, overrides)
-        self.job = job
+        self.job: Job = job
         self.cpus_per_gpu = cpus_per_gpu
         self.placement_timeout = placement_timeout
         self.run_dir = cfg.run_dir.absolute()

@@ -77,7 +77,7 @@ class FitReport:
 
 def _engines(cfg: Config, job: str) -> list[tuple[str, TrainEngineConfig, bool, bool]]:
     """(name, engine config, is_critic, trainable) of every engine a training rank holds."""
-    engines = [("actor", cfg.actor, False, True)]
+    engines: list[tuple[str, TrainEngineConfig, bool, bool]] = [("actor", cfg.actor, False, True)]
     if job == "rl" and (cfg.actor.kl_ctl or cfg.actor.kl_loss_coef):
         engines.append(("ref", cfg.ref, False, False))
     if job == "rl" and cfg.actor.adv_estimator == "gae":
@@ -115,6 +115,7 @@ def estimate_train_gpu(
         combined = Estimate(f"{est.what} ({name} computing)", terms)
         if best is None or combined.total > best.total:
             best = combined
+    assert best is not None  # ests has two engines or more here
     return best
 
 

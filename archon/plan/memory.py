@@ -254,12 +254,14 @@ def _layer_activations(
     if device_type != "cuda":
         full += tokens * tokens * b  # CPU SDPA keeps the packed causal mask as a float matrix
     moe = args.is_moe_layer(layer)
+    moe_saved = 0.0  # what op-level AC keeps of an MoE block (added below)
     if moe:
         k, experts = args.top_k, args.num_experts
         n = tsp if (lay.ep > 1 and lay.etp == 1 and t > 1) else tc
         fm = args.moe_hidden_dim / (lay.etp if lay.ep > 1 else t)
         full += n * (b * h + 4 * experts + 28 * k)  # input, router softmax, top-k, sort order
         full += n * k * (2 * b * h + 4 * b * fm + b)  # routed copies in and out, SwiGLU of each expert
+        moe_saved = n * b * experts + n * k * (2 * b * fm + b * h)
     else:
         full += tc * (b * h + 4 * b * args.hidden_dim / t)  # input; gate, up, silu, product
     if not engine.gradient_checkpointing or engine.archon.ac_mode == "none":
@@ -275,7 +277,7 @@ def _layer_activations(
         return (block_input if layer % int(option) == 0 else full), full
     saved = block_input + tc * (b * (q + 2 * kv) + b * q + 4 * heads + b * h)  # q/k/v, attention, wo out
     if moe:
-        saved += n * b * experts + n * k * (2 * b * fm + b * h)
+        saved += moe_saved
     else:
         saved += tc * (2 * b * args.hidden_dim / t + b * h)
     if cp > 1:

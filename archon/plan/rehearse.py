@@ -22,6 +22,7 @@ import json
 import logging
 import math
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
 import socket
 import tempfile
@@ -283,10 +284,10 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout_s: float = 3600.0) -
         while pending:
             if time.monotonic() > deadline:
                 raise RehearsalError(f"ranks {sorted(pending)} did not finish within {timeout_s:.0f} s")
-            for conn in mp.connection.wait([conns[r] for r in pending], timeout=1.0):
+            for conn in mp_connection.wait([conns[r] for r in pending], timeout=1.0):
                 rank = conns.index(conn)
                 try:
-                    status, payload = json.loads(conn.recv_bytes())
+                    status, payload = json.loads(conns[rank].recv_bytes())
                 except EOFError:
                     raise RehearsalError(
                         f"rank {rank} died without reporting (exit code {procs[rank].exitcode})"

@@ -124,8 +124,8 @@ class PPOActor:
                 first_diff = stats.get("behav_logprob_diff")
             stats.pop("behav_logprob_diff", None)
             per_step.append(stats)
-        out = mean_stats(per_step, "actor")
-        out["actor/behav_logprob_diff_first_mb"] = first_diff
+        out: dict[str, Any] = mean_stats(per_step, "actor")
+        out["actor/behav_logprob_diff_first_mb"] = first_diff  # None if no minibatch reported it
         return out
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -368,9 +368,10 @@ class AdvantageConfig:
             object.__setattr__(self, "reward_norm", reward_norm)
         if self.adv_norm == "default":
             object.__setattr__(self, "adv_norm", adv_norm)
-        used = [("adv_norm", self.adv_norm)]
+        # "default" was replaced above; any other string is not a norm either way.
+        used: list[tuple[str, NormConfig | None]] = [("adv_norm", cast("NormConfig | None", self.adv_norm))]
         if self.adv_estimator in ("grpo", "gae"):
-            used.insert(0, ("reward_norm", self.reward_norm))
+            used.insert(0, ("reward_norm", cast("NormConfig | None", self.reward_norm)))
         for name, norm in used:
             if norm is None or "group" not in (norm.mean_level, norm.std_level):
                 continue
@@ -403,7 +404,8 @@ class AdvantageConfig:
         )
 
 
-def _with_group_size(norm: NormConfig | None, group_size: int) -> NormConfig | None:
+def _with_group_size(norm: NormConfig | str | None, group_size: int) -> NormConfig | None:
+    norm = cast("NormConfig | None", norm)  # AdvantageConfig.__post_init__ replaced "default"
     return norm if norm is None or norm.group_size else dataclasses.replace(norm, group_size=group_size)
 
 
@@ -450,6 +452,7 @@ def compute_advantages(batch: dict[str, torch.Tensor], cfg: AdvantageConfig) -> 
     elif cfg.adv_estimator == "rloo":
         seq = rloo_rewards(seq, group_size=cfg.group_size)
     if cfg.mask_no_eos_with_zero:
+        assert truncated is not None  # set above whenever mask_no_eos_with_zero
         seq = torch.where(truncated, 0.0, seq)
 
     kl = torch.zeros_like(m, dtype=torch.float32)
@@ -463,7 +466,10 @@ def compute_advantages(batch: dict[str, torch.Tensor], cfg: AdvantageConfig) -> 
     rewards = token_rewards(seq, loss_mask, kl=kl, kl_ctl=cfg.kl_ctl)
     # Overlong filtering drops truncated rows from the actor loss, so they take no part in
     # batch statistics of advantages either.
-    adv_mask = torch.where(truncated.unsqueeze(1), 0, loss_mask) if cfg.overlong_filtering else loss_mask
+    adv_mask = loss_mask
+    if cfg.overlong_filtering:
+        assert truncated is not None  # set above whenever overlong_filtering
+        adv_mask = torch.where(truncated.unsqueeze(1), 0, loss_mask)
 
     if cfg.adv_estimator == "gae":
         if "values" not in batch:
@@ -473,6 +479,7 @@ def compute_advantages(batch: dict[str, torch.Tensor], cfg: AdvantageConfig) -> 
             )
         end_values = None
         if cfg.bootstrap_truncated:
+            assert truncated is not None  # set above for 'gae' with bootstrap_truncated
             if "values_after" not in batch:
                 raise ValueError(
                     "bootstrap_truncated needs the critic's 'values_after' [B] in the batch "

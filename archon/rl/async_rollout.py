@@ -53,7 +53,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from archon.rl.dynamic_filter import collect_mixed_groups
 from archon.rl.offpolicy import staleness_metrics
@@ -341,7 +341,7 @@ class AsyncRollout:
         partial = cfg.rollout.partial_rollout
         if hasattr(trainer.weight_sync, "pause_mode"):
             # The broadcast's own pause must keep requests (retract) rather than end them.
-            trainer.weight_sync.pause_mode = cfg.rollout.pause_generation_mode if partial else None
+            cast(Any, trainer.weight_sync).pause_mode = cfg.rollout.pause_generation_mode if partial else None
 
         def start() -> None:
             self.worker = RolloutWorker(
@@ -428,13 +428,22 @@ class AsyncRollout:
             metrics["async/resubmitted"] = float(self.worker.resubmitted)
         return completions, rewards, {**timing, **metrics}
 
+    def _rank0_worker(self) -> RolloutWorker:
+        assert self.worker is not None  # rank 0 started it in __init__
+        return self.worker
+
     def sync_weights(self, step: int) -> dict[str, float]:
         """Collective: publish version ``step`` to the servers around the rollout in flight."""
         from archon.rl.trainer import run_on_rank0
 
-        waited = run_on_rank0(lambda: self.worker.before_update(), f"pausing rollout for the weights of step {step}")
+        waited = run_on_rank0(
+            lambda: self._rank0_worker().before_update(), f"pausing rollout for the weights of step {step}"
+        )
+        assert self.trainer.weight_sync is not None  # built in the trainer's setup
         stats = self.trainer.weight_sync.sync(str(step))
-        run_on_rank0(lambda: self.worker.after_update(step), f"resuming rollout after the weights of step {step}")
+        run_on_rank0(
+            lambda: self._rank0_worker().after_update(step), f"resuming rollout after the weights of step {step}"
+        )
         return {**stats, "async/update_wait_s": waited}
 
     def state_dict(self) -> dict[str, Any]:

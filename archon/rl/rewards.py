@@ -121,8 +121,9 @@ def math_reward(prompt: str, completion: str, answer: str, *, timeout_s: float =
     from math_verify import parse, verify
 
     limit = _math_verify_timeout(timeout_s)
-    parsed_gold = parse(f"\\boxed{{{gold}}}", parsing_timeout=limit)
-    parsed_pred = parse(f"\\boxed{{{pred}}}", parsing_timeout=limit)
+    # math-verify takes None (no timeout) though its annotation says int.
+    parsed_gold = parse(f"\\boxed{{{gold}}}", parsing_timeout=limit)  # pyright: ignore[reportArgumentType]
+    parsed_pred = parse(f"\\boxed{{{pred}}}", parsing_timeout=limit)  # pyright: ignore[reportArgumentType]
     if not parsed_gold or not parsed_pred:
         return 0.0
     return 1.0 if verify(parsed_gold, parsed_pred, timeout_seconds=limit) else 0.0
@@ -345,7 +346,7 @@ class RewardComputer:
 
     def _start_worker(self) -> _Worker:
         parent, child = self._ctx.Pipe(duplex=True)
-        proc = self._ctx.Process(
+        proc = self._ctx.Process(  # pyright: ignore[reportAttributeAccessIssue] - typeshed's BaseContext has none
             target=_worker_main, args=(child, self.fn_spec, self.fn_kwargs), daemon=True, name="archon-reward"
         )
         proc.start()  # returns at once; the worker boots in the background and reports 'ready'

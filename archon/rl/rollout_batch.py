@@ -102,7 +102,8 @@ def _routed_experts_rows(completions: Sequence[Completion], width: int) -> torch
 
 
 def routed_experts_array(flat: Any, n_layers: int, top_k: int) -> Any:
-    """A server's flat routed experts (``GenerateResult.routed_experts``) as ``[tokens, n_layers, top_k]``; None stays None."""
+    """A server's flat routed experts (``GenerateResult.routed_experts``) as ``[tokens, n_layers, top_k]``; None stays
+    None."""
     if flat is None:
         return None
     if flat.size % (n_layers * top_k):

@@ -14,7 +14,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,14 @@ from archon.rl.losses import aggregate
 from archon.rl.offpolicy import behaviour_ratio_metrics
 from archon.rl.rollout_batch import Completion, build_rollout_batch, routed_experts_array
 from archon.rl.server_recovery import generate_or_recover, recover_servers, sync_with_recovery
+
+if TYPE_CHECKING:
+    from archon.rl.rewards import RewardComputer
+    from archon.rollout.client import RolloutClient
+    from archon.rollout.discovery import PublishedServers
+    from archon.rollout.launcher import RolloutLauncher
+    from archon.rollout.recovery import ServerSupervisor
+    from archon.rollout.weight_sync import WeightSync
 
 logger = logging.getLogger("archon.rl")
 
@@ -112,7 +121,11 @@ class RLTrainer:
             cfg.actor.kl_ctl, cfg.actor.kl_ctl_type, cfg.actor.kl_ctl_target, cfg.actor.kl_ctl_horizon
         )
         # Built in run(); close() releases whatever was built.
-        self.launcher = self.client = self.rewards = self.weight_sync = self.supervisor = None
+        self.launcher: RolloutLauncher | PublishedServers | None = None
+        self.client: RolloutClient | None = None
+        self.rewards: RewardComputer | None = None
+        self.weight_sync: WeightSync | None = None
+        self.supervisor: ServerSupervisor | None = None
         self.served_version: str | None = None  # weights the servers hold (None: actor.path's)
         # rollout.max_head_offpolicyness > 0: batches come from archon.rl.async_rollout.
         self.async_rollout = None
@@ -120,7 +133,7 @@ class RLTrainer:
     # ------------------------------------------------------------------ setup
     def _build_engines(self) -> None:
         cfg = self.cfg
-        common = dict(seed=cfg.seed, device=cfg.device, temperature=self.temperature)
+        common: dict[str, Any] = dict(seed=cfg.seed, device=cfg.device, temperature=self.temperature)
         actor_steps = cfg.total_train_steps * cfg.actor.ppo_n_minibatches * cfg.actor.ppo_epochs
         self.actor_engine = build_engine(cfg.actor, name="actor", total_steps=actor_steps, **common).initialize()
         self.actor = PPOActor(self.actor_engine, cfg.actor, max_new_tokens=cfg.gconfig.max_new_tokens)
@@ -250,7 +263,7 @@ class RLTrainer:
         prompts = self.loader.next_rollout_batch()
         first_index = round_idx * len(prompts)  # refill rounds of a step sample with seeds of their own
 
-        def generate_and_score() -> tuple[list[Completion], list[float], dict[str, float]]:
+        def generate_and_score() -> tuple[list[Completion], list[float], dict[str, float]] | None:
             t0 = time.perf_counter()
             params = [
                 {**self.sampling, "sampling_seed": rollout_seed(self.cfg.seed, step, first_index + i)}
@@ -259,8 +272,10 @@ class RLTrainer:
             replay = self.cfg.actor.moe_routing_replay
 
             def generate() -> list:
-                pending = self.client.submit(
-                    self.client.agenerate_many(
+                client = self.client
+                assert client is not None  # rank 0 connected in _build_rollout
+                pending = client.submit(
+                    client.agenerate_many(
                         [p.input_ids for p in prompts],
                         params,
                         max_concurrency=self.cfg.rollout.max_concurrent_rollouts,
@@ -293,11 +308,12 @@ class RLTrainer:
             recover_servers(self.supervisor, self.weight_sync, self.served_version)
         return out
 
-    def _score(self, prompts: list[Any], completions: list[Completion]) -> list[float]:
+    def _score(self, prompts: Sequence[Any], completions: Sequence[Completion]) -> list[float]:
         """Rank 0: the reward of each completion of ``prompts`` (one entry per sample)."""
         texts = [self.tokenizer.decode(c.output_ids, skip_special_tokens=True) for c in completions]
         extra_keys = sorted({k for p in prompts for k in p.extra})
         extra = {k: [p.extra.get(k) for p in prompts] for k in extra_keys}
+        assert self.rewards is not None  # rank 0 started them in _build_rewards
         return self.rewards.compute([p.prompt for p in prompts], texts, [p.answer for p in prompts], **extra)
 
     def _prepare(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -413,6 +429,7 @@ class RLTrainer:
                 logger.info("resumed from %s at RL step %d", self.ckpt.loaded, start)
         self._build_rollout()
         self._build_rewards()
+        assert self.weight_sync is not None  # every rank built it in _build_rollout
         self.weight_sync.setup()
         if start > 0:
             # The servers started from actor.path; give them the resumed policy.

@@ -78,7 +78,7 @@ class ServerStateFailure(Exception):
 async def _cancel_on_first_error(tasks: list[asyncio.Task]) -> list[BaseException]:
     """Wait for ``tasks``; at the first failure cancel the rest. Returns the failures (empty if none)."""
     _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-    errors = [t.exception() for t in tasks if t.done() and not t.cancelled() and t.exception() is not None]
+    errors = [e for t in tasks if t.done() and not t.cancelled() and (e := t.exception()) is not None]
     if errors:
         for t in pending:
             t.cancel()

@@ -67,7 +67,8 @@ class ServerControl:
         )
 
     async def apause_generation(self, mode: str | None = None) -> dict[str, Any]:
-        """Pause every server; ``mode`` is SGLang's ('abort', 'retract', 'in_place'; None: the server's default, abort)."""
+        """Pause every server; ``mode`` is SGLang's ('abort', 'retract', 'in_place'; None: the server's default,
+        abort)."""
         return await self._fan_out(self.api.pause(mode), retry=True)
 
     async def acontinue_generation(self) -> dict[str, Any]:

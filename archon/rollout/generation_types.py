@@ -21,7 +21,8 @@ from archon.rollout.sampling import SamplingParams
 
 
 PAUSE_MODES = ("abort", "retract")
-"""``pause`` modes (SGLang's names; SGLang's 'in_place' keeps a KV cache of the old weights, which this server never does)."""
+"""``pause`` modes (SGLang's names; SGLang's 'in_place' keeps a KV cache of the old weights, which this server never
+does)."""
 
 
 @dataclass

@@ -40,7 +40,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -93,7 +93,7 @@ class Generator:
         weight_version: str = "default",
         max_prefill_tokens: int = 8192,
     ) -> None:
-        args = getattr(model, "args", None)
+        args: Any = getattr(model, "args", None)
         missing = [a for a in ("n_layers", "n_kv_heads", "head_dim", "vocab_size") if not hasattr(args, a)]
         if missing:
             raise ValueError(
@@ -191,7 +191,7 @@ class Generator:
         engine thread drops its row.
         """
         running = list(self._running)  # one atomic copy; the engine thread changes the list meanwhile
-        return {s.request.rid: len(s.output_ids) for s in running if not s.future.done()}
+        return {cast(str, s.request.rid): len(s.output_ids) for s in running if not s.future.done()}
 
     def check_request(self, request: GenerationRequest) -> None:
         """Raise ``ValueError`` (one sentence: what and how to fix) if the request cannot be served."""
@@ -361,7 +361,7 @@ class Generator:
             if abort_everything:
                 self._abort_where(lambda s: True, "aborted by abort_all")
             elif abort_rids:
-                self._abort_where(lambda s: s.request.rid in abort_rids, "aborted by abort_request")
+                self._abort_where(lambda s, rids=abort_rids: s.request.rid in rids, "aborted by abort_request")
             if pause_waiters:
                 if any(mode == "abort" for _, mode in pause_waiters):
                     self._abort_running("aborted by pause_generation")
@@ -412,7 +412,7 @@ class Generator:
         # As SGLang: one span even without tokens, and weight_version is the last span's.
         spans = [(str(v), int(a), int(b)) for v, a, b in seq.version_spans] or [(version, 0, 0)]
         result = GenerationResult(
-            rid=req.rid,
+            rid=cast(str, req.rid),  # filled in by submit
             output_ids=list(seq.output_ids),
             output_logprobs=list(seq.logprobs) if req.return_logprob else None,
             finish_reason=reason,

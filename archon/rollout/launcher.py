@@ -311,7 +311,7 @@ class RolloutLauncher:
             raise RuntimeError("RolloutLauncher.start() called twice; stop() first")
         self._install_handlers()
         try:
-            if self.key_path is not None:
+            if self.key_path is not None and self.api_key is not None:  # a key path implies a key
                 write_api_key(self.key_path, self.api_key)
             for spec in self.specs:
                 self._launch(spec)

@@ -54,10 +54,9 @@ class ServerSupervisor:
         self.max_restarts = max_restarts
         self.restarts = 0
         self._dropped: set[str] = set()
-        launched = launcher.addrs if launcher is not None and launcher.specs else []
-        self._index = (
-            {normalize_addr(addr): spec.index for addr, spec in zip(launched, launcher.specs)} if launched else {}
-        )
+        self._index: dict[str, int] = {}
+        if launcher is not None and launcher.specs:
+            self._index = {normalize_addr(addr): spec.index for addr, spec in zip(launcher.addrs, launcher.specs)}
 
     def stats(self) -> dict[str, float]:
         """For metrics: restarts so far and servers given up on."""

@@ -92,7 +92,7 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
     """``ServerArgs`` from the command line."""
     from archon.config import field_docs
 
-    p = argparse.ArgumentParser(prog="python -m archon.rollout.server", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m archon.rollout.server", description=(__doc__ or "").split("\n\n")[0])
     docs = field_docs(ServerArgs)
     defaults = ServerArgs(model_path="")
 

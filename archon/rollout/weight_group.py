@@ -9,8 +9,8 @@ trainer then broadcasts each tensor from rank 0.
 The rendezvous matches what SGLang's own ``init_custom_process_group`` does (a TCP store
 hosted by rank 0, a ``PrefixStore`` named after the group, torch's process-group
 constructor), so the trainer side also works against real SGLang servers.  Rank 0's store
-listens on ``master_address`` only (loopback in a single-node run), not on every interface.  A process may hold several such
-groups (one per trainer it serves) without a default group of its own.
+listens on ``master_address`` only (loopback in a single-node run), not on every interface.  A process may hold
+several such groups (one per trainer it serves) without a default group of its own.
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ from __future__ import annotations
 import os
 import socket
 from datetime import timedelta
+from typing import cast
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world
+from torch.distributed.distributed_c10d import GroupName, PrefixStore, _new_process_group_helper, _world
 
 
 def init_weight_update_group(
@@ -42,7 +43,7 @@ def init_weight_update_group(
         # Left to itself the store listens on every interface; it only needs the one the servers dial.
         fd = listen_on(master_address, master_port)
         try:
-            store = dist.TCPStore(
+            store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
                 master_address,
                 master_port,
                 world_size,
@@ -55,7 +56,7 @@ def init_weight_update_group(
             os.close(fd)
             raise
     else:
-        store = dist.TCPStore(
+        store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
             master_address, master_port, world_size, is_master=False, timeout=timeout, wait_for_workers=False
         )
     pg, _ = _new_process_group_helper(
@@ -64,12 +65,12 @@ def init_weight_update_group(
         [],
         dist.Backend(backend),
         PrefixStore(group_name, store),
-        group_name=group_name,
+        group_name=GroupName(group_name),
         timeout=timeout,
     )
     # Register ranks so that dist.broadcast(..., group=pg) maps group rank == global rank here.
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    return pg
+    return cast(dist.ProcessGroup, pg)  # a member's group: every rank 0..world_size-1 is one
 
 
 def listen_on(address: str, port: int) -> int:

@@ -15,8 +15,8 @@ Two ways, chosen by ``rollout.weight_sync``:
 
 The engine is duck-typed (``named_full_tensors(dtype=None)``, ``export_hf(path, dtype=None)``,
 both taking ``extras=True`` when the servers are Archon's own: then the MoE routing bias,
-which Qwen's HF format lacks, travels too), so this module does not import ``archon.engine``.  ``torch.distributed`` must be initialised
-on the trainer ranks (a single process without it acts as rank 0 of one).  Errors on rank 0
+which Qwen's HF format lacks, travels too), so this module does not import ``archon.engine``.  ``torch.distributed``
+must be initialised on the trainer ranks (a single process without it acts as rank 0 of one).  Errors on rank 0
 are broadcast so that every rank raises instead of waiting forever.
 """
 
@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, cast
 from urllib.parse import urlsplit
 
 import torch
@@ -53,9 +53,9 @@ _POLL_S = 0.002
 class WeightSyncEngine(Protocol):
     """What weight sync needs from a training engine."""
 
-    def named_full_tensors(self, dtype: torch.dtype | None = None, **kw: Any) -> Iterator[tuple[str, torch.Tensor]]: ...
+    def named_full_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]: ...
 
-    def export_hf(self, path: str | Path, dtype: torch.dtype | None = None, **kw: Any) -> None: ...
+    def export_hf(self, path: str | Path, dtype: torch.dtype | None = None) -> None: ...
 
 
 def _extras_kw(extras: bool) -> dict[str, bool]:
@@ -405,7 +405,8 @@ class DistributedWeightSync:
                 flush_cache=flush,
             )
         )
-        works = [dist.broadcast(t, src=0, group=self._pg, async_op=True) for _, t in bucket]
+        # async_op=True: each returns its Work.
+        works = cast("list[dist.Work]", [dist.broadcast(t, src=0, group=self._pg, async_op=True) for _, t in bucket])
         drill_point("weight_sync")
         # Poll instead of blocking in wait(): a server that refuses the bucket never receives, and its
         # HTTP error must not be hidden behind a broadcast that waits for the group timeout.
