@@ -106,7 +106,7 @@ def plot_runs(runs: list[dict], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--config", default=str(REPO / "configs" / "cpu_demo.toml"))
     parser.add_argument("--k", type=int, nargs="+", default=[0, 1, 2], help="max_head_offpolicyness values")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])

@@ -13,6 +13,7 @@ from archon.cli import init_run
 from archon.config import ConfigError, load_config
 from archon.engine import dist as archon_dist
 from archon.plan import ClusterPlan, plan_cluster, plan_for_config
+from archon.plan.layout import Job
 
 REPO = Path(__file__).resolve().parents[1]
 DENSE = REPO / "configs" / "qwen3_8b_dense.toml"
@@ -168,7 +169,7 @@ class FakeCuda:
         ]
 
 
-def selected_device(env: dict[str, str], count: int = 8, cfg=None, plan=None, job="rl") -> torch.device:
+def selected_device(env: dict[str, str], count: int = 8, cfg=None, plan=None, job: Job = "rl") -> torch.device:
     """The device the engine computes on after the entry point's init, with CUDA and the process group mocked."""
     fake = FakeCuda(count)
     with mock.patch.dict("os.environ", env, clear=False):

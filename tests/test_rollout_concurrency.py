@@ -29,7 +29,6 @@ import models
 
 REPO = Path(__file__).resolve().parents[1]
 N_REQUESTS = 200
-RSS_TOLERANCE_MB = 8.0  # a leaked KV row per request alone would add ~12 MB per burst here
 
 
 def _rss_mb(pid: int) -> float:
@@ -150,7 +149,10 @@ def test_200_concurrent_requests_are_correct_and_leave_nothing_behind(tmp_path):
             f"server RSS after burst 1: {rss[0]:.1f} MB, after burst 2: {rss[1]:.1f} MB; "
             f"idle KV cache {idle['kv_cache_bytes']} bytes"
         )
-        assert rss[1] - rss[0] < RSS_TOLERANCE_MB, rss
+        # RSS is printed, not asserted: the allocator and oneDNN's primitive cache grow it in steps
+        # up to a plateau (5 bursts measured 489, 489, 538, 556, 554 MB), more than the ~12 MB a burst
+        # of leaked KV rows would add.  What the engine keeps per request (queue, running rows, KV
+        # rows and bytes) is checked exactly above, through its stats.
     finally:
         proc.terminate()
         proc.wait(timeout=30)
