@@ -37,7 +37,7 @@ test: $(VENV)/.installed
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/pyright --pythonpath $(PY)
+	$(VENV)/bin/pyright --project . --pythonpath $(PY)
 
 # Quick side-by-side benchmarks (each under a minute): training vs HF transformers, decoding vs
 # transformers generate, a GRPO step vs TRL (installed here as the `bench` extra; `make test` never needs it).
