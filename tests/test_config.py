@@ -237,7 +237,7 @@ def test_describe_section():
 
 
 def test_ppo_with_a_critic_defaults_to_standard_ppo_normalisation():
-    from archon.rl.advantages import default_norms
+    from archon.config import default_norms
 
     grpo = load_config()
     assert (grpo.actor.reward_norm.mean_level, grpo.actor.reward_norm.std_level) == ("group", "group")
@@ -245,11 +245,9 @@ def test_ppo_with_a_critic_defaults_to_standard_ppo_normalisation():
     ppo = load_config(None, ["actor.adv_estimator=gae"])
     assert (ppo.actor.reward_norm.mean_level, ppo.actor.reward_norm.std_level) == ("none", "none")
     assert (ppo.actor.adv_norm.mean_level, ppo.actor.adv_norm.std_level) == ("batch", "batch")
-    # The same defaults as the rl layer's for API users.
+    # The same defaults as default_norms', which load_config applies.
     reward_norm, adv_norm = default_norms("gae")
-    assert (
-        reward_norm is None and adv_norm is not None and (adv_norm.mean_level, adv_norm.std_level) == ("batch", "batch")
-    )
+    assert reward_norm.is_identity and (adv_norm.mean_level, adv_norm.std_level) == ("batch", "batch")
     # Whatever the user sets wins, and a partly set section keeps the schema's other fields.
     own = load_config(None, ["actor.adv_estimator=gae", "actor.reward_norm.mean_level=batch"])
     assert (own.actor.reward_norm.mean_level, own.actor.reward_norm.std_level) == ("batch", "group")

@@ -3,13 +3,14 @@
 import dataclasses
 import math
 import statistics
+from typing import Any, cast
 
 import pytest
 import torch
 
+from archon.config import ActorConfig, NormConfig, default_norms
 from archon.rl.advantages import (
-    AdvantageConfig,
-    NormConfig,
+    check_advantage_options,
     compute_advantages,
     discounted_returns,
     gae_advantages,
@@ -133,9 +134,11 @@ def test_masked_token_normalisation_batch_and_group():
 
 
 def test_norm_config_validation():
-    assert NormConfig(mean_level="none", std_level="None").is_identity
+    assert NormConfig(mean_level="none", std_level="none").is_identity
+    x = torch.tensor([1.0, 2.0, 4.0])
+    torch.testing.assert_close(normalize(x, mean_level="none", std_level="None"), x)
     with pytest.raises(ValueError, match="mean_level"):
-        NormConfig(mean_level="sequence")
+        normalize(x, mean_level="sequence", std_level=None)
     with pytest.raises(ValueError, match="multiple of group_size"):
         normalize(torch.ones(5), mean_level="group", std_level=None, group_size=2)
 
@@ -242,10 +245,26 @@ def _batch(rewards, mask, **extra):
 
 
 MASK4 = [[0, 1, 1, 0], [0, 1, 1, 1], [0, 0, 1, 0], [0, 1, 1, 1]]
+NO_NORM = NormConfig(mean_level="none", std_level="none")
+
+
+def actor_cfg(adv_estimator: Any = "grpo", **options: Any) -> ActorConfig:
+    """The actor section as load_config gives it: the estimator's default norms unless set."""
+    reward_norm, adv_norm = default_norms(adv_estimator)
+    options.setdefault("reward_norm", reward_norm)
+    options.setdefault("adv_norm", adv_norm)
+    return ActorConfig(adv_estimator=adv_estimator, **options)
+
+
+def advantages(batch, group_size=1, **options):
+    """compute_advantages with an actor section of these options, checked as the trainer does at start."""
+    actor = actor_cfg(**options)
+    check_advantage_options(actor, group_size=group_size)
+    return compute_advantages(batch, actor, group_size=group_size)
 
 
 def test_grpo_broadcasts_group_normalised_rewards():
-    out = compute_advantages(_batch([1.0, 0.0, 1.0, 1.0], MASK4), AdvantageConfig(adv_estimator="grpo", group_size=2))
+    out = advantages(_batch([1.0, 0.0, 1.0, 1.0], MASK4), adv_estimator="grpo", group_size=2)
     a = 0.5 / (math.sqrt(0.5) + EPS)  # group {1, 0}: mean .5, unbiased std sqrt(.5)
     expected = torch.tensor([[0, a, a, 0], [0, -a, -a, -a], [0, 0, 0, 0], [0, 0, 0, 0]], dtype=torch.float32)
     torch.testing.assert_close(out["advantages"], expected)
@@ -254,12 +273,12 @@ def test_grpo_broadcasts_group_normalised_rewards():
 
 def test_dr_grpo_rloo_and_no_eos_mask():
     batch = _batch([1.0, 0.0, 3.0, 1.0], MASK4, seq_no_eos_mask=torch.tensor([False, True, False, False]))
-    dr = compute_advantages(batch, AdvantageConfig(group_size=2, reward_norm=NormConfig(std_level=None)))
+    dr = advantages(batch, group_size=2, reward_norm=NormConfig(std_level="none"))
     torch.testing.assert_close(dr["rewards"], torch.tensor([0.5, -0.5, 1.0, -1.0]))
-    rloo = compute_advantages(batch, AdvantageConfig(adv_estimator="rloo", group_size=2))
+    rloo = advantages(batch, adv_estimator="rloo", group_size=2)
     # Leave-one-out baseline in a group of two is the other sample's reward.
     torch.testing.assert_close(rloo["rewards"], torch.tensor([1.0, -1.0, 2.0, -2.0]))
-    masked = compute_advantages(batch, AdvantageConfig(adv_estimator="rloo", group_size=2, mask_no_eos_with_zero=True))
+    masked = advantages(batch, adv_estimator="rloo", group_size=2, mask_no_eos_with_zero=True)
     torch.testing.assert_close(masked["rewards"], torch.tensor([1.0, 0.0, 2.0, -2.0]))
     assert masked["advantages"][1].abs().sum() == 0
     torch.testing.assert_close(masked["advantages"][3], torch.tensor([0.0, -2.0, -2.0, -2.0]))
@@ -270,7 +289,7 @@ def test_grpo_with_kl_penalty_adds_reward_to_go():
     logp = torch.tensor([[0.0, -1.0, -1.0, -1.0], [0.0, -1.0, -1.0, -1.0]])
     ref = torch.tensor([[0.0, -1.5, -1.0, -2.0], [0.0, -1.0, -1.0, -1.0]])
     batch = _batch([1.0, 0.0], mask, old_logprobs=logp, ref_logprobs=ref)
-    out = compute_advantages(batch, AdvantageConfig(group_size=2, kl_ctl=0.1, kl_estimator="k1"))
+    out = advantages(batch, group_size=2, kl_ctl=0.1, kl_estimator="k1")
     a = 0.5 / (math.sqrt(0.5) + EPS)
     # k1 = logp - ref on row 0: [.5, 0, 1]; rewards -0.1*k1 = [-.05, 0, -.1]; reward-to-go from the end.
     expected0 = [0.0, a - 0.05 - 0.0 - 0.1, a - 0.1, a - 0.1]
@@ -283,8 +302,7 @@ def test_reinforce_pp_batch_normalised_returns():
     logp = torch.zeros(3, 4)
     ref = torch.tensor([[0.0, -0.2, 0.1, 0.0], [0.0, 0.0, 0.3, -0.1], [0.0, 0.5, 0.0, 0.2]])
     batch = _batch([1.0, 0.0, 2.0], mask, old_logprobs=logp, ref_logprobs=ref)
-    cfg = AdvantageConfig(adv_estimator="reinforce++", kl_ctl=0.2, kl_estimator="k3", discount=0.9)
-    out = compute_advantages(batch, cfg)
+    out = advantages(batch, adv_estimator="reinforce++", kl_ctl=0.2, kl_estimator="k3", discount=0.9)
     rewards = [1.0, 0.0, 2.0]
     returns = [[0.0] * 4 for _ in range(3)]
     for b in range(3):
@@ -313,9 +331,9 @@ def test_gae_pipeline_with_adv_norm():
         values_after=torch.tensor([9.0, 9.0]),
     )  # ended with EOS: values_after is not used
     # The defaults of 'gae' are standard PPO's: raw rewards, batch-whitened advantages.
-    cfg = AdvantageConfig(adv_estimator="gae", discount=1.0, gae_lambda=1.0)
-    assert cfg.reward_norm is None and cfg.adv_norm == NormConfig(mean_level="batch", std_level="batch")
-    out = compute_advantages(batch, cfg)
+    cfg = actor_cfg(adv_estimator="gae", discount=1.0, gae_lambda=1.0)
+    assert cfg.reward_norm.is_identity and cfg.adv_norm == NormConfig(mean_level="batch", std_level="batch")
+    out = compute_advantages(batch, cfg, group_size=1)
     # lambda = gamma = 1: A_t = (sum of future rewards) - V_t -> row0: [1 - .5, 1 - .25], row1: [3 - 1]
     raw = [0.5, 0.75, 2.0]
     torch.testing.assert_close(out["returns"], torch.tensor([[0.0, 1.0, 1.0], [0.0, 0.0, 3.0]]))
@@ -326,34 +344,33 @@ def test_gae_pipeline_with_adv_norm():
 
 def test_pipeline_errors_are_clear():
     with pytest.raises(ValueError, match="critic 'values'"):
-        compute_advantages(
-            _batch([1.0], [[0, 1]], seq_no_eos_mask=torch.tensor([True])), AdvantageConfig(adv_estimator="gae")
-        )
+        advantages(_batch([1.0], [[0, 1]], seq_no_eos_mask=torch.tensor([True])), adv_estimator="gae")
     with pytest.raises(ValueError, match="values_after"):
-        compute_advantages(
-            _batch([1.0], [[0, 1]], seq_no_eos_mask=torch.tensor([True]), values=torch.zeros(1, 2)),
-            AdvantageConfig(adv_estimator="gae"),
+        advantages(
+            _batch([1.0], [[0, 1]], seq_no_eos_mask=torch.tensor([True]), values=torch.zeros(1, 2)), adv_estimator="gae"
         )
     with pytest.raises(ValueError, match="ref_logprobs"):
-        compute_advantages(_batch([1.0], [[0, 1]]), AdvantageConfig(kl_ctl=0.1, reward_norm=None))
+        advantages(_batch([1.0], [[0, 1]]), kl_ctl=0.1, reward_norm=NO_NORM)
     with pytest.raises(ValueError, match="adv_estimator"):
-        AdvantageConfig(adv_estimator="ppo")
+        check_advantage_options(ActorConfig(adv_estimator=cast(Any, "ppo")), group_size=1)
 
 
-def test_from_actor_config_reads_archon_config_names():
-    ActorConfig = pytest.importorskip("archon.config").ActorConfig
-
+def test_compute_advantages_reads_the_actor_section():
     actor = ActorConfig(group_size=4, adv_estimator="rloo", kl_ctl=0.2, discount=0.9)
-    cfg = AdvantageConfig.from_actor_config(actor, max_new_tokens=16)
-    assert (cfg.group_size, cfg.adv_estimator, cfg.kl_ctl, cfg.discount, cfg.max_new_tokens) == (
-        4,
-        "rloo",
-        0.2,
-        0.9,
-        16,
-    )
-    assert cfg.reward_norm == NormConfig(mean_level="group", std_level="group", group_size=0)
-    assert cfg.adv_norm is None  # both levels 'none' in the config
+    assert actor.reward_norm == NormConfig(mean_level="group", std_level="group", group_size=0)
+    assert actor.adv_norm.is_identity  # both levels 'none' in the config: no normalisation
+    batch = _batch([1.0, 0.0, 3.0, 1.0], MASK4)
+    # kl_ctl comes from the section unless the trainer passes its controller's current value.
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        compute_advantages(batch, actor, group_size=2)
+    out = compute_advantages(batch, actor, group_size=2, kl_ctl=0.0)
+    torch.testing.assert_close(out["rewards"], torch.tensor([1.0, -1.0, 2.0, -2.0]))
+    # max_new_tokens, the generation budget, is passed in: the overlong penalty needs it.
+    long = dataclasses.replace(actor, overlong_reward_penalty=True, overlong_tokens=2)
+    penalised = compute_advantages(batch, long, group_size=2, max_new_tokens=3, kl_ctl=0.0)
+    # Lengths 2, 3, 1, 3 with the window [1, 3]: penalties -0.5, -1, 0, -1, so rewards 0.5, -1, 3, 0
+    # before the leave-one-out baseline (the other sample of the pair).
+    torch.testing.assert_close(penalised["rewards"], torch.tensor([1.5, -1.5, 3.0, -3.0]))
 
 
 # ---------------------------------------------------------------------------------------
@@ -363,24 +380,34 @@ def test_from_actor_config_reads_archon_config_names():
 
 def test_group_normalisation_of_groups_of_one_is_rejected():
     with pytest.raises(ValueError, match="one sample.*n_samples > 1"):
-        AdvantageConfig(adv_estimator="grpo", group_size=1)
+        check_advantage_options(actor_cfg(adv_estimator="grpo"), group_size=1)
     with pytest.raises(ValueError, match="reward_norm"):
-        AdvantageConfig(group_size=4, reward_norm=NormConfig(mean_level="batch", std_level="group", group_size=1))
+        check_advantage_options(
+            actor_cfg(reward_norm=NormConfig(mean_level="batch", std_level="group", group_size=1)), group_size=4
+        )
     with pytest.raises(ValueError, match="adv_norm"):
-        AdvantageConfig(adv_estimator="rloo", group_size=1, adv_norm=NormConfig(mean_level="group", std_level=None))
+        check_advantage_options(
+            actor_cfg(adv_estimator="rloo", adv_norm=NormConfig(mean_level="group", std_level="none")), group_size=1
+        )
     # Batch-level statistics, no normalisation, and estimators that do not use reward_norm are fine.
-    AdvantageConfig(group_size=1, reward_norm=NormConfig(mean_level="batch", std_level="batch"))
-    AdvantageConfig(group_size=1, reward_norm=None)
-    AdvantageConfig(adv_estimator="gae", group_size=1)
-    AdvantageConfig(adv_estimator="reinforce++", group_size=1)
+    check_advantage_options(actor_cfg(reward_norm=NormConfig(mean_level="batch", std_level="batch")), group_size=1)
+    check_advantage_options(actor_cfg(reward_norm=NO_NORM), group_size=1)
+    check_advantage_options(actor_cfg(adv_estimator="gae"), group_size=1)
+    check_advantage_options(actor_cfg(adv_estimator="reinforce++"), group_size=1)
 
 
 def test_estimator_default_normalisation():
-    grpo = AdvantageConfig(group_size=4)
-    assert grpo.reward_norm == NormConfig() and grpo.adv_norm is None
-    gae = AdvantageConfig(adv_estimator="gae", group_size=4)
-    assert gae.reward_norm is None and gae.adv_norm == NormConfig(mean_level="batch", std_level="batch")
-    assert AdvantageConfig(adv_estimator="rloo", group_size=4).reward_norm is None
+    grpo_reward, grpo_adv = default_norms("grpo")
+    assert grpo_reward == NormConfig() and grpo_adv.is_identity
+    # The schema's defaults are GRPO's.
+    assert (ActorConfig().reward_norm, ActorConfig().adv_norm) == (grpo_reward, grpo_adv)
+    gae_reward, gae_adv = default_norms("gae")
+    assert gae_reward.is_identity and gae_adv == NormConfig(mean_level="batch", std_level="batch")
+    # RLOO has its own baseline: reward_norm is not applied.
+    batch = _batch([1.0, 0.0, 3.0, 1.0], MASK4)
+    with_norm = advantages(batch, adv_estimator="rloo", group_size=2, reward_norm=NormConfig())
+    torch.testing.assert_close(with_norm["rewards"], advantages(batch, adv_estimator="rloo", group_size=2)["rewards"])
+    torch.testing.assert_close(with_norm["rewards"], torch.tensor([1.0, -1.0, 2.0, -2.0]))
 
 
 def test_gae_bootstraps_a_truncated_response_from_the_value_after_it():
@@ -395,8 +422,8 @@ def test_gae_bootstraps_a_truncated_response_from_the_value_after_it():
         values_after=torch.tensor([4.0, 0.8]),
         seq_no_eos_mask=torch.tensor([False, True]),
     )
-    cfg = AdvantageConfig(adv_estimator="gae", group_size=2, discount=0.9, gae_lambda=0.5, adv_norm=None)
-    out = compute_advantages(batch, cfg)
+    cfg = actor_cfg(adv_estimator="gae", discount=0.9, gae_lambda=0.5, adv_norm=NO_NORM)
+    out = compute_advantages(batch, cfg, group_size=2)
     # EOS row: V_end = 0.     t3: d = 1 - (-.3) = 1.3                       A3 = 1.3
     #                         t2: d = .9 * -.3 - .2 = -.47                  A2 = -.47 + .45 * 1.3 = .115
     #                         t1: d = .9 * .2 - .5 = -.32                   A1 = -.32 + .45 * .115 = -.26825
@@ -410,9 +437,9 @@ def test_gae_bootstraps_a_truncated_response_from_the_value_after_it():
     # Values taken one position late (the value after each token instead of before it) change every
     # advantage: the alignment is what the numbers above check.
     shifted = dict(batch, values=torch.tensor([[9.0, 0.2, -0.3, 0.8], [9.0, 0.2, -0.3, 0.8]]))
-    assert not torch.allclose(compute_advantages(shifted, cfg)["advantages"], out["advantages"])
+    assert not torch.allclose(compute_advantages(shifted, cfg, group_size=2)["advantages"], out["advantages"])
     # verl's convention (bootstrap_truncated = False) ends the truncated row like the EOS row.
-    ended = compute_advantages(batch, dataclasses.replace(cfg, bootstrap_truncated=False))
+    ended = compute_advantages(batch, dataclasses.replace(cfg, bootstrap_truncated=False), group_size=2)
     torch.testing.assert_close(ended["advantages"][1], out["advantages"][0])
     # gae_advantages on its own against the plain-Python reference with a bootstrap value.
     adv, _ = gae_advantages(
@@ -432,12 +459,11 @@ def test_overlong_filtering_and_mask_no_eos_with_zero():
     norm = NormConfig(mean_level="batch", std_level="batch")
     # mask_no_eos_with_zero (AReaL): the truncated row keeps training with a 0 reward, which batch
     # whitening turns into a negative advantage when the batch mean is positive.
-    zeroed = compute_advantages(batch, AdvantageConfig(adv_estimator="reinforce++", mask_no_eos_with_zero=True))
+    zeroed = advantages(batch, adv_estimator="reinforce++", mask_no_eos_with_zero=True)
     assert zeroed["rewards"][2] == 0 and (zeroed["advantages"][2, 1:] < 0).all()
     # Overlong filtering: the truncated row gets advantage 0 and takes no part in the statistics.
-    filt = compute_advantages(
-        batch,
-        AdvantageConfig(adv_estimator="grpo", group_size=2, reward_norm=None, adv_norm=norm, overlong_filtering=True),
+    filt = advantages(
+        batch, adv_estimator="grpo", group_size=2, reward_norm=NO_NORM, adv_norm=norm, overlong_filtering=True
     )
     kept = [1.0, 1.0, 0.0, 0.0, 1.0, 1.0]  # the loss tokens of rows 0, 1 and 3
     mean, std = statistics.mean(kept), statistics.stdev(kept)
@@ -453,8 +479,7 @@ def test_penalty_kl_is_returned_for_the_kl_controller():
     mask = [[0, 1, 1], [0, 1, 0]]
     logp = torch.tensor([[0.0, -1.0, -2.0], [0.0, -0.5, 0.0]])
     ref = torch.tensor([[0.0, -1.5, -1.0], [0.0, -1.0, 7.0]])
-    out = compute_advantages(
-        _batch([1.0, 0.0], mask, old_logprobs=logp, ref_logprobs=ref),
-        AdvantageConfig(group_size=2, kl_ctl=0.1, kl_estimator="k1"),
+    out = advantages(
+        _batch([1.0, 0.0], mask, old_logprobs=logp, ref_logprobs=ref), group_size=2, kl_ctl=0.1, kl_estimator="k1"
     )
     torch.testing.assert_close(out["kl"], torch.tensor([[0.0, 0.5, -1.0], [0.0, 0.5, 0.0]]))

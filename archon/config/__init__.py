@@ -42,6 +42,7 @@ from archon.config.schema import (
     SGLangConfig,
     TrainEngineConfig,
     VLLMConfig,
+    default_norms,
 )
 from archon.config.show import allocation_table, describe_section, main, to_dict, to_toml
 
@@ -69,6 +70,7 @@ __all__ = [
     "TrainEngineConfig",
     "VLLMConfig",
     "allocation_table",
+    "default_norms",
     "describe_section",
     "field_docs",
     "load_config",

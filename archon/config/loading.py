@@ -28,7 +28,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 from archon.alloc import AllocationError, ModelAllocation, megatron_refusal
 from archon.config.ranges import check_ranges
-from archon.config.schema import INHERITED_ENGINE_FIELDS, Config, ConfigError, NormConfig, NormLevel
+from archon.config.schema import INHERITED_ENGINE_FIELDS, Config, ConfigError, default_norms
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -270,16 +270,14 @@ def _inherit_from_actor(cfg: Config, explicit: set[str]) -> None:
 
 
 def _apply_estimator_defaults(cfg: Config, explicit: set[str]) -> None:
-    """PPO with a critic gets standard PPO's normalisation unless the user set it: raw rewards
-    (AReaL leaves reward_norm unset) and batch-whitened advantages (AReaL's PPO recipe; verl
-    always whitens GAE advantages).  The schema's defaults are GRPO's."""
+    """The estimator's own normalisation (``default_norms``) for reward_norm and adv_norm unless the user set
+    them: PPO with a critic gets standard PPO's; the schema's defaults are GRPO's."""
     if cfg.actor.adv_estimator != "gae":
         return
-    defaults: tuple[tuple[str, NormLevel], ...] = (("reward_norm", "none"), ("adv_norm", "batch"))
-    for name, level in defaults:
+    for name, norm in zip(("reward_norm", "adv_norm"), default_norms(cfg.actor.adv_estimator), strict=True):
         key = f"actor.{name}"
         if key not in explicit and not any(k.startswith(key + ".") for k in explicit):
-            setattr(cfg.actor, name, NormConfig(mean_level=level, std_level=level))
+            setattr(cfg.actor, name, norm)
 
 
 def _copy(value: Any) -> Any:

@@ -143,6 +143,21 @@ class NormConfig:
     group_size: int = 0
     """Samples per group; 0 takes `actor.group_size`."""
 
+    @property
+    def is_identity(self) -> bool:
+        """Both levels 'none': the values are left as they are."""
+        return self.mean_level == "none" and self.std_level == "none"
+
+
+def default_norms(adv_estimator: str) -> tuple[NormConfig, NormConfig]:
+    """``(reward_norm, adv_norm)`` of an estimator when the user sets neither (applied by load_config): GRPO
+    normalises rewards by group mean/std (the schema's defaults); PPO with a critic ('gae', standard PPO) leaves
+    rewards raw, as AReaL leaves reward_norm unset, and whitens advantages over the batch (AReaL's PPO recipe; verl
+    always whitens GAE advantages)."""
+    if adv_estimator == "gae":
+        return NormConfig(mean_level="none", std_level="none"), NormConfig(mean_level="batch", std_level="batch")
+    return NormConfig(), NormConfig(mean_level="none", std_level="none")
+
 
 RSLevel = Literal["token", "sequence", "none"]
 

@@ -10,11 +10,11 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "AdvantageConfig": "advantages",
-    "NormConfig": "advantages",
+    "check_advantage_options": "advantages",
     "compute_advantages": "advantages",
     "gae_advantages": "advantages",
     "normalize": "advantages",
+    "normalize_with": "advantages",
     "shape_rewards": "advantages",
     "token_rewards": "advantages",
     "KLController": "kl",

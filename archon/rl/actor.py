@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from archon.config import ActorConfig
 from archon.engine.engine import ArchonEngine
 from archon.rl.distill import distillation_loss
 from archon.rl.losses import aggregate, loss_weight, make_actor_loss_fn
@@ -37,7 +38,7 @@ def mean_stats(per_step: list[dict[str, float]], prefix: str) -> dict[str, float
 class PPOActor:
     """Policy updates with PPO-family losses; ``compute_logprobs`` for old/proximal logprobs."""
 
-    def __init__(self, engine: ArchonEngine, cfg: Any, *, max_new_tokens: int):
+    def __init__(self, engine: ArchonEngine, cfg: ActorConfig, *, max_new_tokens: int):
         self.engine = engine
         self.cfg = cfg
         self.agg_mode = cfg.loss_agg_mode

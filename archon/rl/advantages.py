@@ -16,65 +16,22 @@ communication, and advantages never depend on how the batch is later split.
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-from typing import Any, cast
-
 import torch
 
+from archon.config import ActorConfig, NormConfig
 from archon.rl.kl import KL_ESTIMATORS, kl_estimate
 
 ADV_ESTIMATORS = ("grpo", "gae", "rloo", "reinforce++")
 _LEVELS = ("batch", "group", None)
 
 
-@dataclass(frozen=True)
-class NormConfig:
-    """How to centre and scale a tensor of rewards or advantages."""
-
-    mean_level: str | None = "group"
-    """Subtract the mean over the 'group' (rows of one prompt), the whole 'batch', or None (no centring)."""
-    std_level: str | None = "group"
-    """Divide by the std over 'group', 'batch', or None (no scaling; Dr.GRPO)."""
-    mean_leave1out: bool = False
-    """Each element's baseline is the mean of the others in its group/batch (RLOO)."""
-    std_unbiased: bool = True
-    """Use the n-1 (Bessel) denominator for the std."""
-    eps: float = 1e-5
-    """Added to the std before dividing."""
-    group_size: int = 0
-    """Rows per group for group-level statistics (the batch size must be a multiple); 0 takes the caller's."""
-
-    def __post_init__(self) -> None:
-        # Config files spell "no level" as the string "none"; store it as None.
-        for name in ("mean_level", "std_level"):
-            value = getattr(self, name)
-            if isinstance(value, str) and value.lower() == "none":
-                object.__setattr__(self, name, None)
-            elif value not in _LEVELS:
-                raise ValueError(f"NormConfig.{name} = {value!r} is not valid; use 'batch', 'group' or None")
-        if self.group_size < 0:
-            raise ValueError(f"NormConfig.group_size = {self.group_size} must be positive, or 0 for the caller's")
-
-    @property
-    def is_identity(self) -> bool:
-        return self.mean_level is None and self.std_level is None
-
-    @classmethod
-    def from_config(cls, cfg: Any) -> NormConfig | None:
-        """From any object with NormConfig's fields (e.g. ``archon.config.NormConfig``);
-        None, or both levels 'none', gives None (no normalisation)."""
-        if cfg is None:
-            return None
-        norm = cls(
-            mean_level=cfg.mean_level,
-            std_level=cfg.std_level,
-            mean_leave1out=cfg.mean_leave1out,
-            std_unbiased=cfg.std_unbiased,
-            eps=cfg.eps,
-            group_size=getattr(cfg, "group_size", 0) or 0,
-        )
-        return None if norm.is_identity else norm
+def _level(name: str, value: str | None) -> str | None:
+    """A normalisation level with 'none' (any case; the config's spelling) as None."""
+    if isinstance(value, str) and value.lower() == "none":
+        return None
+    if value not in _LEVELS:
+        raise ValueError(f"NormConfig.{name} = {value!r} is not valid; use 'batch', 'group' or None")
+    return value
 
 
 def _units(x: torch.Tensor, level: str, group_size: int) -> torch.Tensor:
@@ -114,33 +71,47 @@ def normalize(
     leave-one-out mean of a single element is 0.  Statistics are in float64; the result is
     float32 and 0 outside ``mask``.
     """
-    cfg = NormConfig(mean_level, std_level, mean_leave1out, std_unbiased, eps, group_size)
+    mean_level, std_level = _level("mean_level", mean_level), _level("std_level", std_level)
+    if group_size < 0:
+        raise ValueError(f"NormConfig.group_size = {group_size} must be positive, or 0 for the caller's")
     m = torch.ones_like(x, dtype=torch.float64) if mask is None else mask.to(torch.float64)
     v = torch.where(m > 0, x.to(torch.float64), 0.0)
     out = v
-    if cfg.mean_level is not None:
-        vu, mu = _units(v, cfg.mean_level, group_size), _units(m, cfg.mean_level, group_size)
+    if mean_level is not None:
+        vu, mu = _units(v, mean_level, group_size), _units(m, mean_level, group_size)
         total, count = vu.sum(-1, keepdim=True), mu.sum(-1, keepdim=True)
-        if cfg.mean_leave1out:
+        if mean_leave1out:
             mean = torch.where(count > 1, (total - vu) / (count - 1).clamp(min=1), 0.0)
         else:
             mean = total / count.clamp(min=1)
         out = out - mean.expand_as(vu).reshape(v.shape)
-    if cfg.std_level is not None:
-        cu, mu = _units(out, cfg.std_level, group_size), _units(m, cfg.std_level, group_size)
+    if std_level is not None:
+        cu, mu = _units(out, std_level, group_size), _units(m, std_level, group_size)
         count = mu.sum(-1, keepdim=True)
         sq = (cu.square() * mu).sum(-1, keepdim=True)
-        dof = count - 1 if cfg.std_unbiased else count
-        std = torch.where(dof > 0, (sq / dof.clamp(min=1)).sqrt() + cfg.eps, 1.0)
+        dof = count - 1 if std_unbiased else count
+        std = torch.where(dof > 0, (sq / dof.clamp(min=1)).sqrt() + eps, 1.0)
         out = out / std.expand_as(cu).reshape(v.shape)
     return torch.where(m > 0, out, 0.0).float()
 
 
-def normalize_with(x: torch.Tensor, mask: torch.Tensor | None, norm: NormConfig | None) -> torch.Tensor:
-    """``normalize`` with the options of a NormConfig; None returns ``x`` (masked, float32)."""
+def normalize_with(
+    x: torch.Tensor, mask: torch.Tensor | None, norm: NormConfig | None, *, group_size: int = 0
+) -> torch.Tensor:
+    """``normalize`` with the options of a config ``NormConfig``; None, or both levels 'none', returns ``x``
+    (masked, float32).  ``norm.group_size`` 0 takes ``group_size``."""
     if norm is None or norm.is_identity:
         return x.float() if mask is None else torch.where(mask > 0, x.float(), 0.0)
-    return normalize(x, mask, **dataclasses.asdict(norm))
+    return normalize(
+        x,
+        mask,
+        mean_level=norm.mean_level,
+        std_level=norm.std_level,
+        mean_leave1out=norm.mean_leave1out,
+        std_unbiased=norm.std_unbiased,
+        eps=norm.eps,
+        group_size=norm.group_size or group_size,
+    )
 
 
 # ----------------------------------------------------------------------------------------
@@ -272,9 +243,9 @@ def broadcast_to_tokens(seq_values: torch.Tensor, loss_mask: torch.Tensor) -> to
     return torch.where(loss_mask > 0, seq_values.to(torch.float32).unsqueeze(1), 0.0)
 
 
-def group_normalized_rewards(seq_rewards: torch.Tensor, norm: NormConfig | None) -> torch.Tensor:
+def group_normalized_rewards(seq_rewards: torch.Tensor, norm: NormConfig | None, *, group_size: int) -> torch.Tensor:
     """GRPO / Dr.GRPO: sequence rewards normalised with ``norm`` (group mean and std by default)."""
-    return normalize_with(seq_rewards, None, norm)
+    return normalize_with(seq_rewards, None, norm, group_size=group_size)
 
 
 def rloo_rewards(seq_rewards: torch.Tensor, *, group_size: int) -> torch.Tensor:
@@ -306,112 +277,50 @@ def reinforce_pp_advantages(
 # ----------------------------------------------------------------------------------------
 
 
-def default_norms(adv_estimator: str) -> tuple[NormConfig | None, NormConfig | None]:
-    """``(reward_norm, adv_norm)`` of an estimator when the user sets neither: GRPO normalises
-    rewards by group mean/std; PPO with a critic (standard PPO) leaves rewards raw and whitens
-    advantages over the batch; RLOO and REINFORCE++ have their own baselines."""
-    if adv_estimator == "gae":
-        return None, NormConfig(mean_level="batch", std_level="batch")
-    return (NormConfig() if adv_estimator == "grpo" else None), None
-
-
-@dataclass(frozen=True)
-class AdvantageConfig:
-    """Options of ``compute_advantages``; names follow AReaL's actor config."""
-
-    adv_estimator: str = "grpo"
-    """'grpo' (reward_norm, Dr.GRPO when std_level is None), 'gae' (critic), 'rloo', or 'reinforce++'."""
-    group_size: int = 1
-    """Samples per prompt (consecutive rows)."""
-    discount: float = 1.0
-    """Discount factor (GAE and the reward-to-go of the critic-free estimators)."""
-    gae_lambda: float = 1.0
-    """GAE lambda (used by 'gae' only)."""
-    kl_ctl: float = 0.0
-    """Per-token KL-to-reference penalty inside the reward; 0 disables it."""
-    kl_estimator: str = "k1"
-    """Estimator of that per-token KL: 'k1', 'k2' or 'k3'."""
-    reward_scaling: float = 1.0
-    """Rewards are (reward + reward_bias) * reward_scaling ..."""
-    reward_bias: float = 0.0
-    """... with this bias added first ..."""
-    reward_clip: float = 20.0
-    """... then clipped to [-reward_clip, reward_clip] (<= 0 disables the clip)."""
-    overlong_reward_penalty: bool = False
-    """DAPO soft penalty for responses longer than max_new_tokens - overlong_tokens."""
-    overlong_tokens: int = 0
-    """Length of the penalty window."""
-    overlong_penalty_factor: float = 1.0
-    """Penalty at max_new_tokens."""
-    max_new_tokens: int | None = None
-    """Generation budget (needed by the overlong penalty)."""
-    mask_no_eos_with_zero: bool = False
-    """Responses cut off without EOS get a final (normalised) reward of 0; they still train."""
-    overlong_filtering: bool = False
-    """Responses cut off without EOS get advantage 0 and are left out of adv_norm (DAPO overlong filtering)."""
-    bootstrap_truncated: bool = True
-    """'gae': a truncated response's last step bootstraps from ``values_after`` (AReaL); False ends it (verl)."""
-    reward_norm: NormConfig | None | str = "default"
-    """Normalisation of sequence rewards for 'grpo' and 'gae'; None leaves them raw; 'default':
-    group mean/std for 'grpo', None for 'gae' (standard PPO, as AReaL leaves it unset)."""
-    adv_norm: NormConfig | None | str = "default"
-    """Final normalisation of token advantages over loss tokens; None disables it; 'default':
-    batch mean/std for 'gae' (AReaL's PPO recipe; verl always whitens GAE advantages), else None."""
-
-    def __post_init__(self) -> None:
-        if self.adv_estimator not in ADV_ESTIMATORS:
-            raise ValueError(
-                f"adv_estimator = '{self.adv_estimator}' is unknown; choose one of {', '.join(ADV_ESTIMATORS)}"
-            )
-        reward_norm, adv_norm = default_norms(self.adv_estimator)
-        if self.reward_norm == "default":
-            object.__setattr__(self, "reward_norm", reward_norm)
-        if self.adv_norm == "default":
-            object.__setattr__(self, "adv_norm", adv_norm)
-        # "default" was replaced above; any other string is not a norm either way.
-        used: list[tuple[str, NormConfig | None]] = [("adv_norm", cast("NormConfig | None", self.adv_norm))]
-        if self.adv_estimator in ("grpo", "gae"):
-            used.insert(0, ("reward_norm", cast("NormConfig | None", self.reward_norm)))
-        for name, norm in used:
-            if norm is None or "group" not in (norm.mean_level, norm.std_level):
-                continue
-            size = norm.group_size or self.group_size
-            if size == 1:
-                raise ValueError(
-                    f"{name} normalises over groups of samples of one prompt, but every group has "
-                    "one sample, so each value would be normalised against itself (GRPO would learn "
-                    "nothing); sample several completions per prompt (gconfig.n_samples > 1, and "
-                    f"actor.group_size 0 or > 1) or set {name}.mean_level/std_level to 'batch' or "
-                    "'none'"
-                )
-        if self.kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(
-                f"kl_estimator = '{self.kl_estimator}' is unknown; choose one of {', '.join(KL_ESTIMATORS)}"
-            )
-        if self.group_size < 1:
-            raise ValueError(f"group_size = {self.group_size} must be at least 1")
-
-    @classmethod
-    def from_actor_config(cls, actor: Any, max_new_tokens: int | None = None) -> AdvantageConfig:
-        """From an object with the actor config's field names (``archon.config.ActorConfig``)."""
-        names = [f.name for f in dataclasses.fields(cls) if f.name not in ("reward_norm", "adv_norm", "max_new_tokens")]
-        kwargs = {n: getattr(actor, n) for n in names if hasattr(actor, n)}
-        return cls(
-            **kwargs,
-            max_new_tokens=max_new_tokens,
-            reward_norm=NormConfig.from_config(getattr(actor, "reward_norm", None)),
-            adv_norm=NormConfig.from_config(getattr(actor, "adv_norm", None)),
+def check_advantage_options(actor: ActorConfig, *, group_size: int) -> None:
+    """Reject an actor section whose advantages cannot work, before the run starts: an unknown
+    estimator, or a normalisation over groups of one sample (GRPO would learn nothing).
+    ``group_size`` is the resolved samples per prompt (``actor.group_size`` or ``gconfig.n_samples``)."""
+    if actor.adv_estimator not in ADV_ESTIMATORS:
+        raise ValueError(
+            f"adv_estimator = '{actor.adv_estimator}' is unknown; choose one of {', '.join(ADV_ESTIMATORS)}"
         )
-
-
-def _with_group_size(norm: NormConfig | str | None, group_size: int) -> NormConfig | None:
-    norm = cast("NormConfig | None", norm)  # AdvantageConfig.__post_init__ replaced "default"
-    return norm if norm is None or norm.group_size else dataclasses.replace(norm, group_size=group_size)
+    used = [("adv_norm", actor.adv_norm)]
+    if actor.adv_estimator in ("grpo", "gae"):
+        used.insert(0, ("reward_norm", actor.reward_norm))
+    for name, norm in used:
+        if "group" not in (norm.mean_level, norm.std_level):
+            continue
+        if (norm.group_size or group_size) == 1:
+            raise ValueError(
+                f"{name} normalises over groups of samples of one prompt, but every group has "
+                "one sample, so each value would be normalised against itself (GRPO would learn "
+                "nothing); sample several completions per prompt (gconfig.n_samples > 1, and "
+                f"actor.group_size 0 or > 1) or set {name}.mean_level/std_level to 'batch' or "
+                "'none'"
+            )
+    if actor.kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(f"kl_estimator = '{actor.kl_estimator}' is unknown; choose one of {', '.join(KL_ESTIMATORS)}")
+    if group_size < 1:
+        raise ValueError(f"group_size = {group_size} must be at least 1")
 
 
 @torch.no_grad()
-def compute_advantages(batch: dict[str, torch.Tensor], cfg: AdvantageConfig) -> dict[str, torch.Tensor]:
-    """Token advantages for a rollout batch.
+def compute_advantages(
+    batch: dict[str, torch.Tensor],
+    cfg: ActorConfig,
+    *,
+    group_size: int,
+    max_new_tokens: int | None = None,
+    kl_ctl: float | None = None,
+) -> dict[str, torch.Tensor]:
+    """Token advantages for a rollout batch, with the options of the actor section ``cfg``
+    (names as AReaL's actor config; ``check_advantage_options`` has accepted it).
+
+    ``group_size`` is the resolved samples per prompt (consecutive rows; ``cfg.group_size``
+    is not read, as it may be 0), ``max_new_tokens`` the generation budget (needed by the
+    overlong penalty), and ``kl_ctl`` the current KL-penalty coefficient (an adaptive
+    controller's value; None takes ``cfg.kl_ctl``).
 
     Reads ``rewards [B]``, ``loss_mask``, and as needed ``seq_no_eos_mask [B]``,
     ``values`` and ``values_after [B]`` ('gae'; the critic's value of the state after each
@@ -426,6 +335,7 @@ def compute_advantages(batch: dict[str, torch.Tensor], cfg: AdvantageConfig) -> 
     without ``kl_ctl``) (``[B, S]``, 0 outside ``loss_mask``) and the shaped sequence
     ``rewards`` ``[B]``.
     """
+    kl_ctl = cfg.kl_ctl if kl_ctl is None else kl_ctl
     loss_mask = batch["loss_mask"]
     m = loss_mask > 0
     truncated = None
@@ -445,25 +355,25 @@ def compute_advantages(batch: dict[str, torch.Tensor], cfg: AdvantageConfig) -> 
         overlong_reward_penalty=cfg.overlong_reward_penalty,
         overlong_tokens=cfg.overlong_tokens,
         overlong_penalty_factor=cfg.overlong_penalty_factor,
-        max_new_tokens=cfg.max_new_tokens,
+        max_new_tokens=max_new_tokens,
     )
     if cfg.adv_estimator in ("grpo", "gae"):
-        seq = group_normalized_rewards(seq, _with_group_size(cfg.reward_norm, cfg.group_size))
+        seq = group_normalized_rewards(seq, cfg.reward_norm, group_size=group_size)
     elif cfg.adv_estimator == "rloo":
-        seq = rloo_rewards(seq, group_size=cfg.group_size)
+        seq = rloo_rewards(seq, group_size=group_size)
     if cfg.mask_no_eos_with_zero:
         assert truncated is not None  # set above whenever mask_no_eos_with_zero
         seq = torch.where(truncated, 0.0, seq)
 
     kl = torch.zeros_like(m, dtype=torch.float32)
-    if cfg.kl_ctl != 0.0:
+    if kl_ctl != 0.0:
         if "ref_logprobs" not in batch:
             raise ValueError(
                 "kl_ctl is set but the batch has no 'ref_logprobs'; configure a reference model or set kl_ctl = 0"
             )
         logp = batch["old_logprobs"] if "old_logprobs" in batch else batch["logprobs"]
         kl = torch.where(m, kl_estimate(logp, batch["ref_logprobs"], cfg.kl_estimator), 0.0)
-    rewards = token_rewards(seq, loss_mask, kl=kl, kl_ctl=cfg.kl_ctl)
+    rewards = token_rewards(seq, loss_mask, kl=kl, kl_ctl=kl_ctl)
     # Overlong filtering drops truncated rows from the actor loss, so they take no part in
     # batch statistics of advantages either.
     adv_mask = loss_mask
@@ -494,5 +404,5 @@ def compute_advantages(batch: dict[str, torch.Tensor], cfg: AdvantageConfig) -> 
     else:
         adv = returns = discounted_returns(rewards, loss_mask, discount=cfg.discount)
 
-    adv = normalize_with(adv, adv_mask, _with_group_size(cfg.adv_norm, cfg.group_size))
+    adv = normalize_with(adv, adv_mask, cfg.adv_norm, group_size=group_size)
     return {"advantages": adv, "returns": returns, "token_rewards": rewards, "kl": kl, "rewards": seq}

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
+from archon.config import CriticConfig
 from archon.engine.engine import ArchonEngine
 from archon.rl.actor import mean_stats
 from archon.rl.losses import loss_weight, make_critic_loss_fn
@@ -17,7 +16,7 @@ Batch = dict[str, torch.Tensor]
 class PPOCritic:
     """Values before each token (``compute_values``) and value-function updates (``ppo_update``)."""
 
-    def __init__(self, engine: ArchonEngine, cfg: Any, *, agg_mode: str, max_new_tokens: int):
+    def __init__(self, engine: ArchonEngine, cfg: CriticConfig, *, agg_mode: str, max_new_tokens: int):
         self.engine = engine
         self.cfg = cfg
         self.agg_mode = agg_mode

@@ -11,7 +11,6 @@ uninterrupted one.  With ``rollout.max_head_offpolicyness > 0`` the batches come
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -26,7 +25,7 @@ from archon.drill import drill_point
 from archon.engine import ArchonEngine, build_engine
 from archon.errors import user_error_types
 from archon.rl.actor import PPOActor, ReferenceModel
-from archon.rl.advantages import AdvantageConfig, compute_advantages
+from archon.rl.advantages import check_advantage_options, compute_advantages
 from archon.rl.critic import PPOCritic
 from archon.rl.dynamic_filter import collect_mixed_groups
 from archon.rl.kl import KLController, kl_estimate
@@ -111,9 +110,7 @@ class RLTrainer:
         self.use_teacher = bool(cfg.actor.kd_coef)
         self.use_critic = cfg.actor.adv_estimator == "gae"
         try:
-            self.adv_cfg = AdvantageConfig.from_actor_config(
-                dataclasses.replace(cfg.actor, group_size=self.group_size), max_new_tokens=cfg.gconfig.max_new_tokens
-            )
+            check_advantage_options(cfg.actor, group_size=self.group_size)
         except ValueError as exc:
             raise ConfigError(f"actor: {exc}") from None
         # The reward's KL coefficient; adaptive controllers change it, so it is checkpointed.
@@ -339,7 +336,13 @@ class RLTrainer:
             )
         if self.critic is not None:
             batch["values"], batch["values_after"] = self.critic.compute_values(batch)
-        adv = compute_advantages(batch, dataclasses.replace(self.adv_cfg, kl_ctl=self.kl_ctl.value))
+        adv = compute_advantages(
+            batch,
+            self.cfg.actor,
+            group_size=self.group_size,
+            max_new_tokens=self.cfg.gconfig.max_new_tokens,
+            kl_ctl=self.kl_ctl.value,
+        )
         batch["advantages"] = adv["advantages"]
         batch["returns"] = adv["returns"]
         if self.kl_ctl.value:
