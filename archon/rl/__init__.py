@@ -7,7 +7,30 @@ Names are imported lazily so that reward worker processes, which import only
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the lazily imported names, for type checkers and editors
+    from archon.rl.advantages import (
+        check_advantage_options,
+        compute_advantages,
+        gae_advantages,
+        normalize,
+        normalize_with,
+        shape_rewards,
+        token_rewards,
+    )
+    from archon.rl.dynamic_filter import collect_mixed_groups
+    from archon.rl.kl import KLController, kl_estimate
+    from archon.rl.losses import (
+        aggregate,
+        loss_weight,
+        make_actor_loss_fn,
+        make_critic_loss_fn,
+        ppo_actor_loss,
+        ppo_critic_loss,
+    )
+    from archon.rl.rejection_sampling import RejectionSampling
+    from archon.rl.rewards import RewardComputer, get_reward_fn
 
 _EXPORTS = {
     "check_advantage_options": "advantages",
@@ -31,7 +54,27 @@ _EXPORTS = {
     "get_reward_fn": "rewards",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "KLController",
+    "RejectionSampling",
+    "RewardComputer",
+    "aggregate",
+    "check_advantage_options",
+    "collect_mixed_groups",
+    "compute_advantages",
+    "gae_advantages",
+    "get_reward_fn",
+    "kl_estimate",
+    "loss_weight",
+    "make_actor_loss_fn",
+    "make_critic_loss_fn",
+    "normalize",
+    "normalize_with",
+    "ppo_actor_loss",
+    "ppo_critic_loss",
+    "shape_rewards",
+    "token_rewards",
+]
 
 
 def __getattr__(name: str) -> Any:
