@@ -55,8 +55,13 @@ def _interrupted(model, requests, after_forward: int, update=None):
 
     triggered.triggers[after_forward] = pause
     with Generator(triggered) as gen:
+        # Queued while paused, the requests are admitted together by one prefill (forward 1): the
+        # forward counts below then mean the same tokens whatever the engine thread's timing.
+        gen.pause().result(timeout=60)
         futures = [gen.submit(r) for r in requests]
+        gen.resume()
         assert fired.wait(60)
+        assert triggered.calls[0][0] == len(requests), triggered.calls  # one prefill for all of them
         pausing[0].result(timeout=60)
         stats = gen.stats()
         assert (stats["num_running_reqs"], stats["num_queued_reqs"]) == (0, len(requests))
