@@ -2,6 +2,7 @@
 
     pip install -e ".[bench]"      # TRL is a benchmark-only dependency
     python scripts/bench_grpo.py [--quick] [--prompts 8 --samples 8 --new-tokens 16] [--threads 1 --clock cpu]
+                                 [--async-k 1]
 
 Both train the same random Qwen3 (hidden 256, 4 layers by default, a word-level tokenizer;
 nothing is downloaded) on the same prompts: ``--prompts`` prompts x ``--samples``
@@ -18,6 +19,13 @@ per step (AdamW, same learning rate and clipping), float32 on CPU.
 The two alternate step by step (an Archon step runs in a TRL callback between two TRL
 steps).  ``--clock cpu`` counts the CPU time of the whole process tree (the rollout server
 included), which on a loaded machine measures the work rather than the wait for a core.
+
+Archon runs both ways: synchronous (``rollout.max_head_offpolicyness = 0``, the step above)
+and, with ``--async-k K`` (default 1; 0 skips it), asynchronous, where the server generates
+the next steps' rollouts while the trainer trains.  The asynchronous steps are timed in a block
+of their own after the alternation (between two TRL steps the server would keep generating for
+free), with wall time only (``--clock cpu`` skips them): the work is the same, what asynchrony
+removes is the waiting.
 """
 
 from __future__ import annotations
@@ -106,14 +114,17 @@ def _tree_cpu_seconds() -> float:
     return total
 
 
-def _archon_trainer(root: Path, model: Path, args):
+def _archon_trainer(root: Path, model: Path, args, k: int = 0):
     from archon.config import load_config
     from archon.rl.trainer import RLTrainer
 
     overrides = {
         "experiment_name": "bench",
         "trial_name": "grpo",
-        "output_dir": str(root / "archon"),
+        "output_dir": str(root / f"archon_k{k}"),
+        "rollout.max_head_offpolicyness": k,
+        # Asynchronous steps train on stale rollouts: AReaL's decoupled objective corrects for them.
+        "actor.use_decoupled_loss": k > 0,
         "seed": 1,
         "total_train_steps": 10_000,
         "device": "cpu",
@@ -192,6 +203,21 @@ def _trl_trainer(root: Path, model_folder: Path, args, callback):
     )
 
 
+def _time_async(root: Path, model: Path, args) -> tuple[list[float], list[dict[str, float]]]:
+    """Wall seconds of ``args.reps`` consecutive asynchronous Archon steps (after one warm-up), and their records."""
+    trainer = _archon_trainer(root, model, args, k=args.async_k)
+    times, records = [], []
+    try:
+        trainer.step(1)
+        for step in range(2, args.reps + 2):
+            t0 = CLOCKS["wall"]()
+            records.append(trainer.step(step))
+            times.append(CLOCKS["wall"]() - t0)
+    finally:
+        trainer.close()
+    return times, records
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="3 timed steps per side")
@@ -205,6 +231,12 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=None, help="timed steps per side (default 7, quick 3)")
     parser.add_argument(
         "--threads", type=int, default=0, help="torch threads, also for the rollout server (0: torch's default)"
+    )
+    parser.add_argument(
+        "--async-k",
+        type=int,
+        default=1,
+        help="also time asynchronous Archon steps with this rollout.max_head_offpolicyness (0: skip)",
     )
     parser.add_argument(
         "--clock",
@@ -261,8 +293,22 @@ def main() -> None:
             _trl_trainer(root, folder, args, Interleave()).train()
         finally:
             archon.close()
+        # Asynchrony saves waiting, not work: with --clock cpu there is nothing to compare.
+        timed_async = args.async_k and args.clock == "wall"
+        async_times, async_parts = _time_async(root, folder, args) if timed_async else ([], [])
 
     med = {k: statistics.median(v) for k, v in times.items()}
+    sync_ratio = median_ratio(times["archon"], times["trl"])
+    rows = [["GRPO step, synchronous", f"{med['trl']:.3f}", f"{med['archon']:.3f}", f"{sync_ratio:.2f}"]]
+    if async_times:
+        rows.append(
+            [
+                f"GRPO step, asynchronous (k = {args.async_k})",
+                f"{med['trl']:.3f}",
+                f"{statistics.median(async_times):.3f}",
+                f"{statistics.median(async_times) / med['trl']:.2f}",
+            ]
+        )
     parts = {k: statistics.median(r[k] for r in archon_parts) for k in ("rollout_time_s", "train_time_s")}
     sync_key = next((k for k in archon_parts[0] if "sync" in k and k.endswith("_s")), None)
     print(
@@ -271,24 +317,20 @@ def main() -> None:
         f"{args.samples} completions x {args.new_tokens} tokens (prompt {args.prompt_len}), one update; "
         f"{machine_note(args.clock)}"
     )
-    print(
-        markdown_table(
-            ["", "TRL s/step", "Archon s/step", "Archon / TRL time"],
-            [
-                [
-                    "GRPO step",
-                    f"{med['trl']:.3f}",
-                    f"{med['archon']:.3f}",
-                    f"{median_ratio(times['archon'], times['trl']):.2f}",
-                ]
-            ],
-        )
-    )
+    print(markdown_table(["", "TRL s/step", "Archon s/step", "Archon / TRL time"], rows))
     extra = f", weight sync {statistics.median(r[sync_key] for r in archon_parts):.3f} s" if sync_key else ""
     print(
         f"Archon's own split (wall, medians): rollout {parts['rollout_time_s']:.3f} s, "
         f"train {parts['train_time_s']:.3f} s{extra}"
     )
+    if async_times:
+        stale = max(r.get("async/staleness_max", 0.0) for r in async_parts)
+        print(
+            f"Asynchronous (k = {args.async_k}, wall, medians): {statistics.median(async_times):.3f} s/step, "
+            f"{med['archon'] / statistics.median(async_times):.2f}x the synchronous steps/s; the trainer waited "
+            f"{statistics.median(r['async/wait_s'] for r in async_parts):.3f} s/step for rollouts; "
+            f"largest staleness {stale:.0f}"
+        )
 
 
 if __name__ == "__main__":

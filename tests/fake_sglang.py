@@ -267,15 +267,20 @@ class FakeSGLang:
             return web.json_response({"error": {"message": "input_ids is required"}}, status=400)
         batched = bool(input_ids) and isinstance(input_ids[0], list)
         prompts = input_ids if batched else [input_ids]
-        params = body.get("sampling_params") or {}
-        min_new = int(params.get("min_new_tokens") or 0)
-        if min_new > 0 and self.skip_tokenizer_init:
-            msg = (
-                f"min_new_tokens={min_new} is unavailable when skip_tokenizer_init=True (requires tokenizer "
-                "for eos_token_id)."
-            )
-            return web.json_response({"error": {"message": msg}}, status=400)
-        for p in prompts:
+        # A batch lists sampling_params and rid per prompt (or gives one for all), as SGLang does.
+        sampling = body.get("sampling_params") or {}
+        all_params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        rids = body.get("rid")
+        all_rids = rids if isinstance(rids, list) else [rids] * len(prompts)
+        for params in all_params:
+            min_new = int(params.get("min_new_tokens") or 0)
+            if min_new > 0 and self.skip_tokenizer_init:
+                msg = (
+                    f"min_new_tokens={min_new} is unavailable when skip_tokenizer_init=True (requires tokenizer "
+                    "for eos_token_id)."
+                )
+                return web.json_response({"error": {"message": msg}}, status=400)
+        for p, params in zip(prompts, all_params):
             if len(p) + int(params.get("max_new_tokens", 128)) > self.context_length:
                 msg = (
                     f"Requested token count exceeds the model's maximum context length of {self.context_length} tokens"
@@ -295,7 +300,7 @@ class FakeSGLang:
             self.in_flight -= 1
         self.served += 1
         outs = []
-        for p in prompts:
+        for p, params, rid in zip(prompts, all_params, all_rids):
             if self.deterministic:
                 seed = params.get("sampling_seed")
                 seed = _DETERMINISTIC_DEFAULT_SEED if seed is None else int(seed)
@@ -310,7 +315,7 @@ class FakeSGLang:
                 tokenizer=not self.skip_tokenizer_init,
             )
             meta: dict[str, Any] = {
-                "id": body.get("rid") or "x",
+                "id": rid or "x",
                 "finish_reason": finish,
                 "prompt_tokens": len(p),
                 "completion_tokens": len(ids),

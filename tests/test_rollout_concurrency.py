@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -22,8 +19,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 import torch
-from dist_utils import find_free_port
 from hf_fixtures import random_tokens, save_tiny_hf
+from server_utils import start_server
 
 import models
 
@@ -96,39 +93,10 @@ def _check_greedy(model: torch.nn.Module, body: dict, answer: dict) -> None:
 def test_200_concurrent_requests_are_correct_and_leave_nothing_behind(tmp_path):
     folder = tmp_path / "model"
     save_tiny_hf(folder, "qwen3", seed=61)
-    port = find_free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "archon.rollout.server",
-        "--model-path",
-        str(folder),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--random-seed",
-        "0",
-        "--log-level",
-        "warning",
-        "--dtype",
-        "float32",
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    env.pop("ARCHON_API_KEY", None)
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    assert proc.stderr is not None
-    url = f"http://127.0.0.1:{port}"
+    server = start_server(folder)
+    proc, url = server.proc, server.url
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stderr.read()
-            try:
-                idle = _wait_idle(url)
-                break
-            except OSError:
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
+        idle = _wait_idle(url)
         bodies = _requests()
         model = models.load_hf_model(folder)
         rss = []
@@ -154,5 +122,4 @@ def test_200_concurrent_requests_are_correct_and_leave_nothing_behind(tmp_path):
         # of leaked KV rows would add.  What the engine keeps per request (queue, running rows, KV
         # rows and bytes) is checked exactly above, through its stats.
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        server.stop()

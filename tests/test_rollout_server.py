@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -30,6 +27,7 @@ import torch.nn as nn
 from dist_utils import find_free_port, wait_until
 from hf_fixtures import random_tokens, save_tiny_hf
 from safetensors.torch import load_file
+from server_utils import launch_server, wait_healthy
 
 import models
 from archon.rollout.generator import Generator
@@ -370,63 +368,22 @@ def test_update_weights_from_disk(folders, serve):
 # ---- the real CLI, and weight updates over a gloo group ----------------------------------------------
 
 
-def _launch(folder: Path) -> tuple[subprocess.Popen, str]:
-    port = find_free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "archon.rollout.server",
-        "--model-path",
-        str(folder),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--random-seed",
-        "0",
-        "--log-level",
-        "warning",
-        "--skip-tokenizer-init",
-        "--tp-size",
-        "1",
-        "--dtype",
-        "float32",
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def _wait_healthy(proc: subprocess.Popen, url: str, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            assert proc.stdout is not None
-            raise AssertionError(f"the server exited with {proc.returncode}:\n{proc.stdout.read()}")
-        try:
-            if _get(url, "/health")[0] == 200:
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise AssertionError("the server did not become healthy in time")
-
-
 @pytest.fixture(scope="module")
 def cli_servers(folders, tmp_path_factory):
     """Real server subprocesses, started together: qwen3 (weight sync), qwen3_moe (weight sync), qwen2 (CLI)."""
     qwen2 = tmp_path_factory.mktemp("cli") / "qwen2"
     save_tiny_hf(qwen2, "qwen2", seed=34)
     wanted = {"qwen3": folders["old"], "qwen3_moe": folders["moe"], "qwen2": qwen2}
-    procs = {name: (*_launch(folder), folder) for name, folder in wanted.items()}
+    launched = {
+        name: launch_server(folder, "--skip-tokenizer-init", "--tp-size", "1") for name, folder in wanted.items()
+    }
     try:
-        for proc, url, _ in procs.values():
-            _wait_healthy(proc, url)
-        yield procs
+        for name, server in launched.items():
+            launched[name] = wait_healthy(server)
+        yield {name: (server.proc, server.url, server.folder) for name, server in launched.items()}
     finally:
-        for proc, _, _ in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
+        for server in launched.values():
+            server.stop()
 
 
 def test_cli_serves_generate_and_stops_on_sigterm(cli_servers):

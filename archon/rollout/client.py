@@ -44,6 +44,7 @@ import aiohttp
 from archon.alloc import ModelAllocation
 from archon.config import ConfigError, RolloutConfig
 from archon.rollout.auth import api_key_from_env, auth_headers
+from archon.rollout.batching import RequestBatcher
 from archon.rollout.control import ServerControl, ServerState
 from archon.rollout.server_api import (  # noqa: F401 - errors, results and helpers are public here too
     HEALTH_PROBE_TIMEOUT_S,
@@ -73,6 +74,8 @@ class ServerStateFailure(Exception):
         super().__init__(message)
         self.refused = refused
         self.timed_out = timed_out
+        self.recorded = False
+        """Counted against its server already (a batch's failure reaches each of its requests)."""
 
 
 async def _cancel_on_first_error(tasks: list[asyncio.Task]) -> list[BaseException]:
@@ -125,6 +128,12 @@ class RolloutClient(ServerControl):
         self._healthy = False
         self._group_members: dict[str, list[ServerState]] = {}
         self._counters = {"requests": 0, "retries": 0}
+        # Requests made together go to their server as one batch where the API allows it.
+        self._batcher = (
+            RequestBatcher(lambda url, body: self._http(self._server(url), "POST", self.api.generate_path, body))
+            if self.api.batch_generate
+            else None
+        )
 
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name="archon-rollout-client", daemon=True)
@@ -282,6 +291,9 @@ class RolloutClient(ServerControl):
         return body
 
     def _record_failure(self, server: ServerState, exc: ServerStateFailure) -> None:
+        if exc.recorded:
+            return
+        exc.recorded = True
         server.consecutive_failures += 1
         server.last_error = str(exc)
         if not server.down and (exc.refused or server.consecutive_failures >= self.down_after):
@@ -385,7 +397,10 @@ class RolloutClient(ServerControl):
             if attempt:
                 self._counters["retries"] += 1
             try:
-                body = await self._http(server, "POST", self.api.generate_path, payload)
+                if self._batcher is not None:
+                    body = await self._batcher.post(server.url, payload)
+                else:
+                    body = await self._http(server, "POST", self.api.generate_path, payload)
             except ServerStateFailure as exc:
                 self._record_failure(server, exc)
                 if exc.timed_out:

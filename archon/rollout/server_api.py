@@ -87,6 +87,8 @@ class ServerAPI:
     """Whether the servers can join a weight-update group (update_weights_from_distributed)."""
     missing_endpoint_hint = ""
     """Appended to the error when a control endpoint answers HTTP 404."""
+    batch_generate = False
+    """Whether generate requests made together are sent as one batched request (``archon.rollout.batching``)."""
 
     def generate_payload(
         self,
@@ -245,10 +247,23 @@ def error_message(body: Any, text: str) -> str:
     return text.strip()[:2000] or "(empty body)"
 
 
+class BuiltinServerAPI(ServerAPI):
+    """The built-in server's: SGLang's protocol, with requests made together sent as one batch.
+
+    Its per-request HTTP handling costs as much as a small model's generation on CPU, so
+    batching pays; SGLang's own batched form is not the default for SGLang servers, whose
+    per-request cost is small next to a GPU generation (and is not exercised here).
+    """
+
+    batch_generate = True
+
+
 def api_for_backend(backend: str) -> ServerAPI:
     """The ServerAPI of an inference backend of the allocation grammar (sglang, vllm, local)."""
     if backend == "vllm":
         from archon.rollout.vllm import VLLMAPI
 
         return VLLMAPI()
+    if backend == "local":
+        return BuiltinServerAPI()
     return ServerAPI()
