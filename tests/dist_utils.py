@@ -58,7 +58,11 @@ def _child(
     )
     torch.set_num_threads(threads)
     try:
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
+        # Every rank is a client of the parent's store, which listens already: no rank binds a port.
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=timeout))
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
+        )
         result = fn(*args, **kwargs)
         # Plain pickle, not multiprocessing's: torch would share tensors through file
         # descriptors that vanish when this rank exits right after sending.
@@ -90,8 +94,13 @@ def run_distributed(
     ``fn`` reads its rank from ``torch.distributed.get_rank()``.  Results must pickle.
     Raises DistributedTestError with the failing rank's traceback.
     """
+    import torch.distributed as dist
+
     ctx = mp.get_context("fork")
-    port = find_free_port()
+    # The store listens on a port the kernel picks as it binds, so no other process can take it
+    # between picking and binding (a port picked free and bound later by rank 0 could be).
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    port = store.port
     if threads is None:
         # GNU OpenMP is not fork-safe: a child that opens a parallel region after the parent
         # used its thread pool can hang.  One intra-op thread per rank never opens one.
@@ -138,6 +147,7 @@ def run_distributed(
                 p.join()
         for c in conns:
             c.close()
+        del store
     return results
 
 

@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from dist_utils import find_free_port
 from hf_fixtures import make_tiny_tokenizer, save_tiny_hf
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,7 +35,7 @@ def _torchrun(args: list[str]) -> subprocess.CompletedProcess:
         "-m",
         "torch.distributed.run",
         "--nproc_per_node=2",
-        f"--master_port={find_free_port()}",
+        "--standalone",  # torchrun binds a free port itself: no window for another process to take it
         str(REPO / "scripts" / "train_rl.py"),
         *args,
     ]

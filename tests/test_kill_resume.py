@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from dist_utils import find_free_port, pid_alive, pids_mentioning, wait_until
+from dist_utils import pid_alive, pids_mentioning, wait_until
 
 from archon.drill import FILE_ENV, PAUSE_ENV
 
@@ -68,7 +68,7 @@ def test_training_ranks_exit_when_the_launcher_is_killed(tmp_path):
         "-m",
         "torch.distributed.run",
         "--nproc_per_node=2",
-        f"--master_port={find_free_port()}",
+        "--standalone",  # torchrun binds a free port itself: no window for another process to take it
         str(script),
         str(tmp_path),
     ]
@@ -147,7 +147,7 @@ class Drill:
         marker = self.root / "drill.json"
         marker.unlink(missing_ok=True)
         env = _env(**({PAUSE_ENV: pause, FILE_ENV: str(marker)} if pause else {}))
-        cmd = self.cmd[:4] + [f"--master_port={find_free_port()}"] + self.cmd[4:]
+        cmd = self.cmd[:4] + ["--standalone"] + self.cmd[4:]  # torchrun binds a free port itself
         with open(log, "w") as fh:
             proc = subprocess.Popen(cmd, env=env, cwd=REPO, start_new_session=True, stdout=fh, stderr=subprocess.STDOUT)
         return proc, log

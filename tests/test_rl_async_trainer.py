@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from dist_utils import find_free_port, pids_mentioning, run_distributed
+from dist_utils import pids_mentioning, run_distributed
 from test_rl_trainer import _run, overrides, rl_setup  # noqa: F401 - rl_setup is a fixture
 
 TIMINGS = ("_time_s", "_s", "peak_mem_gb")
@@ -146,7 +146,7 @@ def test_killed_async_run_resumes_without_losing_or_repeating_a_trajectory(rl_se
             "-m",
             "torch.distributed.run",
             "--nproc_per_node=1",
-            f"--master_port={find_free_port()}",
+            "--standalone",  # torchrun binds a free port itself: no window for another process to take it
             str(repo / "scripts" / "train_rl.py"),
             *overrides(model, data, out, **extra),
         ]

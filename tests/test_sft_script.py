@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from dist_utils import find_free_port, run_distributed
+from dist_utils import run_distributed
 from hf_fixtures import make_tiny_tokenizer, save_tiny_hf
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,7 +56,7 @@ def _torchrun(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
         "-m",
         "torch.distributed.run",
         f"--nproc_per_node={nproc}",
-        f"--master_port={find_free_port()}",
+        "--standalone",  # torchrun binds a free port itself: no window for another process to take it
         str(REPO / "scripts" / "train_sft.py"),
         *args,
     ]
