@@ -59,7 +59,9 @@ def _child(
     torch.set_num_threads(threads)
     try:
         # Every rank is a client of the parent's store, which listens already: no rank binds a port.
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=timeout))
+        store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
+            "127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=timeout)
+        )
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
         )
@@ -99,7 +101,9 @@ def run_distributed(
     ctx = mp.get_context("fork")
     # The store listens on a port the kernel picks as it binds, so no other process can take it
     # between picking and binding (a port picked free and bound later by rank 0 could be).
-    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
+        "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False
+    )
     port = store.port
     if threads is None:
         # GNU OpenMP is not fork-safe: a child that opens a parallel region after the parent
