@@ -58,13 +58,7 @@ def _child(
     )
     torch.set_num_threads(threads)
     try:
-        # Every rank is a client of the parent's store, which listens already: no rank binds a port.
-        store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
-            "127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=timeout)
-        )
-        dist.init_process_group(
-            backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
-        )
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
         result = fn(*args, **kwargs)
         # Plain pickle, not multiprocessing's: torch would share tensors through file
         # descriptors that vanish when this rank exits right after sending.
@@ -96,15 +90,8 @@ def run_distributed(
     ``fn`` reads its rank from ``torch.distributed.get_rank()``.  Results must pickle.
     Raises DistributedTestError with the failing rank's traceback.
     """
-    import torch.distributed as dist
-
     ctx = mp.get_context("fork")
-    # The store listens on a port the kernel picks as it binds, so no other process can take it
-    # between picking and binding (a port picked free and bound later by rank 0 could be).
-    store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
-        "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False
-    )
-    port = store.port
+    port = find_free_port()
     if threads is None:
         # GNU OpenMP is not fork-safe: a child that opens a parallel region after the parent
         # used its thread pool can hang.  One intra-op thread per rank never opens one.
@@ -151,7 +138,6 @@ def run_distributed(
                 p.join()
         for c in conns:
             c.close()
-        del store
     return results
 
 

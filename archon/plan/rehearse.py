@@ -24,6 +24,7 @@ import math
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
+import socket
 import tempfile
 import time
 import traceback
@@ -220,6 +221,12 @@ def _train(
     return stats if dist.get_rank() == 0 else []
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _child(conn: Any, rank: int, world: int, port: int, fn: Callable, args: tuple) -> None:
     from datetime import timedelta
 
@@ -241,11 +248,7 @@ def _child(conn: Any, rank: int, world: int, port: int, fn: Callable, args: tupl
     # One intra-op thread per rank: forked ranks must not open OpenMP regions, and the ranks share the cores.
     torch.set_num_threads(1)
     try:
-        # A client of the parent's store, which listens already: no rank binds a port.
-        store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
-            "127.0.0.1", port, world, is_master=False, timeout=timedelta(minutes=30)
-        )
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(minutes=30))
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=30))
         conn.send_bytes(json.dumps(["ok", fn(*args)]).encode())  # per-step floats: JSON, not pickle
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         try:
@@ -262,15 +265,10 @@ def _child(conn: Any, rank: int, world: int, port: int, fn: Callable, args: tupl
 
 def run_ranks(fn: Callable, world: int, *args: Any, timeout_s: float = 3600.0) -> list[Any]:
     """``fn(*args)`` on ``world`` forked processes that form a gloo group; their results by rank."""
-    import torch.distributed as dist  # imported before forking, so no rank pays for it
+    import torch  # noqa: F401  (imported before forking, so no rank pays for it)
 
     ctx = mp.get_context("fork")
-    # The store binds a port the kernel picks as it binds: a port picked free and bound later by
-    # rank 0 can be taken meanwhile by another process.
-    store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
-        "127.0.0.1", 0, world, is_master=True, wait_for_workers=False
-    )
-    port = store.port
+    port = _free_port()
     procs, conns = [], []
     for rank in range(world):
         parent, child = ctx.Pipe(duplex=False)
@@ -307,7 +305,6 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout_s: float = 3600.0) -
                 proc.join()
         for conn in conns:
             conn.close()
-        del store
     return results
 
 
