@@ -300,13 +300,14 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
     sync_ratio = median_ratio(times["archon"], times["trl"])
     rows = [["GRPO step, synchronous", f"{med['trl']:.3f}", f"{med['archon']:.3f}", f"{sync_ratio:.2f}"]]
+    async_med = statistics.median(async_times) if async_times else 0.0
     if async_times:
         rows.append(
             [
                 f"GRPO step, asynchronous (k = {args.async_k})",
                 f"{med['trl']:.3f}",
-                f"{statistics.median(async_times):.3f}",
-                f"{statistics.median(async_times) / med['trl']:.2f}",
+                f"{async_med:.3f}",
+                f"{async_med / med['trl']:.2f}",
             ]
         )
     parts = {k: statistics.median(r[k] for r in archon_parts) for k in ("rollout_time_s", "train_time_s")}
@@ -326,8 +327,8 @@ def main() -> None:
     if async_times:
         stale = max(r.get("async/staleness_max", 0.0) for r in async_parts)
         print(
-            f"Asynchronous (k = {args.async_k}, wall, medians): {statistics.median(async_times):.3f} s/step, "
-            f"{med['archon'] / statistics.median(async_times):.2f}x the synchronous steps/s; the trainer waited "
+            f"Asynchronous (k = {args.async_k}, wall, medians): {async_med:.3f} s/step, "
+            f"{med['archon'] / async_med:.2f}x the synchronous steps/s; the trainer waited "
             f"{statistics.median(r['async/wait_s'] for r in async_parts):.3f} s/step for rollouts; "
             f"largest staleness {stale:.0f}"
         )
