@@ -33,9 +33,9 @@ class DistributedTestError(RuntimeError):
 
 def _child(
     conn,
+    port_conn,
     rank: int,
     world_size: int,
-    port: int,
     threads: int,
     backend: str,
     timeout: float,
@@ -47,18 +47,22 @@ def _child(
     import torch
     import torch.distributed as dist
 
+    from archon.engine.dist import init_forked_group
+
     os.environ.update(env)
     os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size)
     )
     torch.set_num_threads(threads)
     try:
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
+        init_forked_group(
+            backend,
+            rank,
+            world_size,
+            timedelta(seconds=timeout),
+            send_port=lambda port: conn.send_bytes(pickle.dumps(("port", port))),
+            receive_port=port_conn.recv,
+        )
         result = fn(*args, **kwargs)
         # Plain pickle, not multiprocessing's: torch would share tensors through file
         # descriptors that vanish when this rank exits right after sending.
@@ -90,23 +94,27 @@ def run_distributed(
     ``fn`` reads its rank from ``torch.distributed.get_rank()``.  Results must pickle.
     Raises DistributedTestError with the failing rank's traceback.
     """
+    import archon.engine.dist  # noqa: F401  (imported before forking, so no rank pays for it)
+
     ctx = mp.get_context("fork")
-    port = find_free_port()
     if threads is None:
         # GNU OpenMP is not fork-safe: a child that opens a parallel region after the parent
         # used its thread pool can hang.  One intra-op thread per rank never opens one.
         threads = 1
-    procs, conns = [], []
+    procs, conns, port_conns = [], [], []
     for rank in range(world_size):
         parent_conn, child_conn = ctx.Pipe(duplex=False)
+        port_in, port_out = ctx.Pipe(duplex=False)
         p = ctx.Process(
             target=_child,
-            args=(child_conn, rank, world_size, port, threads, backend, timeout, env or {}, fn, args, kwargs),
+            args=(child_conn, port_in, rank, world_size, threads, backend, timeout, env or {}, fn, args, kwargs),
         )
         p.start()
         child_conn.close()
+        port_in.close()
         procs.append(p)
         conns.append(parent_conn)
+        port_conns.append(port_out)
 
     results: list[Any] = [None] * world_size
     pending = set(range(world_size))
@@ -125,6 +133,13 @@ def run_distributed(
                     raise DistributedTestError(
                         f"rank {rank} died without reporting (exit code {procs[rank].exitcode})"
                     ) from None
+                if status == "port":  # rank 0 hosts the group's store: tell the others where
+                    for other in port_conns[1:]:
+                        try:
+                            other.send(payload)
+                        except OSError:
+                            pass  # that rank died already; its own report says so
+                    continue
                 if status == "err":
                     raise DistributedTestError(f"rank {rank} failed:\n{payload}")
                 results[rank] = payload
@@ -136,7 +151,7 @@ def run_distributed(
             if p.is_alive():
                 p.kill()
                 p.join()
-        for c in conns:
+        for c in conns + port_conns:
             c.close()
     return results
 

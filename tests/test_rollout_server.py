@@ -24,7 +24,7 @@ import aiohttp
 import pytest
 import torch
 import torch.nn as nn
-from dist_utils import find_free_port, wait_until
+from dist_utils import wait_until
 from hf_fixtures import random_tokens, save_tiny_hf
 from safetensors.torch import load_file
 from server_utils import launch_server, wait_healthy
@@ -32,7 +32,13 @@ from server_utils import launch_server, wait_healthy
 import models
 from archon.rollout.generator import Generator
 from archon.rollout.server import RunningServer, serve_in_thread
-from archon.rollout.weight_group import broadcast_tensor, destroy_weight_update_group, init_weight_update_group
+from archon.rollout.weight_group import (
+    broadcast_tensor,
+    destroy_weight_update_group,
+    init_weight_update_group,
+    listen_on,
+    listening_port,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 ATOL = 1e-5
@@ -413,13 +419,14 @@ def test_update_weights_from_distributed(cli_servers, tmp_path, model_type, seed
     if model_type == "qwen3_moe":
         assert any(".mlp.experts.3.down_proj.weight" in n for n in names)  # per-expert HF keys
     group_name = f"sync_{model_type}"
-    port = find_free_port()
+    fd = listen_on("127.0.0.1", 0)  # listening before the server is told where: no port to lose
+    port = listening_port(fd)
 
     # Trainer rank 0 and the server (rank 1) rendezvous at the same time.
     joined: dict[str, Any] = {}
     trainer = threading.Thread(
         target=lambda: joined.update(
-            pg=init_weight_update_group("127.0.0.1", port, 0, 2, group_name, "gloo", timeout_s=60)
+            pg=init_weight_update_group("127.0.0.1", port, 0, 2, group_name, "gloo", timeout_s=60, listen_fd=fd)
         )
     )
     trainer.start()

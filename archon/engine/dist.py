@@ -22,9 +22,8 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -97,12 +96,6 @@ def cuda_device_index(gpu: int | None, env: Mapping[str, str] = os.environ) -> i
     return index
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def exit_with_launcher() -> None:
     """Under torchrun: be killed as soon as the torchrun agent dies, however it dies (Linux).
 
@@ -139,9 +132,38 @@ def init_distributed(device_type: str, timeout_s: float = 1800.0, plan: ClusterP
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend, timeout=timeout)
     else:
-        dist.init_process_group(
-            backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1, timeout=timeout
+        # An in-process store: a picked TCP port could be taken by another process before we bind it.
+        store = dist.HashStore()  # pyright: ignore[reportPrivateImportUsage]
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+
+
+def init_forked_group(
+    backend: str,
+    rank: int,
+    world_size: int,
+    timeout: timedelta,
+    send_port: Callable[[int], None],
+    receive_port: Callable[[], int],
+) -> None:
+    """Join a group of processes that one parent forked (the laptop rehearsal, the tests' ranks).
+
+    Rank 0 hosts the group's store on a port the kernel chooses and ``send_port`` hands it to the
+    parent, which passes it on to the other ranks' ``receive_port``.  A port the parent picked for
+    rank 0 to bind later could be taken by another process in between (it was, under load).  The
+    parent itself holds no store: its server thread, alive at fork time, could leave a lock held
+    in every child.
+    """
+    if rank == 0:
+        store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
+            "127.0.0.1", 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False
         )
+        send_port(store.port)
+    else:
+        store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
+            "127.0.0.1", receive_port(), world_size, is_master=False, timeout=timeout
+        )
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
 def current_device(device_type: str) -> torch.device:

@@ -24,7 +24,6 @@ import math
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
-import socket
 import tempfile
 import time
 import traceback
@@ -221,26 +220,15 @@ def _train(
     return stats if dist.get_rank() == 0 else []
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _child(conn: Any, rank: int, world: int, port: int, fn: Callable, args: tuple) -> None:
+def _child(conn: Any, port_conn: Any, rank: int, world: int, fn: Callable, args: tuple) -> None:
     from datetime import timedelta
 
     import torch
     import torch.distributed as dist
 
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
-    )
+    from archon.engine.dist import init_forked_group
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     # torch's pipeline runtime logs the whole schedule of every rank on a failure, and DTensor/FSDP warn
     # about CPU meshes once per rank; the report says what matters.
     logging.getLogger("torch.distributed.pipelining").setLevel(logging.CRITICAL)
@@ -248,7 +236,14 @@ def _child(conn: Any, rank: int, world: int, port: int, fn: Callable, args: tupl
     # One intra-op thread per rank: forked ranks must not open OpenMP regions, and the ranks share the cores.
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=30))
+        init_forked_group(
+            "gloo",
+            rank,
+            world,
+            timedelta(minutes=30),
+            send_port=lambda port: conn.send_bytes(json.dumps(["port", port]).encode()),
+            receive_port=port_conn.recv,
+        )
         conn.send_bytes(json.dumps(["ok", fn(*args)]).encode())  # per-step floats: JSON, not pickle
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         try:
@@ -267,16 +262,20 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout_s: float = 3600.0) -
     """``fn(*args)`` on ``world`` forked processes that form a gloo group; their results by rank."""
     import torch  # noqa: F401  (imported before forking, so no rank pays for it)
 
+    import archon.engine.dist  # noqa: F401  (likewise)
+
     ctx = mp.get_context("fork")
-    port = _free_port()
-    procs, conns = [], []
+    procs, conns, port_conns = [], [], []
     for rank in range(world):
         parent, child = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_child, args=(child, rank, world, port, fn, args), daemon=True)
+        port_in, port_out = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_child, args=(child, port_in, rank, world, fn, args), daemon=True)
         proc.start()
         child.close()
+        port_in.close()
         procs.append(proc)
         conns.append(parent)
+        port_conns.append(port_out)
     results: list[Any] = [None] * world
     pending = set(range(world))
     deadline = time.monotonic() + timeout_s
@@ -292,6 +291,13 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout_s: float = 3600.0) -
                     raise RehearsalError(
                         f"rank {rank} died without reporting (exit code {procs[rank].exitcode})"
                     ) from None
+                if status == "port":  # rank 0 hosts the group's store: tell the others where
+                    for other in port_conns[1:]:
+                        try:
+                            other.send(payload)
+                        except OSError:
+                            pass  # that rank died already; its own report says so
+                    continue
                 if status == "err":
                     last = payload.strip().splitlines()[-1] if payload.strip() else "unknown error"
                     raise RehearsalError(f"rank {rank} failed: {last}", payload)
@@ -303,7 +309,7 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout_s: float = 3600.0) -
             if proc.is_alive():
                 proc.kill()
                 proc.join()
-        for conn in conns:
+        for conn in conns + port_conns:
             conn.close()
     return results
 

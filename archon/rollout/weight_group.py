@@ -33,15 +33,19 @@ def init_weight_update_group(
     group_name: str,
     backend: str = "gloo",
     timeout_s: float = 600.0,
+    listen_fd: int | None = None,
 ) -> dist.ProcessGroup:
-    """Join (rank 0: host) the group ``group_name``; returns a group usable with ``dist.broadcast``."""
+    """Join (rank 0: host) the group ``group_name``; returns a group usable with ``dist.broadcast``.
+
+    Rank 0 hosts on ``listen_fd`` when given (a socket from ``listen_on``, now this function's).
+    """
     timeout = timedelta(seconds=timeout_s)
     # The store is built directly rather than through ``rendezvous("tcp://...")``: under torchrun
     # (TORCHELASTIC_USE_AGENT_STORE=True) that helper makes even rank 0 a client of the agent's
     # store, so nobody would host this group's rendezvous and every rank would wait forever.
     if rank == 0:
         # Left to itself the store listens on every interface; it only needs the one the servers dial.
-        fd = listen_on(master_address, master_port)
+        fd = listen_on(master_address, master_port) if listen_fd is None else listen_fd
         try:
             store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
                 master_address,
@@ -87,6 +91,12 @@ def listen_on(address: str, port: int) -> int:
             exc.errno, f"cannot listen on {address}:{port} for the weight-update group: {exc.strerror}"
         ) from None
     return sock.detach()
+
+
+def listening_port(fd: int) -> int:
+    """The port a socket from ``listen_on`` (asked for port 0: the kernel's choice) listens on."""
+    with socket.socket(fileno=os.dup(fd)) as sock:
+        return sock.getsockname()[1]
 
 
 def destroy_weight_update_group(pg: dist.ProcessGroup) -> None:

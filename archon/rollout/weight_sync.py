@@ -41,8 +41,7 @@ import torch.distributed as dist
 from archon.config import ConfigError
 from archon.drill import drill_point
 from archon.errors import ArchonError
-from archon.rollout.launcher import free_ports
-from archon.rollout.weight_group import destroy_weight_update_group, init_weight_update_group
+from archon.rollout.weight_group import destroy_weight_update_group, init_weight_update_group, listen_on, listening_port
 
 logger = logging.getLogger("archon.rollout.weight_sync")
 
@@ -265,8 +264,10 @@ class DistributedWeightSync:
 
     def _setup_rank0(self) -> None:
         addr = self.master_address or reachable_address(self.client.up_addrs[0])
-        port = free_ports(1, addr)[0]
         world_size, _ = self.client.weight_group_layout(self.ranks_per_server)
+        # Listen before telling the servers where: a port picked free now could be taken before we bind it.
+        fd = listen_on(addr, 0)
+        port = listening_port(fd)
         # The servers' HTTP call only returns once everybody joined, so it must be in flight while we join.
         request = self.client.submit(
             self.client.ainit_weights_update_group(addr, port, self.group_name, self.backend, self.ranks_per_server)
@@ -276,7 +277,7 @@ class DistributedWeightSync:
         def join() -> None:
             try:
                 joined["pg"] = init_weight_update_group(
-                    addr, port, 0, world_size, self.group_name, self.backend, self.timeout_s
+                    addr, port, 0, world_size, self.group_name, self.backend, self.timeout_s, listen_fd=fd
                 )
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
                 joined["error"] = exc
