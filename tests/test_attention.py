@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from models.common.attention import CoreAttention
-from models.common.packing import equal_length_runs, segment_lengths
+from models.common.packing import padded_groups, segment_lengths
 
 
 def _reference(q, k, v, lengths, scale):
@@ -25,12 +25,24 @@ def _reference(q, k, v, lengths, scale):
     return torch.cat(outs).unsqueeze(0)
 
 
-def test_segment_lengths_and_runs():
+def test_segment_lengths():
     cu = torch.tensor([0, 4, 8, 8, 11, 11], dtype=torch.int32)
     assert segment_lengths(cu, 11) == [4, 4, 3]
     assert segment_lengths(cu, 14) == [4, 4, 3, 3]  # trailing padding is one more segment
-    assert equal_length_runs([4, 4, 3, 3, 5, 4]) == [(2, 4), (2, 3), (1, 5), (1, 4)]
-    assert equal_length_runs([]) == []
+
+
+def test_padded_groups_bound_the_padding_and_map_every_token_back():
+    cpu = torch.device("cpu")
+    assert padded_groups([6, 6, 6], cpu) is None  # already a batch
+    short = padded_groups([4, 2, 3, 4], cpu)  # short rows of mixed lengths: one call
+    assert short is not None and (short.counts, short.lengths) == ([4], [4])
+    # Sorted by length: [2] at 0-1, [3] at 4-6, [4] at 8-11 and 12-15; slots past a row's end repeat its last token.
+    assert short.gather.tolist() == [4, 5, 5, 5, 6, 7, 8, 8, 0, 1, 2, 3, 9, 10, 11, 12]
+    assert short.scatter.tolist() == [8, 9, 10, 11, 0, 1, 4, 5, 6, 12, 13, 14, 15]
+    long = padded_groups([100, 130, 200, 120, 240], cpu, ratio=1.25, slack=16)
+    assert long is not None and (long.counts, long.lengths) == ([2, 1, 2], [120, 130, 240])
+    assert sorted(long.scatter.tolist()) == sorted(set(long.scatter.tolist()))  # one slot per token
+    assert long.gather[long.scatter].tolist() == list(range(790))  # each token's slot reads that token
 
 
 @pytest.mark.parametrize(
@@ -40,6 +52,7 @@ def test_segment_lengths_and_runs():
         ([0, 5, 14, 15, 21], 24),  # mixed lengths and trailing padding
         ([0, 4, 8, 8, 8, 11], 11),  # empty sequences (pipeline padding of cu_seqlens)
         ([0, 3, 6, 13, 16, 19], 19),  # runs of equal lengths around a longer one
+        ([0, 2, 9, 12, 13, 17, 42, 45, 47, 80], 83),  # short and long rows: several padded groups
     ],
 )
 def test_packed_attention_matches_per_sequence_reference(cu, total):

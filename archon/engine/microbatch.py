@@ -128,9 +128,8 @@ def pack(
     joins the collectives of its data-parallel group.
     """
     input_ids = batch["input_ids"]
-    lens = batch["attention_mask"].sum(dim=1)
-    seqlens = [int(lens[i]) for i in indices]
-    pieces = [input_ids[i, :n] for i, n in zip(indices, seqlens)]
+    seqlens = batch["attention_mask"].sum(dim=1)[list(indices)].tolist()
+    pieces = [concat_rows(input_ids, indices, seqlens)]
     n_real = sum(seqlens)
     target = max(n_real, 1)
     if pad_to:
@@ -146,20 +145,33 @@ def pack(
     if n_pad:
         pieces.append(torch.full((n_pad,), pad_token_id, dtype=input_ids.dtype, device=device))
     tokens = torch.cat(pieces).unsqueeze(0)
-    positions = torch.cat([torch.arange(n, device=device) for n in seg_lens]).unsqueeze(0)
+    seg_len_t = torch.tensor(seg_lens, device=device)
     cu = torch.zeros(len(seg_lens) + 1, dtype=torch.int32, device=device)
-    cu[1:] = torch.cumsum(torch.tensor(seg_lens, device=device), 0)
+    cu[1:] = torch.cumsum(seg_len_t, 0)
+    # Each token's position within its sequence: its index minus where its sequence starts.
+    starts = cu[:-1].long().repeat_interleave(seg_len_t)
+    positions = (torch.arange(target, device=device) - starts).unsqueeze(0)
     return PackedMicrobatch(list(indices), seqlens, tokens, positions, cu, n_real)
 
 
 def pack_token_values(values: torch.Tensor, mb: PackedMicrobatch, fill: float = 0.0) -> torch.Tensor:
     """Per-token rows ``values [B, S, ...]`` packed like ``mb``'s tokens: ``[1, T, ...]``, padding ``fill``."""
     out = values.new_full((mb.total_len, *values.shape[2:]), fill)
-    start = 0
-    for i, n in zip(mb.indices, mb.seqlens):
-        out[start : start + n] = values[i, :n]
-        start += n
+    out[: mb.n_real_tokens] = concat_rows(values, mb.indices, mb.seqlens)
     return out.unsqueeze(0)
+
+
+def concat_rows(values: torch.Tensor, indices: list[int], seqlens: list[int]) -> torch.Tensor:
+    """``values[i, :n]`` for each ``i, n`` of ``indices, seqlens``, concatenated: ``[sum(seqlens), ...]``.
+
+    A few tensor ops whatever the number of rows (an RL batch has hundreds of short ones).
+    """
+    if not indices:
+        return values.new_empty((0, *values.shape[2:]))
+    width = max(seqlens)
+    rows = values.index_select(0, torch.tensor(indices, device=values.device))[:, :width]
+    lens = torch.tensor(seqlens, device=values.device)
+    return rows[torch.arange(width, device=values.device) < lens[:, None]]
 
 
 def rows_of(batch: Batch, indices: list[int]) -> Batch:

@@ -13,7 +13,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from archon.engine.microbatch import Batch, PackedMicrobatch, unpack
+from archon.engine.microbatch import Batch, PackedMicrobatch, concat_rows, unpack
 from parallel.context_parallel import gather_sequence, shard_sequence
 from parallel.loss_parallel import vocab_parallel_logprobs_entropy
 
@@ -31,7 +31,7 @@ def loss_positions(batch: Batch, mb: PackedMicrobatch) -> torch.Tensor | None:
     loss_mask = batch["loss_mask"]
     masked = torch.zeros(mb.total_len, dtype=torch.bool, device=loss_mask.device)
     if mb.indices:
-        masked[: mb.n_real_tokens] = torch.cat([loss_mask[i, :n] for i, n in zip(mb.indices, mb.seqlens)]) > 0
+        masked[: mb.n_real_tokens] = concat_rows(loss_mask, mb.indices, mb.seqlens) > 0
     masked[mb.seq_starts] = False  # a sequence's first token has no predicting position (its logprob is 0)
     keep = masked.nonzero().squeeze(1) - 1
     return keep if keep.numel() < 0.9 * mb.total_len else None

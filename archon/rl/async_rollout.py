@@ -139,6 +139,8 @@ class RolloutWorker:
         self.resubmitted = 0
         """Requests sent again after a pause aborted them (pause mode 'abort')."""
         self._pauses = 0
+        self.servers_paused = False
+        """Whether before_update paused the servers (after_update resumes them)."""
         self._closed = False
         self._rounds: dict[int, asyncio.Task] = {}
         self._generating: dict[int, asyncio.Task] = {}
@@ -158,7 +160,10 @@ class RolloutWorker:
         return self.client.submit(self._atake(new_step)).result()
 
     def before_update(self) -> float:
-        """Get the servers ready for new weights (see the module docstring); returns seconds waited."""
+        """Get the servers ready for new weights (see the module docstring); returns seconds waited.
+
+        Afterwards no request of ours runs or starts until ``after_update``: paused, or none was in flight.
+        """
         return self.client.submit(self._abefore_update()).result()
 
     def after_update(self, version: int) -> None:
@@ -293,15 +298,19 @@ class RolloutWorker:
         else:
             self._open.clear()
         self._pauses += 1
-        if self.partial_rollout:
+        # Nothing in flight (the round finished while the trainer trained) and nothing sent until
+        # after_update: the servers are idle, so the pause and continue round trips are skipped.
+        self.servers_paused = self.partial_rollout and bool(self._generating)
+        if self.servers_paused:
             await self.client.apause_generation(self.pause_mode)
         return time.perf_counter() - t0
 
     async def _aafter_update(self, version: int) -> None:
         assert self._open is not None
         self.version = version
-        if self.partial_rollout:
+        if self.servers_paused:
             await self.client.acontinue_generation()
+            self.servers_paused = False
         self._open.set()
         self._fill()
 
@@ -440,7 +449,8 @@ class AsyncRollout:
             lambda: self._rank0_worker().before_update(), f"pausing rollout for the weights of step {step}"
         )
         assert self.trainer.weight_sync is not None  # built in the trainer's setup
-        stats = self.trainer.weight_sync.sync(str(step))
+        # The worker holds back every request until after_update, so the sync need not pause the servers.
+        stats = self.trainer.weight_sync.sync(str(step), servers_quiet=True)
         run_on_rank0(
             lambda: self._rank0_worker().after_update(step), f"resuming rollout after the weights of step {step}"
         )

@@ -48,6 +48,8 @@ class RewardError(ArchonError, RuntimeError):
 # Answer extraction and the built-in reward functions
 # ----------------------------------------------------------------------------------------
 
+_TASKS_PER_WORKER = 8
+"""Samples sent to a worker ahead of its answers (each still gets the whole ``timeout_s``)."""
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
 
 
@@ -211,8 +213,10 @@ class _Worker:
     process: Any
     conn: Connection
     ready: bool = False
-    task: int | None = None
+    tasks: deque[tuple] = field(default_factory=deque)
+    """Sent and not answered yet, in order: the worker is scoring the first."""
     deadline: float = 0.0
+    """When the first of ``tasks`` runs out of time."""
 
 
 @dataclass
@@ -354,7 +358,7 @@ class RewardComputer:
         return _Worker(proc, parent)
 
     def _stop_worker(self, w: _Worker, graceful: bool = False) -> None:
-        if graceful and w.process.is_alive() and w.task is None:
+        if graceful and w.process.is_alive() and not w.tasks:
             try:
                 w.conn.send(None)
                 w.process.join(timeout=1.0)
@@ -395,46 +399,54 @@ class RewardComputer:
         results = [0.0] * len(tasks)
         queue = deque(tasks)
         startup_deadline = time.monotonic() + self.startup_timeout_s
-        while queue or any(w.task is not None for w in self._workers):
+        while queue or any(w.tasks for w in self._workers):
             now = time.monotonic()
             for w in self._workers:
-                if w.ready and w.task is None and queue:
+                # A few samples queued per worker: it scores the next while we read the last answer,
+                # instead of one pipe round trip per sample.
+                while w.ready and len(w.tasks) < _TASKS_PER_WORKER and queue:
                     task = queue.popleft()
                     try:
                         w.conn.send(task)
                     except (OSError, ValueError):
-                        queue.appendleft(task)  # the worker died while idle: not this sample's fault
-                        continue
-                    w.task, w.deadline = task[0], now + self.timeout_s
+                        queue.appendleft(task)  # the worker died: not this sample's fault
+                        break
+                    if not w.tasks:
+                        w.deadline = now + self.timeout_s
+                    w.tasks.append(task)
             if not any(w.ready for w in self._workers) and now > startup_deadline:
                 raise RewardError(
                     f"no reward worker started within {self.startup_timeout_s:.0f}s "
                     f"(reward function {self.fn_spec!r}); check that it imports quickly"
                 )
-            deadlines = [w.deadline for w in self._workers if w.task is not None]
+            deadlines = [w.deadline for w in self._workers if w.tasks]
             wake = min(deadlines + [now + 1.0]) - now
             waitables: list[Any] = [w.conn for w in self._workers] + [w.process.sentinel for w in self._workers]
             wait(waitables, timeout=max(wake, 0.0))
             for i, w in enumerate(self._workers):
-                self._poll(i, w, results)
+                self._poll(i, w, results, queue)
 
         return results
 
-    def _poll(self, index: int, w: _Worker, results: list[float]) -> None:
-        """Collect what worker ``index`` has to say; replace it if it died or ran out of time."""
+    def _poll(self, index: int, w: _Worker, results: list[float], queue: deque[tuple]) -> None:
+        """Collect what worker ``index`` has to say; replace it if it died or ran out of time.
+
+        A replaced worker's first task is that sample's failure; the others go back to ``queue``.
+        """
         try:
             while w.conn.poll():
                 msg = w.conn.recv()
                 kind = msg[0]
                 if kind == "ready":
                     w.ready = True
-                elif kind == "ok" and msg[1] == w.task:
-                    results[msg[1]] = msg[2]
-                    self.counters.calls += 1
-                    w.task = None
-                elif kind == "error" and msg[1] == w.task:
-                    self._fail(msg[1], msg[2])
-                    w.task = None
+                elif kind in ("ok", "error") and w.tasks and msg[1] == w.tasks[0][0]:
+                    w.tasks.popleft()
+                    w.deadline = time.monotonic() + self.timeout_s  # the worker starts the next one now
+                    if kind == "ok":
+                        results[msg[1]] = msg[2]
+                        self.counters.calls += 1
+                    else:
+                        self._fail(msg[1], msg[2])
                 elif kind == "init_error":
                     raise RewardError(
                         f"reward worker could not load reward function {self.fn_spec!r}: {msg[1]}; "
@@ -443,11 +455,18 @@ class RewardComputer:
         except (EOFError, OSError):
             pass  # the worker died; handled below
         if not w.process.is_alive():
-            if w.task is not None:
-                self._fail(w.task, f"reward worker died (exit code {w.process.exitcode}) while scoring it")
-                w.task = None
+            if w.tasks:
+                self._fail(w.tasks[0][0], f"reward worker died (exit code {w.process.exitcode}) while scoring it")
+            self._requeue(w, queue)
             self._replace(index)
-        elif w.task is not None and time.monotonic() > w.deadline:
-            self._fail(w.task, f"reward function took longer than timeout_s={self.timeout_s}", timeout=True)
-            w.task = None
+        elif w.tasks and time.monotonic() > w.deadline:
+            self._fail(w.tasks[0][0], f"reward function took longer than timeout_s={self.timeout_s}", timeout=True)
+            self._requeue(w, queue)
             self._replace(index)
+
+    @staticmethod
+    def _requeue(w: _Worker, queue: deque[tuple]) -> None:
+        """Put the tasks queued behind a failed one back in front, in order."""
+        behind = list(w.tasks)[1:]
+        w.tasks.clear()
+        queue.extendleft(reversed(behind))

@@ -15,8 +15,6 @@ from typing import Any
 
 import torch
 
-from archon.data.collate import collate
-
 
 @dataclass
 class Completion:
@@ -48,7 +46,8 @@ def build_rollout_batch(
     """``input_ids, attention_mask, loss_mask, logprobs`` ``[B, S]`` and ``rewards, seq_no_eos_mask`` ``[B]``."""
     if len(completions) != len(rewards):
         raise ValueError(f"{len(completions)} completions but {len(rewards)} rewards; one reward per completion")
-    samples = []
+    if not completions:
+        raise ValueError("build_rollout_batch() got no completions; a step needs at least one")
     for i, c in enumerate(completions):
         if len(c.output_logprobs) != len(c.output_ids):
             raise ValueError(
@@ -57,21 +56,27 @@ def build_rollout_batch(
             )
         if not c.prompt_ids:
             raise ValueError(f"completion {i} has an empty prompt; every RL prompt needs at least one token")
-        p, n = len(c.prompt_ids), len(c.output_ids)
-        samples.append(
-            {
-                "input_ids": list(c.prompt_ids) + list(c.output_ids),
-                "loss_mask": [0] * p + [1] * n,
-                "logprobs": [0.0] * p + [float(x) for x in c.output_logprobs],
-                "rewards": float(rewards[i]),
-                "seq_no_eos_mask": bool(c.truncated),
-            }
-        )
-    batch = collate(samples, pad_token_id=pad_token_id)
-    # collate infers integer dtypes from values: keep the float/mask fields in their kinds.
-    batch["loss_mask"] = batch["loss_mask"].float()
-    batch["logprobs"] = batch["logprobs"].float()
-    batch["rewards"] = batch["rewards"].float()
+    # Built from flat lists with masks: an RL batch is hundreds of short rows, and a tensor op
+    # per row would cost more than the rest of the batch's preparation.
+    prompt_lens = torch.tensor([len(c.prompt_ids) for c in completions])
+    total_lens = prompt_lens + torch.tensor([len(c.output_ids) for c in completions])
+    col = torch.arange(int(total_lens.max()))
+    attention = col < total_lens[:, None]
+    response = attention & (col >= prompt_lens[:, None])
+    input_ids = torch.full(attention.shape, pad_token_id, dtype=torch.long)
+    input_ids[attention] = torch.tensor(
+        [t for c in completions for t in (*c.prompt_ids, *c.output_ids)], dtype=torch.long
+    )
+    logprobs = torch.zeros(attention.shape, dtype=torch.float32)
+    logprobs[response] = torch.tensor([float(x) for c in completions for x in c.output_logprobs], dtype=torch.float32)
+    batch = {
+        "input_ids": input_ids,
+        "loss_mask": response.float(),
+        "logprobs": logprobs,
+        "rewards": torch.tensor([float(r) for r in rewards], dtype=torch.float32),
+        "seq_no_eos_mask": torch.tensor([bool(c.truncated) for c in completions], dtype=torch.bool),
+        "attention_mask": attention.long(),
+    }
     if any(c.routed_experts is not None for c in completions):
         batch["routed_experts"] = _routed_experts_rows(completions, batch["input_ids"].shape[1])
     return batch

@@ -150,8 +150,11 @@ class DiskWeightSync:
                 error = f"cannot create weight folder {self.folder}: {exc}; set a writable folder"
         _raise_if_failed(error)
 
-    def sync(self, version: int | str) -> dict[str, float]:
-        """Collective: export, publish as ``<folder>/v<version>``, make every server load it."""
+    def sync(self, version: int | str, servers_quiet: bool = False) -> dict[str, float]:
+        """Collective: export, publish as ``<folder>/v<version>``, make every server load it.
+
+        ``servers_quiet`` is accepted for symmetry with the broadcast (a server loads a folder in one go).
+        """
         version = str(version)
         t0 = time.perf_counter()
         tmp, error = None, None
@@ -310,8 +313,12 @@ class DistributedWeightSync:
             self.backend,
         )
 
-    def sync(self, version: int | str) -> dict[str, float]:
-        """Collective: stream every full tensor to the servers in buckets of at most chunk_mb MiB."""
+    def sync(self, version: int | str, servers_quiet: bool = False) -> dict[str, float]:
+        """Collective: stream every full tensor to the servers in buckets of at most chunk_mb MiB.
+
+        The servers are paused around the buckets unless ``servers_quiet``: the caller guarantees
+        that no request runs or is sent until this returns (asynchronous rollout holds them back).
+        """
         version = str(version)
         t0 = time.perf_counter()
         rank0 = _rank() == 0
@@ -326,7 +333,7 @@ class DistributedWeightSync:
         total = 0
         n_buckets = 0
         paused = False
-        if rank0 and error is None:
+        if rank0 and error is None and not servers_quiet:
             # Each bucket is applied on its own: without a pause, a request admitted between two
             # buckets would run on half-updated weights.
             try:

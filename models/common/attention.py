@@ -5,9 +5,11 @@ the same function.  A packed row costs what its sequences cost (the sum of their
 lengths, not the squared row length):
 
 * CUDA in half precision: ``torch.nn.attention.varlen`` (FlashAttention) over the whole row.
-* Elsewhere (CPU, float32): SDPA's fused causal kernel once per run of consecutive
-  equal-length sequences, each run viewed as a ``[count, length, heads, head_dim]`` batch
-  (no copy); a row of equal-length sequences is one call, like a padded batch.
+* Elsewhere (CPU, float32): SDPA's fused causal kernel on the row's sequences regrouped by
+  length into a few right-padded ``[count, length, heads, head_dim]`` batches
+  (``padded_groups``: padding bounded, so the cost stays near the sum of squared lengths); a
+  row of equal-length sequences is one call on a view, with no copy.  An RL batch of
+  hundreds of short answers is a handful of calls rather than one per sequence.
 * Under ``torch.compile`` (no varlen kernel): SDPA with the block-diagonal causal mask, whose
   shapes do not depend on the boundaries, so one graph serves every packing.
 * Rows without packing use SDPA's causal path; the KV-cache path passes an explicit mask.
@@ -26,7 +28,7 @@ import torch.nn.functional as F
 
 from models.common.linear import Linear
 from models.common.norm import RMSNorm
-from models.common.packing import equal_length_runs, packed_causal_mask, segment_lengths
+from models.common.packing import PaddedGroups, packed_causal_mask, padded_groups, segment_lengths
 from models.common.rope import apply_rotary_emb
 
 
@@ -95,6 +97,27 @@ def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     return out.view(b, kv_heads, group, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, h, d).to(dtype)
 
 
+# The last row's grouping: every layer of a forward (and its recomputation) sees the same
+# cu_seqlens tensor, so the host work and index tensors are made once per forward.
+_LAST_GROUPING: tuple[torch.Tensor, int, list[int], PaddedGroups | None] | None = None
+
+
+def _grouping(cu_seqlens: torch.Tensor, seqlen: int, device: torch.device) -> tuple[list[int], PaddedGroups | None]:
+    global _LAST_GROUPING
+    last = _LAST_GROUPING
+    if (
+        last is not None
+        and last[0] is cu_seqlens
+        and last[1] == seqlen
+        and (last[3] is None or last[3].gather.device == device)
+    ):
+        return last[2], last[3]
+    lengths = segment_lengths(cu_seqlens, seqlen)
+    groups = padded_groups(lengths, device)
+    _LAST_GROUPING = (cu_seqlens, seqlen, lengths, groups)
+    return lengths, groups
+
+
 class CoreAttention(nn.Module):
     """``softmax(q k^T * scale + mask) v`` on ``[batch, seq, heads, head_dim]`` tensors.
 
@@ -136,21 +159,21 @@ class CoreAttention(nn.Module):
         return self._per_sequence(q, k, v, cu_seqlens, gqa)
 
     def _per_sequence(self, q, k, v, cu_seqlens, gqa) -> torch.Tensor:
-        """Causal SDPA per run of equal-length sequences of the packed row (trailing padding included)."""
+        """Causal SDPA per sequence of the packed row (trailing padding included), batched by length."""
         bs, seqlen = q.shape[:2]
         assert bs == 1, "packed sequences (cu_seqlens) need batch size 1"
-        runs = equal_length_runs(segment_lengths(cu_seqlens, seqlen))
-        if len(runs) == 1:
-            pieces = [(q, k, v)]
-        else:
-            # split (not slicing) so that the backward is one cat, not a zero-filled row per run.
-            sizes = [count * length for count, length in runs]
-            pieces = list(zip(q.split(sizes, dim=1), k.split(sizes, dim=1), v.split(sizes, dim=1)))
+        lengths, groups = _grouping(cu_seqlens, seqlen, q.device)
+        if groups is None:  # equal lengths: the row is a [count, length] batch as it is
+            count = len(lengths)
+            qb, kb, vb = (t.reshape(count, seqlen // count, *t.shape[2:]) for t in (q, k, v))
+            return _sdpa(qb, kb, vb, self.scale, gqa).reshape(q.shape)
+        sizes = [count * length for count, length in zip(groups.counts, groups.lengths)]
+        pieces = zip(*(t[0].index_select(0, groups.gather).split(sizes) for t in (q, k, v)))
         outs = []
-        for (count, length), (qi, ki, vi) in zip(runs, pieces):
-            qb, kb, vb = (t.reshape(count, length, *t.shape[2:]) for t in (qi, ki, vi))
-            outs.append(_sdpa(qb, kb, vb, self.scale, gqa).reshape(1, count * length, *qi.shape[2:]))
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        for count, length, (qi, ki, vi) in zip(groups.counts, groups.lengths, pieces):
+            qb, kb, vb = (t.view(count, length, *t.shape[1:]) for t in (qi, ki, vi))
+            outs.append(_sdpa(qb, kb, vb, self.scale, gqa).reshape(count * length, *qi.shape[1:]))
+        return torch.cat(outs).index_select(0, groups.scatter).unsqueeze(0)
 
     def _varlen(self, q, k, v, cu_seqlens, max_seqlen, gqa) -> torch.Tensor:
         bs, seqlen = q.shape[:2]

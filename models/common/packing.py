@@ -9,6 +9,8 @@ sequences and change nothing, which lets rows with different sequence counts sha
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -50,15 +52,66 @@ def segment_lengths(cu_seqlens: torch.Tensor, seqlen: int) -> list[int]:
     return lengths
 
 
-def equal_length_runs(lengths: list[int]) -> list[tuple[int, int]]:
-    """``lengths`` as ``(count, length)`` runs of consecutive equal lengths: ``[4, 4, 2] -> [(2, 4), (1, 2)]``."""
-    runs: list[tuple[int, int]] = []
-    for n in lengths:
-        if runs and runs[-1][1] == n:
-            runs[-1] = (runs[-1][0] + 1, n)
-        else:
-            runs.append((1, n))
-    return runs
+@dataclass(frozen=True)
+class PaddedGroups:
+    """A packed row's segments regrouped into padded batches, one causal attention call each.
+
+    Group ``g`` holds ``counts[g]`` segments padded to ``lengths[g]`` tokens; ``gather`` lists,
+    group after group, the packed token each padded slot reads (a slot past its segment's end
+    reads the segment's last token), and ``scatter`` gives each packed token its slot.
+    """
+
+    counts: list[int]
+    lengths: list[int]
+    gather: torch.Tensor
+    scatter: torch.Tensor
+
+
+def padded_groups(
+    lengths: list[int], device: torch.device, ratio: float = 1.25, slack: int = 16
+) -> PaddedGroups | None:
+    """Segments of ``lengths`` (in row order) grouped by length for batched causal attention.
+
+    Sorted by length, a segment joins the current group while the group's longest stays within
+    ``max(ratio * shortest, shortest + slack)``: attention costs at most ``ratio**2`` times the
+    sum of squared lengths (or a few short rows of padding), while a batch of short sequences
+    of mixed lengths becomes one call instead of one per sequence.  Padding is causal-safe: a
+    real token attends only to earlier tokens of its own segment, and padded slots' outputs
+    are dropped.  ``None`` when every segment has the same length (the row is already a batch).
+    """
+    if len(set(lengths)) <= 1:
+        return None
+    starts = [0]
+    for n in lengths[:-1]:
+        starts.append(starts[-1] + n)
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    counts: list[int] = []
+    widths: list[int] = []
+    gather: list[int] = []
+    scatter = [0] * sum(lengths)
+    first = 0
+    while first < len(order):
+        shortest = lengths[order[first]]
+        limit = max(ratio * shortest, shortest + slack)
+        last = first
+        while last + 1 < len(order) and lengths[order[last + 1]] <= limit:
+            last += 1
+        width = lengths[order[last]]
+        for seg in order[first : last + 1]:
+            start, n = starts[seg], lengths[seg]
+            base = len(gather)
+            scatter[start : start + n] = range(base, base + n)
+            gather.extend(range(start, start + n))
+            gather.extend([start + n - 1] * (width - n))
+        counts.append(last - first + 1)
+        widths.append(width)
+        first = last + 1
+    return PaddedGroups(
+        counts,
+        widths,
+        torch.tensor(gather, dtype=torch.long, device=device),
+        torch.tensor(scatter, dtype=torch.long, device=device),
+    )
 
 
 def pad_cu_seqlens(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
