@@ -138,6 +138,7 @@ class FakeSGLang:
         self.group_requests: list[dict[str, Any]] = []
         self.disk_loads: list[str] = []
         self.flushes = 0
+        self.pauses = 0
         self.aborts: list[dict[str, Any]] = []
         self._groups: dict[str, Any] = {}
         self._resume = asyncio.Event()
@@ -255,6 +256,7 @@ class FakeSGLang:
         return web.Response(text="Cache flushed.")
 
     async def pause(self, request: web.Request) -> web.Response:
+        self.pauses += 1
         self._resume.clear()
         return web.json_response({"message": "paused"})
 
@@ -373,6 +375,7 @@ class FakeSGLang:
                 "group_requests": self.group_requests,
                 "disk_loads": self.disk_loads,
                 "flushes": self.flushes,
+                "pauses": self.pauses,
                 "weight_names": sorted(self.weights),
             }
         )

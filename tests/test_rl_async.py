@@ -60,6 +60,7 @@ class _FakeClient:
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.resumed = self.submit(self._event()).result()
+        self.pauses = self.continues = 0
 
     async def _event(self) -> asyncio.Event:
         event = asyncio.Event()
@@ -83,9 +84,11 @@ class _FakeClient:
         )
 
     async def apause_generation(self, mode=None):
+        self.pauses += 1
         self.resumed.clear()
 
     async def acontinue_generation(self):
+        self.continues += 1
         self.resumed.set()
 
     def close(self) -> None:
@@ -148,6 +151,35 @@ def test_rounds_are_submitted_as_soon_as_the_bound_allows_and_never_earlier(setu
             assert len(loader.submitted_at) == min(steps, step + k)
             _update(worker, client, step)
         assert loader.submitted_at == [max(0, r - k) for r in range(steps)]  # and none beyond max_rounds
+    finally:
+        worker.close()
+        client.close()
+
+
+def test_servers_are_paused_for_an_update_only_while_requests_are_in_flight(setup):
+    worker, client, _ = _fake_worker(setup, 1, max_rounds=4)
+
+    def wait_for(condition) -> None:
+        deadline = time.monotonic() + 60
+        while not condition() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert condition()
+
+    try:
+        worker.start()  # rounds 0 and 1, answered at once
+        worker.take(new_step=True)  # step 1 trains round 0
+        wait_for(lambda: not worker._generating)
+        client.submit(client.apause_generation()).result()  # the 'server' holds what comes next
+        client.pauses = 0
+        _update(worker, client, 1)  # nothing in flight: no pause, no continue
+        assert (client.pauses, client.continues) == (0, 0) and not worker.servers_paused
+        wait_for(lambda: 2 in worker._generating)  # round 2, submitted by the update, is held
+        worker.before_update()
+        assert client.pauses == 1 and worker.servers_paused
+        client.version = "2"
+        worker.after_update(2)
+        assert client.continues == 1 and not worker.servers_paused
+        assert [worker.take(new_step=True).index for _ in range(2)] == [1, 2]  # round 2 finished with version 2
     finally:
         worker.close()
         client.close()

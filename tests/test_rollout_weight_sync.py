@@ -107,7 +107,7 @@ def _distributed_worker(addrs: list[str]) -> dict[str, Any]:
         out["after_v1"] = _snapshot(addrs)
     engine.step = 1
     sync.dtype = torch.bfloat16  # what a bf16 server would be sent
-    out["v2"] = sync.sync("2")
+    out["v2"] = sync.sync("2", servers_quiet=True)  # the caller holds every request back: no pause
     if dist.get_rank() == 0:
         out["after_v2"] = _snapshot(addrs)
     sync.close()
@@ -134,6 +134,7 @@ def test_distributed_sync_sends_exact_full_tensors_in_buckets(servers):
         # SGLang sets the version after every bucket that carries one: only the last one does.
         assert snap1["state"]["versions_after_update"] == ["0", "0", "0", "1"]
         assert snap1["state"]["flushes"] == 1  # only the last bucket flushes the cache
+        assert snap1["state"]["pauses"] == 1 and snap2["state"]["pauses"] == 1
         assert set(snap1["weights"]) == set(NAMES)
         for name in NAMES:
             assert snap1["weights"][name].dtype == torch.float32
