@@ -94,7 +94,7 @@ def run_distributed(
     ``fn`` reads its rank from ``torch.distributed.get_rank()``.  Results must pickle.
     Raises DistributedTestError with the failing rank's traceback.
     """
-    import archon.engine.dist  # noqa: F401  (imported before forking, so no rank pays for it)
+    from archon.engine.dist import relay_store_port  # imported before forking, so no rank pays for it
 
     ctx = mp.get_context("fork")
     if threads is None:
@@ -134,11 +134,7 @@ def run_distributed(
                         f"rank {rank} died without reporting (exit code {procs[rank].exitcode})"
                     ) from None
                 if status == "port":  # rank 0 hosts the group's store: tell the others where
-                    for other in port_conns[1:]:
-                        try:
-                            other.send(payload)
-                        except OSError:
-                            pass  # that rank died already; its own report says so
+                    relay_store_port(payload, port_conns[1:])
                     continue
                 if status == "err":
                     raise DistributedTestError(f"rank {rank} failed:\n{payload}")

@@ -23,8 +23,9 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
+from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
 import torch
@@ -164,6 +165,15 @@ def init_forked_group(
         )
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port))
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
+def relay_store_port(port: int, receivers: Sequence[Connection]) -> None:
+    """The parent's side of ``init_forked_group``: pass rank 0's store port to every other rank."""
+    for conn in receivers:
+        try:
+            conn.send(port)
+        except OSError:
+            pass  # that rank died already; its own report says so
 
 
 def current_device(device_type: str) -> torch.device:

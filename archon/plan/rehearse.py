@@ -262,7 +262,7 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout_s: float = 3600.0) -
     """``fn(*args)`` on ``world`` forked processes that form a gloo group; their results by rank."""
     import torch  # noqa: F401  (imported before forking, so no rank pays for it)
 
-    import archon.engine.dist  # noqa: F401  (likewise)
+    from archon.engine.dist import relay_store_port  # the ranks' init_forked_group too, loaded before forking
 
     ctx = mp.get_context("fork")
     procs, conns, port_conns = [], [], []
@@ -292,11 +292,7 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout_s: float = 3600.0) -
                         f"rank {rank} died without reporting (exit code {procs[rank].exitcode})"
                     ) from None
                 if status == "port":  # rank 0 hosts the group's store: tell the others where
-                    for other in port_conns[1:]:
-                        try:
-                            other.send(payload)
-                        except OSError:
-                            pass  # that rank died already; its own report says so
+                    relay_store_port(payload, port_conns[1:])
                     continue
                 if status == "err":
                     last = payload.strip().splitlines()[-1] if payload.strip() else "unknown error"

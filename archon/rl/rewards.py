@@ -48,8 +48,6 @@ class RewardError(ArchonError, RuntimeError):
 # Answer extraction and the built-in reward functions
 # ----------------------------------------------------------------------------------------
 
-_TASKS_PER_WORKER = 8
-"""Samples sent to a worker ahead of its answers (each still gets the whole ``timeout_s``)."""
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
 
 
@@ -206,6 +204,10 @@ def _worker_main(conn: Connection, fn_spec: str | RewardFn, fn_kwargs: dict[str,
             conn.send(("ok", task_id, _to_reward(fn(prompt, completion, answer, **fn_kwargs, **kw))))
         except BaseException as exc:  # noqa: BLE001 - any failure of user code is that sample's 0.0
             conn.send(("error", task_id, f"{type(exc).__name__}: {exc}"))
+
+
+_TASKS_PER_WORKER = 8
+"""Samples sent to a worker ahead of its answers (each still gets the whole ``timeout_s``)."""
 
 
 @dataclass
