@@ -39,6 +39,7 @@ def run_sft(cfg: Config) -> list[dict[str, Any]]:
     from archon.data.sft_dataset import SFTDataset
     from archon.engine import build_engine
     from archon.engine.checkpoint_manager import CheckpointManager
+    from archon.gc_freeze import freeze_startup_objects, thaw_startup_objects
     from archon.metrics import MetricsLogger, peak_memory_gb
 
     if not cfg.actor.path:
@@ -76,6 +77,7 @@ def run_sft(cfg: Config) -> list[dict[str, Any]]:
         start_step=engine.step,
     )
     history = []
+    freeze_startup_objects()
     try:
         while engine.step < cfg.total_train_steps:
             t0 = time.perf_counter()
@@ -103,6 +105,7 @@ def run_sft(cfg: Config) -> list[dict[str, Any]]:
                 ckpt.save(engine.step, {"actor": engine}, {"sampler": sampler.state_dict()})
     finally:
         metrics_log.close()
+        thaw_startup_objects()
     if cfg.saver.export_hf:
         engine.export_hf(cfg.run_dir / "hf")
         if rank0:

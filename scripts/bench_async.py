@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -46,6 +47,8 @@ def run_one(config: str, out: Path, seed: int, k: int, nproc: int, overrides: li
         *overrides,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    # A run folder left from before holds a finished run's checkpoints, which would be resumed.
+    shutil.rmtree(out, ignore_errors=True)
     load_before = os.getloadavg()[0]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

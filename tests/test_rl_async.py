@@ -185,6 +185,38 @@ def test_servers_are_paused_for_an_update_only_while_requests_are_in_flight(setu
         client.close()
 
 
+def test_a_finished_round_is_taken_without_the_loop_and_counted_in_order(setup):
+    """A round already generated is handed out while the client's loop is busy (no trip through it);
+    the counters it changes reach the loop before the next update, so the bound holds as before."""
+    worker, client, loader = _fake_worker(setup, 1, max_rounds=4)
+    deadline = time.monotonic() + 60
+    try:
+        worker.start()  # rounds 0 and 1 (version 0)
+        while 1 not in worker._finished and time.monotonic() < deadline:
+            time.sleep(0.01)
+        busy, release = threading.Event(), threading.Event()
+
+        async def hold_the_loop() -> None:
+            busy.set()
+            release.wait(60)  # blocks the loop thread itself
+
+        held = client.submit(hold_the_loop())
+        assert busy.wait(60)
+        assert [worker.take(new_step=True).index for _ in range(2)] == [0, 1]  # steps 1 and 2, loop held
+        release.set()
+        held.result(60)
+        _update(worker, client, 1)
+        assert worker.steps_started == 2 and worker.rounds_taken == 2
+        # Step 3 trains version 2: round 2 may come from version 1 (k = 1), round 3 not yet.
+        assert loader.submitted_at == [0, 0, 1]
+        worker.after_update(1, wait=False)  # posted; the next call waits for it or raises its failure
+        assert worker.take(new_step=True).index == 2
+    finally:
+        release.set()
+        worker.close()
+        client.close()
+
+
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_staleness_bound_holds_when_steps_take_several_rounds(setup, k):
     # The dynamic filter makes a step take 1..3 rounds; whatever the pattern, no round's first token

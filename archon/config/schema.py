@@ -35,6 +35,8 @@ class ClusterConfig:
     """Accelerators per node; on a CPU-only machine, the number of processes per node the run may use."""
     gpu_memory_gb: float = 80.0
     """Memory of one GPU in GiB (an 80 GB H100 or A100: 80), for the memory-fit check of `python -m archon.plan`."""
+    pin_cpu_cores: bool = False
+    """Give each CPU training rank and built-in rollout server its own share of the cores (archon.plan.cpu_cores)."""
 
 
 @dataclass
@@ -211,6 +213,8 @@ class ActorConfig(TrainEngineConfig):
     """MoE: ask the servers for the experts each token was routed to and use those in every actor forward."""
     use_decoupled_loss: bool = False
     """Decoupled PPO: behaviour logprobs from the rollout, proximal logprobs recomputed by the trainer."""
+    proximal_from_update: bool = True
+    """With one optimizer step per RL step, proximal logprobs come from its own forward, not one more (PPOActor)."""
     adv_estimator: Literal["grpo", "gae", "rloo", "reinforce++"] = "grpo"
     """Advantage estimator; 'gae' needs a critic."""
     eps_clip: float = 0.2

@@ -44,7 +44,14 @@ from archon.engine.microbatch import (
 from archon.engine.optimizer import build_lr_scheduler, build_optimizer
 from archon.engine.options import parallelize_options, pipeline_options
 from archon.engine.state import TrainState, engine_states
-from archon.engine.step_loss import LossFn, LossWeightFn, StepTotals, microbatch_loss, token_count_weight
+from archon.engine.step_loss import (
+    LossFn,
+    LossWeightFn,
+    StepTotals,
+    microbatch_loss,
+    reduce_step_totals,
+    token_count_weight,
+)
 from archon.engine.token_outputs import loss_positions, output_keys, token_outputs
 from archon.engine.weights import hf_full_tensors, init_from_seed, init_unloaded, load_hf_config, write_hf_folder
 from archon.errors import ArchonError
@@ -443,12 +450,7 @@ class ArchonEngine:
         self.step += 1
         moe_stats = self.moe.end_step(optimizer_stepped=finite) if self.moe is not None else {}
 
-        keys = sorted(totals.stats)
-        reduced = torch.tensor(
-            [totals.loss, float(totals.tokens)] + [totals.stats[k] for k in keys], dtype=torch.float64
-        )
-        if self.dp_size > 1:
-            dist.all_reduce(reduced, group=self._dp_group())
+        keys, reduced = reduce_step_totals(totals, self._dp_group() if self.dp_size > 1 else None)
         if self.pipeline is not None:
             # The loss and its stats exist on the last stage only; every rank reports them.
             keys, reduced = self.pipeline.broadcast_from_last_stage((keys, reduced))

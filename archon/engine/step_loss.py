@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from archon.engine.microbatch import Batch, rows_of
 
@@ -32,7 +33,7 @@ class StepTotals:
     loss: float = 0.0
     """Sum of the microbatches' weighted losses."""
     stats: dict[str, float] = field(default_factory=dict)
-    """Weighted sums of the loss function's stats."""
+    """Weighted sums of the loss function's stats; extremes (``extreme_stat``) by max or min instead."""
     tokens: int = 0
     """Real (unpadded) tokens."""
 
@@ -63,5 +64,33 @@ def microbatch_loss(
     totals.loss += float(scaled.detach())
     for key, value in stats.items():
         value = float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
-        totals.stats[key] = totals.stats.get(key, 0.0) + value * weight / total_weight
+        if extreme_stat(key) == "max":
+            totals.stats[key] = max(totals.stats.get(key, value), value)
+        elif extreme_stat(key) == "min":
+            totals.stats[key] = min(totals.stats.get(key, value), value)
+        else:
+            totals.stats[key] = totals.stats.get(key, 0.0) + value * weight / total_weight
     return scaled
+
+
+def extreme_stat(key: str) -> str | None:
+    """'max' or 'min' for a stat reduced by its extreme over microbatches and ranks (a key ending
+    in ``/max`` or ``/min``), None for one that is averaged by loss weight."""
+    tail = key.rsplit("/", 1)[-1]
+    return tail if tail in ("max", "min") else None
+
+
+def reduce_step_totals(totals: StepTotals, dp_group: dist.ProcessGroup | None) -> tuple[list[str], torch.Tensor]:
+    """Stat names and ``[loss, tokens, *stats]`` summed over the data-parallel ranks (``dp_group``;
+    None: one rank), float64; extremes (``extreme_stat``) reduced by max or min, after the sums."""
+    keys = sorted(k for k in totals.stats if extreme_stat(k) is None)
+    reduced = torch.tensor([totals.loss, float(totals.tokens)] + [totals.stats[k] for k in keys], dtype=torch.float64)
+    extremes = sorted(k for k in totals.stats if extreme_stat(k) is not None)
+    # One max-reduction for both kinds: a minimum is the max of its negation.
+    signs = torch.tensor([1.0 if extreme_stat(k) == "max" else -1.0 for k in extremes], dtype=torch.float64)
+    signed = torch.tensor([totals.stats[k] for k in extremes], dtype=torch.float64) * signs
+    if dp_group is not None:
+        dist.all_reduce(reduced, group=dp_group)
+        if extremes:
+            dist.all_reduce(signed, op=dist.ReduceOp.MAX, group=dp_group)
+    return keys + extremes, torch.cat([reduced, signed * signs])

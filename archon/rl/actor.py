@@ -7,6 +7,7 @@ different allocations over the same ranks.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -17,6 +18,7 @@ from archon.config import ActorConfig
 from archon.engine.engine import ArchonEngine
 from archon.rl.distill import distillation_loss
 from archon.rl.losses import aggregate, loss_weight, make_actor_loss_fn
+from archon.rl.offpolicy import proximal_metrics, proximal_sums
 from archon.rl.rejection_sampling import RejectionSampling
 from archon.rl.rollout_batch import ppo_minibatches
 
@@ -43,7 +45,7 @@ class PPOActor:
         self.cfg = cfg
         self.agg_mode = cfg.loss_agg_mode
         self.max_new_tokens = max_new_tokens
-        self.loss_fn = make_actor_loss_fn(
+        loss_options: dict[str, Any] = dict(
             use_decoupled_loss=cfg.use_decoupled_loss,
             eps_clip=cfg.eps_clip,
             eps_clip_higher=cfg.eps_clip_higher or None,
@@ -56,6 +58,9 @@ class PPOActor:
             agg_mode=cfg.loss_agg_mode,
             max_response_len=max_new_tokens,
         )
+        self.loss_fn = make_actor_loss_fn(**loss_options)
+        # The same loss with the proximal logprobs taken from the update's own forward.
+        self.loss_fn_proximal_from_outputs = make_actor_loss_fn(proximal_from_outputs=True, **loss_options)
         if (
             cfg.importance_sampling_level == "sequence"
             and cfg.loss_agg_mode != "seq-mean-token-mean"
@@ -73,8 +78,21 @@ class PPOActor:
         """Per-token logprobs of the current policy ``[B, S]`` (0 at each row's first token)."""
         return self.engine.forward(batch)["logprobs"]
 
-    def _loss_with_mismatch(self, outputs: Batch, mb: Batch) -> tuple[torch.Tensor, Batch]:
-        loss, stats = self.loss_fn(outputs, mb)
+    def single_step_update(self) -> bool:
+        """Whether ``ppo_update`` makes one optimizer step, so that the weights it trains are the
+        proximal policy throughout (the condition for ``proximal_from_update``)."""
+        return self.cfg.ppo_n_minibatches == 1 and self.cfg.ppo_epochs == 1
+
+    def _loss_with_mismatch(
+        self, outputs: Batch, mb: Batch, proximal_from_update: bool = False
+    ) -> tuple[torch.Tensor, Batch]:
+        if proximal_from_update:
+            loss, stats = self.loss_fn_proximal_from_outputs(outputs, mb)
+            stats.update(
+                proximal_sums(outputs["logprobs"], mb["logprobs"], mb["loss_mask"], loss_weight(mb, self.agg_mode))
+            )
+        else:
+            loss, stats = self.loss_fn(outputs, mb)
         if self.cfg.kd_coef:
             # On-policy distillation toward the teacher's logprobs of the sampled tokens.
             kd, stats["kd_loss"] = distillation_loss(
@@ -94,9 +112,14 @@ class PPOActor:
         )
         return loss, stats
 
-    def ppo_update(self, batch: Batch) -> dict[str, float]:
+    def ppo_update(self, batch: Batch, proximal_from_update: bool = False) -> dict[str, float]:
         """``ppo_epochs`` passes of ``ppo_n_minibatches`` optimizer steps over the batch (rows
         shuffled per pass with ``shuffle``); mean statistics under ``actor/``.
+
+        ``proximal_from_update`` (only with ``single_step_update()``): the proximal logprobs are
+        those of the update's own forward, detached: the weights it computes the loss with are the
+        proximal policy, so a separate ``compute_logprobs`` pass before it would give the same
+        values.  ``behav_prox_logprob_diff`` and ``behav_ratio/*`` of the batch are then returned too.
 
         The batch needs ``advantages``, ``loss_mask``, ``logprobs`` (behaviour) and, when the
         proximal policy was recomputed, ``old_logprobs``; ``ref_logprobs`` for the KL loss;
@@ -109,6 +132,7 @@ class PPOActor:
             batch = {**batch, "loss_mask": batch["loss_mask"] * keep}
         if float(batch["loss_mask"].sum()) == 0:
             return {}  # every response was filtered out: nothing to step on
+        assert not proximal_from_update or self.single_step_update(), "proximal_from_update needs one optimizer step"
         per_step = []
         first_diff = None
         # The shuffle seed is the run seed and the optimizer step this update starts at: the
@@ -120,12 +144,18 @@ class PPOActor:
             shuffle=cfg.shuffle,
             seed=self.engine.seed * 65_537 + self.engine.step,
         ):
-            stats = self.engine.train_batch(mb, self._loss_with_mismatch, lambda m: loss_weight(m, self.agg_mode))
+            stats = self.engine.train_batch(
+                mb,
+                functools.partial(self._loss_with_mismatch, proximal_from_update=proximal_from_update),
+                lambda m: loss_weight(m, self.agg_mode),
+            )
             if first_diff is None:
                 first_diff = stats.get("behav_logprob_diff")
             stats.pop("behav_logprob_diff", None)
             per_step.append(stats)
+        proximal = proximal_metrics(per_step[0], int(batch["loss_mask"].sum())) if proximal_from_update else {}
         out: dict[str, Any] = mean_stats(per_step, "actor")
+        out.update(proximal)
         out["actor/behav_logprob_diff_first_mb"] = first_diff  # None if no minibatch reported it
         return out
 

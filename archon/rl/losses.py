@@ -317,15 +317,23 @@ def ppo_critic_loss(
 #   old_values, returns              critic
 
 
-def make_actor_loss_fn(*, use_decoupled_loss: bool = False, **ppo_kwargs) -> LossFn:
+def make_actor_loss_fn(
+    *, use_decoupled_loss: bool = False, proximal_from_outputs: bool = False, **ppo_kwargs
+) -> LossFn:
     """A ``loss_fn(outputs, mb)`` for the engine: ``outputs`` has ``logprobs`` (and
-    ``entropy``); ``mb`` the keys listed above.  ``ppo_kwargs`` go to ``ppo_actor_loss``."""
+    ``entropy``); ``mb`` the keys listed above.  ``ppo_kwargs`` go to ``ppo_actor_loss``.
+
+    ``proximal_from_outputs``: the proximal (old) logprobs are ``outputs['logprobs']`` detached,
+    valid when the weights being trained are the proximal policy (the first optimizer step)."""
     if "eps_clip" not in ppo_kwargs:
         raise TypeError("make_actor_loss_fn needs eps_clip")
     _check_agg_mode(ppo_kwargs.get("agg_mode", "token-mean"), ppo_kwargs.get("max_response_len"))
 
     def loss_fn(outputs: Batch, mb: Batch) -> tuple[torch.Tensor, Batch]:
-        old = mb["old_logprobs"] if "old_logprobs" in mb else mb["logprobs"]
+        if proximal_from_outputs:
+            old = outputs["logprobs"].detach()
+        else:
+            old = mb["old_logprobs"] if "old_logprobs" in mb else mb["logprobs"]
         return ppo_actor_loss(
             outputs["logprobs"],
             old,

@@ -49,6 +49,12 @@ def staleness_metrics(completions: Sequence[Completion], trained_version: int, m
     return out
 
 
+def _behaviour_ratios(prox_logprobs: torch.Tensor, behav_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``pi_prox / pi_behav`` at the loss tokens, float64 (log ratios clamped, non-finite ones 0)."""
+    log_ratio = (prox_logprobs.detach().double() - behav_logprobs.detach().double())[mask]
+    return torch.where(torch.isfinite(log_ratio), log_ratio, 0.0).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).exp()
+
+
 @torch.no_grad()
 def behaviour_ratio_metrics(
     prox_logprobs: torch.Tensor, behav_logprobs: torch.Tensor, loss_mask: torch.Tensor
@@ -62,12 +68,62 @@ def behaviour_ratio_metrics(
     mask = loss_mask > 0
     if not bool(mask.any()):
         return {}
-    log_ratio = (prox_logprobs.double() - behav_logprobs.double())[mask]
-    log_ratio = torch.where(torch.isfinite(log_ratio), log_ratio, 0.0).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    ratio = log_ratio.exp()
+    ratio = _behaviour_ratios(prox_logprobs, behav_logprobs, mask)
     return {
         "behav_ratio/mean": float(ratio.mean()),
         "behav_ratio/std": float(ratio.std()) if ratio.numel() > 1 else 0.0,
         "behav_ratio/min": float(ratio.min()),
         "behav_ratio/max": float(ratio.max()),
+    }
+
+
+# Microbatch sums that add up, over an update's microbatches and ranks, to the whole batch's
+# proximal metrics (PPOActor, when the proximal logprobs come from the update's own forward).
+PROXIMAL_SUM_KEYS = ("proximal/tokens", "proximal/abs_diff", "proximal/ratio", "proximal/ratio_sq")
+
+
+@torch.no_grad()
+def proximal_sums(
+    prox_logprobs: torch.Tensor, behav_logprobs: torch.Tensor, loss_mask: torch.Tensor, weight: float
+) -> dict[str, torch.Tensor]:
+    """One microbatch's share of the batch's ``behav_prox_logprob_diff`` and ``behav_ratio/*``.
+
+    The engine averages a microbatch's stats by its loss ``weight`` (sum of value x weight / the
+    batch's weight), so each sum here is divided by ``weight`` to arrive as a plain sum over the
+    batch (divided by the batch's weight, which ``proximal_metrics`` cancels); min and max are
+    reduced as extremes.
+    """
+    mask = loss_mask > 0
+    if not bool(mask.any()) or weight <= 0:
+        return {}
+    ratio = _behaviour_ratios(prox_logprobs, behav_logprobs, mask)
+    diff = (prox_logprobs.detach().double() - behav_logprobs.detach().double()).abs()[mask]
+    out = {
+        "proximal/tokens": torch.tensor(float(mask.sum()) / weight, dtype=torch.float64),
+        "proximal/abs_diff": diff.sum() / weight,
+        "proximal/ratio": ratio.sum() / weight,
+        "proximal/ratio_sq": ratio.square().sum() / weight,
+        "behav_ratio/min": ratio.min(),
+        "behav_ratio/max": ratio.max(),
+    }
+    return out
+
+
+def proximal_metrics(reduced: dict[str, float], n_tokens: int) -> dict[str, float]:
+    """``behav_prox_logprob_diff`` (token mean) and ``behav_ratio/{mean,std,min,max}`` from the
+    reduced ``proximal_sums`` of a whole batch of ``n_tokens`` loss tokens (the keys are removed
+    from ``reduced``); equal to ``behaviour_ratio_metrics`` of the batch."""
+    sums = {k: reduced.pop(k) for k in PROXIMAL_SUM_KEYS if k in reduced}
+    lo, hi = reduced.pop("behav_ratio/min", None), reduced.pop("behav_ratio/max", None)
+    scale = sums.get("proximal/tokens", 0.0)  # n_tokens / the batch's loss weight
+    if len(sums) < len(PROXIMAL_SUM_KEYS) or scale <= 0 or lo is None or hi is None:
+        return {}
+    mean = sums["proximal/ratio"] / scale
+    var = max(0.0, sums["proximal/ratio_sq"] / scale - mean * mean)
+    return {
+        "behav_prox_logprob_diff": sums["proximal/abs_diff"] / scale,
+        "behav_ratio/mean": mean,
+        "behav_ratio/std": (var * n_tokens / (n_tokens - 1)) ** 0.5 if n_tokens > 1 else 0.0,
+        "behav_ratio/min": lo,
+        "behav_ratio/max": hi,
     }

@@ -24,6 +24,7 @@ from archon.config import Config, ConfigError
 from archon.drill import drill_point
 from archon.engine import ArchonEngine, build_engine
 from archon.errors import user_error_types
+from archon.gc_freeze import freeze_startup_objects, thaw_startup_objects
 from archon.rl.actor import PPOActor, ReferenceModel
 from archon.rl.advantages import check_advantage_options, compute_advantages
 from archon.rl.critic import PPOCritic
@@ -319,7 +320,7 @@ class RLTrainer:
         mask = batch["loss_mask"]
         if self.ref is not None:
             batch["ref_logprobs"] = self.ref.compute_logprobs(batch)
-        if self.cfg.actor.recompute_logprob or self.cfg.actor.use_decoupled_loss:
+        if self._recomputes_proximal() and not self._proximal_from_update():
             batch["old_logprobs"] = self.actor.compute_logprobs(batch)
             diff = (batch["old_logprobs"] - batch["logprobs"]).abs()
             metrics["behav_prox_logprob_diff"] = float(aggregate(diff, mask, "token-mean"))
@@ -355,6 +356,23 @@ class RLTrainer:
         metrics["advantages_abs_mean"] = float(aggregate(batch["advantages"].abs(), mask, "token-mean"))
         return metrics
 
+    def _recomputes_proximal(self) -> bool:
+        return self.cfg.actor.recompute_logprob or self.cfg.actor.use_decoupled_loss
+
+    def _proximal_from_update(self) -> bool:
+        """Whether the proximal logprobs come from the update's own forward (``actor.proximal_from_update``):
+        it makes one optimizer step, and nothing needs them before it (reference, teacher; overlong
+        filtering would leave tokens out of the update but not out of the proximal metrics)."""
+        a = self.cfg.actor
+        return (
+            a.proximal_from_update
+            and self._recomputes_proximal()
+            and self.actor.single_step_update()
+            and not a.overlong_filtering
+            and self.ref is None
+            and self.teacher is None
+        )
+
     def _step(self, step: int) -> dict[str, Any]:
         t_start = time.perf_counter()
         completions, rewards, timing = self._collect_rollouts(step)
@@ -367,7 +385,11 @@ class RLTrainer:
             "behav_prox_logprob_diff": None,
         }
         record.update(self._prepare(batch))
-        actor_stats = self.actor.ppo_update(batch)
+        fused = self._proximal_from_update()
+        actor_stats = self.actor.ppo_update(batch, proximal_from_update=fused)
+        if fused and self.async_rollout is None:
+            # As with a separate recompute, the ratio statistics are reported for asynchronous runs.
+            actor_stats = {k: v for k, v in actor_stats.items() if not k.startswith("behav_ratio/")}
         if record["behav_prox_logprob_diff"] is None:
             record["behav_prox_logprob_diff"] = actor_stats.get("actor/behav_logprob_diff_first_mb")
         actor_stats.pop("actor/behav_logprob_diff_first_mb", None)
@@ -442,6 +464,7 @@ class RLTrainer:
             from archon.rl.async_rollout import AsyncRollout
 
             self.async_rollout = AsyncRollout(self, start_step=start, state=(extra or {}).get("async_rollout"))
+        freeze_startup_objects()
         return start + 1
 
     def step(self, step: int) -> dict[str, Any]:
@@ -512,3 +535,4 @@ class RLTrainer:
         if self.launcher is not None:
             self.launcher.stop()
             self.launcher = None
+        thaw_startup_objects()

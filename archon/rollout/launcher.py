@@ -52,6 +52,7 @@ from archon.alloc import AllocationError, ModelAllocation
 from archon.config import Config, ConfigError
 from archon.errors import ArchonError
 from archon.plan import ClusterPlan, Process, plan_for_config
+from archon.plan.cpu_cores import slot_cores, start_cores, warn_unpinned
 from archon.rollout.auth import API_KEY_ENV, generate_api_key, write_api_key
 from archon.rollout.server_api import HEALTH_PROBE_TIMEOUT_S
 from archon.rollout.server_commands import check_sglang_options, local_command, resolve_context_length, sglang_command
@@ -199,6 +200,7 @@ def build_launch_specs(
             env.update(vllm_env(cfg), CUDA_VISIBLE_DEVICES=gpus, VLLM_API_KEY=api_key)
         else:
             cmd = local_command(cfg, model_path, bind, port, cfg.sglang.random_seed + placement.index, context)
+            cmd += _cpu_cores_args(cfg, placement.gpus, placement.index)
             env["CUDA_VISIBLE_DEVICES"] = ""  # the built-in server is a CPU process
             env[API_KEY_ENV] = api_key
         specs.append(
@@ -207,6 +209,17 @@ def build_launch_specs(
             )
         )
     return specs
+
+
+def _cpu_cores_args(cfg: Config, slots: Sequence[int], index: int) -> list[str]:
+    """``--cpu-cores`` for a built-in server under ``cluster.pin_cpu_cores``: its slots' share of the cores."""
+    if not cfg.cluster.pin_cpu_cores:
+        return []
+    shares = [slot_cores(s, cfg.cluster.n_gpus_per_node, start_cores()) for s in slots]
+    if any(share is None for share in shares):
+        warn_unpinned(f"rollout server {index}", cfg.cluster.n_gpus_per_node)
+        return []
+    return ["--cpu-cores", ",".join(str(c) for share in shares for c in share or ())]
 
 
 def _tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:

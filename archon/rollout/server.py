@@ -37,6 +37,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from archon.gc_freeze import freeze_startup_objects
+from archon.plan.cpu_cores import parse_core_list, pin_process
 from archon.rollout import protocol
 from archon.rollout.auth import APIKeyMiddleware, api_key_from_env, check_bind
 from archon.rollout.generator import PAUSE_MODES, GenerationRequest, Generator
@@ -81,6 +83,8 @@ class ServerArgs:
     """Key requests must carry as 'Authorization: Bearer <key>' (default $ARCHON_API_KEY); required off loopback."""
     max_request_mb: float = 64.0
     """Largest request body accepted, in MiB (HTTP 413 above)."""
+    cpu_cores: str | None = None
+    """Pin the server to these CPU cores, comma-separated (the trainer passes its share under cluster.pin_cpu_cores)."""
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
@@ -116,6 +120,7 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
     add("tp_size", type=int)
     add("api_key")
     add("max_request_mb", type=float)
+    add("cpu_cores")
     ns = p.parse_args(argv)
     return ServerArgs(**vars(ns))
 
@@ -431,10 +436,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ValueError as e:
         raise SystemExit(f"archon.rollout.server: {e}") from None
     try:
+        if args.cpu_cores:
+            # Before the generation thread starts: it inherits them.
+            logger.info("pinned to CPU cores %s", ",".join(map(str, pin_process(parse_core_list(args.cpu_cores)))))
         generator = build_generator(args)
     except ValueError as e:  # a bad folder, config or option: one line, not a traceback
         raise SystemExit(f"archon.rollout.server: cannot serve {args.model_path}: {e}") from None
     state = RolloutServer(generator, args)
+    freeze_startup_objects()
     try:
         logger.info("starting the HTTP server on http://%s:%d", args.host, args.port)
         # Requests held by a pause would keep a graceful shutdown waiting forever: bound it.

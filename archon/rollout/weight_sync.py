@@ -46,6 +46,9 @@ from archon.rollout.weight_group import destroy_weight_update_group, init_weight
 logger = logging.getLogger("archon.rollout.weight_sync")
 
 _MIB = 1 << 20
+# Broadcast polling starts short (a small model's bucket is received in about a millisecond) and
+# backs off to _POLL_S.
+_FIRST_POLL_S = 0.0001
 _POLL_S = 0.002
 
 
@@ -419,6 +422,7 @@ class DistributedWeightSync:
         # Poll instead of blocking in wait(): a server that refuses the bucket never receives, and its
         # HTTP error must not be hidden behind a broadcast that waits for the group timeout.
         deadline = time.monotonic() + self.timeout_s
+        poll = _FIRST_POLL_S
         while not all(w.is_completed() for w in works):
             if request.done() and request.exception() is not None:
                 raise WeightSyncError(f"a rollout server failed while receiving {names[0]}..: {request.exception()}")
@@ -427,7 +431,8 @@ class DistributedWeightSync:
                     f"broadcast of {len(names)} tensor(s) starting at {names[0]} did not finish "
                     f"within {self.timeout_s:g} s"
                 )
-            time.sleep(_POLL_S)
+            time.sleep(poll)
+            poll = min(2 * poll, _POLL_S)
         for w in works:
             w.wait()  # surfaces a failed collective as an exception
         request.result(timeout=self.timeout_s)
