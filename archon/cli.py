@@ -60,11 +60,10 @@ def init_run(cfg: Config, job: Job) -> str:
     device_type = resolve_device_type(cfg.device)
     pin = device_type == "cpu" and cfg.cluster.pin_cpu_cores
     plan = plan_for_config(cfg, job) if device_type == "cuda" or pin else None
-    if pin:
+    if pin and plan is not None:
         from archon.engine.dist import plan_gpu
         from archon.plan.cpu_cores import pin_to_slot
 
-        assert plan is not None
         # Before the process group and the engines start their threads: those inherit the cores.
         pin_to_slot(plan_gpu(plan), cfg.cluster.n_gpus_per_node, f"training rank {os.environ.get('RANK', '0')}")
     init_distributed(device_type, plan=plan if device_type == "cuda" else None)

@@ -49,35 +49,35 @@ def slot_cores(slot: int, n_slots: int, cores: Sequence[int]) -> tuple[int, ...]
     return tuple(cores[start : start + base + (1 if slot < extra else 0)])
 
 
+def share_of_slots(slots: Sequence[int], n_slots: int, who: str) -> tuple[int, ...] | None:
+    """The cores of ``slots`` (of the node's ``n_slots``) from this process's start cores; None, with
+    a warning naming ``who``, when the node has fewer allowed cores than slots."""
+    shares = [slot_cores(s, n_slots, start_cores()) for s in slots]
+    if any(share is None for share in shares):
+        logger.warning(
+            "cluster.pin_cpu_cores: %s is not pinned, because this node's %d allowed cores cannot give each "
+            "of its %d processes (cluster.n_gpus_per_node) one of its own",
+            who,
+            len(start_cores()),
+            n_slots,
+        )
+        return None
+    return tuple(c for share in shares for c in share or ())
+
+
 def pin_to_slot(slot: int, n_slots: int, who: str) -> tuple[int, ...] | None:
     """Pin this process (the calling thread and the threads it starts later) to its slot's cores.
 
     Call it before starting threads: threads that exist already keep their affinity.  ``who``
     names the process in the log.  Returns the cores, or None when nothing was pinned.
     """
-    cores = slot_cores(slot, n_slots, start_cores())
-    if cores is None:
-        warn_unpinned(who, n_slots)
-        return None
-    pin_process(cores)
-    logger.info("%s pinned to CPU cores %s", who, ",".join(map(str, cores)))
-    return cores
+    cores = share_of_slots([slot], n_slots, who)
+    return None if cores is None else pin_process(cores, who)
 
 
-def warn_unpinned(who: str, n_slots: int) -> None:
-    """Say that ``who`` runs unpinned because the node has fewer allowed cores than slots."""
-    logger.warning(
-        "cluster.pin_cpu_cores: %s is not pinned, because this node's %d allowed cores cannot give each "
-        "of its %d processes (cluster.n_gpus_per_node) one of its own",
-        who,
-        len(start_cores()),
-        n_slots,
-    )
-
-
-def pin_process(cores: Sequence[int]) -> tuple[int, ...]:
+def pin_process(cores: Sequence[int], who: str) -> tuple[int, ...]:
     """Run this process (the calling thread and the threads it starts later) on ``cores`` only,
-    with at most that many torch threads; returns the cores."""
+    with at most that many torch threads; returns the cores.  ``who`` names it in the log."""
     cores = tuple(cores)
     try:
         os.sched_setaffinity(0, cores)
@@ -88,6 +88,7 @@ def pin_process(cores: Sequence[int]) -> tuple[int, ...]:
         ) from None
     if torch.get_num_threads() > len(cores):
         torch.set_num_threads(len(cores))
+    logger.info("%s pinned to CPU cores %s", who, ",".join(map(str, cores)))
     return cores
 
 

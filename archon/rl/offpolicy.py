@@ -49,9 +49,13 @@ def staleness_metrics(completions: Sequence[Completion], trained_version: int, m
     return out
 
 
-def _behaviour_ratios(prox_logprobs: torch.Tensor, behav_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``pi_prox / pi_behav`` at the loss tokens, float64 (log ratios clamped, non-finite ones 0)."""
-    log_ratio = (prox_logprobs.detach().double() - behav_logprobs.detach().double())[mask]
+def _log_ratios(prox_logprobs: torch.Tensor, behav_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``log pi_prox - log pi_behav`` at the loss tokens, float64."""
+    return (prox_logprobs.detach().double() - behav_logprobs.detach().double())[mask]
+
+
+def _ratios(log_ratio: torch.Tensor) -> torch.Tensor:
+    """``pi_prox / pi_behav`` from log ratios (clamped, non-finite ones 0)."""
     return torch.where(torch.isfinite(log_ratio), log_ratio, 0.0).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).exp()
 
 
@@ -68,7 +72,7 @@ def behaviour_ratio_metrics(
     mask = loss_mask > 0
     if not bool(mask.any()):
         return {}
-    ratio = _behaviour_ratios(prox_logprobs, behav_logprobs, mask)
+    ratio = _ratios(_log_ratios(prox_logprobs, behav_logprobs, mask))
     return {
         "behav_ratio/mean": float(ratio.mean()),
         "behav_ratio/std": float(ratio.std()) if ratio.numel() > 1 else 0.0,
@@ -96,17 +100,16 @@ def proximal_sums(
     mask = loss_mask > 0
     if not bool(mask.any()) or weight <= 0:
         return {}
-    ratio = _behaviour_ratios(prox_logprobs, behav_logprobs, mask)
-    diff = (prox_logprobs.detach().double() - behav_logprobs.detach().double()).abs()[mask]
-    out = {
+    log_ratio = _log_ratios(prox_logprobs, behav_logprobs, mask)
+    ratio = _ratios(log_ratio)
+    return {
         "proximal/tokens": torch.tensor(float(mask.sum()) / weight, dtype=torch.float64),
-        "proximal/abs_diff": diff.sum() / weight,
+        "proximal/abs_diff": log_ratio.abs().sum() / weight,
         "proximal/ratio": ratio.sum() / weight,
         "proximal/ratio_sq": ratio.square().sum() / weight,
         "behav_ratio/min": ratio.min(),
         "behav_ratio/max": ratio.max(),
     }
-    return out
 
 
 def proximal_metrics(reduced: dict[str, float], n_tokens: int) -> dict[str, float]:

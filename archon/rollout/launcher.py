@@ -52,7 +52,7 @@ from archon.alloc import AllocationError, ModelAllocation
 from archon.config import Config, ConfigError
 from archon.errors import ArchonError
 from archon.plan import ClusterPlan, Process, plan_for_config
-from archon.plan.cpu_cores import slot_cores, start_cores, warn_unpinned
+from archon.plan.cpu_cores import share_of_slots
 from archon.rollout.auth import API_KEY_ENV, generate_api_key, write_api_key
 from archon.rollout.server_api import HEALTH_PROBE_TIMEOUT_S
 from archon.rollout.server_commands import check_sglang_options, local_command, resolve_context_length, sglang_command
@@ -215,11 +215,8 @@ def _cpu_cores_args(cfg: Config, slots: Sequence[int], index: int) -> list[str]:
     """``--cpu-cores`` for a built-in server under ``cluster.pin_cpu_cores``: its slots' share of the cores."""
     if not cfg.cluster.pin_cpu_cores:
         return []
-    shares = [slot_cores(s, cfg.cluster.n_gpus_per_node, start_cores()) for s in slots]
-    if any(share is None for share in shares):
-        warn_unpinned(f"rollout server {index}", cfg.cluster.n_gpus_per_node)
-        return []
-    return ["--cpu-cores", ",".join(str(c) for share in shares for c in share or ())]
+    cores = share_of_slots(slots, cfg.cluster.n_gpus_per_node, f"rollout server {index}")
+    return [] if cores is None else ["--cpu-cores", ",".join(map(str, cores))]
 
 
 def _tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:

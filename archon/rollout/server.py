@@ -438,7 +438,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         if args.cpu_cores:
             # Before the generation thread starts: it inherits them.
-            logger.info("pinned to CPU cores %s", ",".join(map(str, pin_process(parse_core_list(args.cpu_cores)))))
+            pin_process(parse_core_list(args.cpu_cores), "the rollout server")
         generator = build_generator(args)
     except ValueError as e:  # a bad folder, config or option: one line, not a traceback
         raise SystemExit(f"archon.rollout.server: cannot serve {args.model_path}: {e}") from None
