@@ -83,6 +83,9 @@ class _FakeClient:
             output_versions=[self.version] * n,
         )
 
+    async def agenerate_many(self, prompts, params) -> list[GenerateResult]:
+        return list(await asyncio.gather(*(self.agenerate(ids, p) for ids, p in zip(prompts, params))))
+
     async def apause_generation(self, mode=None):
         self.pauses += 1
         self.resumed.clear()

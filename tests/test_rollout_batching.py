@@ -163,6 +163,31 @@ def test_cancelling_every_caller_cancels_the_batch_and_one_caller_does_not():
     assert [a["echo"] for a in answers] == [[2, 1], [3, 2]]
 
 
+def test_one_callers_group_goes_in_as_few_batches_as_the_caps_allow_and_fails_as_a_whole():
+    async def main(server: ScriptedServer, **caps: int) -> list[Any]:
+        return await RequestBatcher(server.send, **caps).post_many("a", [_payload(i) for i in range(10)])
+
+    server = ScriptedServer()
+    answers = _run(main(server, max_requests=4))
+    assert [a["echo"] for a in answers] == [[i + 1, i] for i in range(10)]
+    assert [b["rid"] for _, b in server.bodies] == [[f"r{i}" for i in c] for c in ((0, 1, 2, 3), (4, 5, 6, 7), (8, 9))]
+    server.bodies.clear()
+    _run(main(server, max_tokens=6))  # 2 prompt tokens each
+    assert [b["rid"] for _, b in server.bodies][-2:] == [["r6", "r7", "r8"], "r9"]
+    assert [len(b["rid"]) for _, b in server.bodies[:-1]] == [3, 3, 3]
+    server.bodies.clear()
+    assert _run(main(server, max_requests=1))[3]["echo"] == [4, 3]
+    assert all(isinstance(b["rid"], str) for _, b in server.bodies)  # alone: SGLang's single form
+    # A 4xx is the group's: raised as it is, not sent again request by request.
+    refusing = ScriptedServer(refuse=5)
+    with pytest.raises(RolloutRequestError, match="token 5 is out of range"):
+        _run(main(refusing))
+    assert len(refusing.bodies) == 1
+    failure = ConnectionError("connection lost")
+    with pytest.raises(ConnectionError):
+        _run(main(ScriptedServer(fail=failure), max_requests=4))
+
+
 # ---- the client -----------------------------------------------------------------------------
 
 
@@ -217,3 +242,43 @@ def test_a_failed_batch_is_retried_and_counted_once_against_its_server():
     assert stats["rollout_servers_down"] == 0
     assert stats["rollout_retries"] == 6
     assert fake.generate_count == 2
+
+
+def test_many_prompts_go_as_one_batch_per_server_in_shares_of_the_least_loaded():
+    fakes = [FakeSGLang().start() for _ in range(3)]
+    params = {"max_new_tokens": 3, "temperature": 0.0}
+    prompts = [[i, i + 1, 7] for i in range(31)]
+    try:
+        with RolloutClient([f.addr for f in fakes], api=BuiltinServerAPI()) as client:
+            results = client.generate_many(prompts, params)
+            assert client._batcher is not None and client._batcher.batches_sent == 3
+            # As request by request, where each goes to the server with the fewest in flight.
+            results += client.generate_many(prompts[:2], params)
+    finally:
+        for f in fakes:
+            f.stop()
+    assert [r.output_ids for r in results] == [fake_completion(p, params)[0] for p in prompts + prompts[:2]]
+    assert [f.generate_count for f in fakes] == [1, 2, 2]
+    # Contiguous shares in order, the first server taking the one left over.
+    owners = [next(i for i, f in enumerate(fakes) if r.server.endswith(f.addr)) for r in results[:31]]
+    assert owners == [0] * 11 + [1] * 10 + [2] * 10
+    assert [fakes.index(f) for f in fakes if results[31].server.endswith(f.addr)] == [1]
+
+
+def test_a_failed_share_is_retried_request_by_request_on_the_other_servers():
+    bad, good = FakeSGLang().start(), FakeSGLang().start()
+    params = {"max_new_tokens": 3, "temperature": 0.0}
+    prompts = [[i, 3, 9] for i in range(8)]
+    try:
+        bad.fail_next = 5
+        with RolloutClient([bad.addr, good.addr], api=BuiltinServerAPI(), backoff_s=0.01) as client:
+            results = client.generate_many(prompts, params)
+            stats = client.stats()
+    finally:
+        bad.stop()
+        good.stop()
+    assert [r.output_ids for r in results] == [fake_completion(p, params)[0] for p in prompts]
+    assert all(r.server.endswith(good.addr) for r in results)
+    # The good server's share, then the bad server's four sent again together, to the good one.
+    assert (bad.generate_count, good.generate_count) == (1, 2)
+    assert stats["rollout_requests"] == 12 and stats["rollout_retries"] == 4

@@ -253,22 +253,24 @@ class RolloutWorker:
         from archon.rl.trainer import rollout_seed
 
         t0 = time.perf_counter()
-        tasks = [
-            asyncio.get_running_loop().create_task(
-                self._generate(p.input_ids, {**self.sampling, "sampling_seed": rollout_seed(self.seed, r + 1, i)})
-            )
-            for i, p in enumerate(prompts)
-        ]
+        params = [{**self.sampling, "sampling_seed": rollout_seed(self.seed, r + 1, i)} for i in range(len(prompts))]
         try:
-            completions = await asyncio.gather(*tasks)
-        except BaseException:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+            if self._limit is None:
+                completions = await self._generate([p.input_ids for p in prompts], params)
+            else:
+                # At most max_concurrency requests in flight over every round: one sample per request.
+                loop = asyncio.get_running_loop()
+                tasks = [loop.create_task(self._generate([p.input_ids], [q])) for p, q in zip(prompts, params)]
+                try:
+                    completions = [c for group in await asyncio.gather(*tasks) for c in group]
+                except BaseException:
+                    for t in tasks:
+                        t.cancel()
+                    await asyncio.gather(*tasks, return_exceptions=True)
+                    raise
         finally:
             self._generating.pop(r, None)
-        return list(completions), time.perf_counter() - t0
+        return completions, time.perf_counter() - t0
 
     async def _score_round(self, r: int, prompts: list[PromptSample], gen: asyncio.Task) -> Round:
         completions, gen_time = await gen
@@ -282,41 +284,59 @@ class RolloutWorker:
             {"rollout_time_s": gen_time, "reward_time_s": time.perf_counter() - t1},
         )
 
-    async def _generate(self, input_ids: list[int], params: dict[str, Any]) -> Completion:
-        """One sample; sent again with its tokens so far whenever a pause for new weights aborted it."""
-        max_new = int(params.get("max_new_tokens", 0))
-        min_new = int(params.get("min_new_tokens", 0) or 0)
-        out: list[int] = []
-        logprobs: list[float] = []
-        versions: list[int] = []
-        sent = 0
-        while True:
-            request = params
+    async def _generate(self, prompts: list[list[int]], params: list[dict[str, Any]]) -> list[Completion]:
+        """Samples sent together; those a pause for new weights aborted are sent again with their tokens so far."""
+        outs: list[list[int]] = [[] for _ in prompts]
+        logprobs: list[list[float]] = [[] for _ in prompts]
+        versions: list[list[int]] = [[] for _ in prompts]
+        reasons = [""] * len(prompts)
+        todo = list(range(len(prompts)))
+        sent = False
+        while todo:
             if sent:
                 # Sent again once the servers hold the new weights.
                 assert self._open is not None
                 await self._open.wait()
-            if out:
-                # The rest of the budget, and a random stream of its own (the first part's draws
-                # must not repeat).
-                request = {**params, "max_new_tokens": max_new - len(out), "min_new_tokens": max(0, min_new - len(out))}
-                if params.get("sampling_seed") is not None:
-                    request["sampling_seed"] = continuation_seed(params["sampling_seed"], len(out))
-            sent += 1
+            sent = True
+            requests = [self._continuation(params[i], len(outs[i])) for i in todo]
             pauses, known = self._pauses, self.version
+            inputs = [list(prompts[i]) + outs[i] for i in todo]
             if self._limit is not None:
                 async with self._limit:
-                    res = await self.client.agenerate(list(input_ids) + out, request)
+                    results = await self.client.agenerate_many(inputs, requests)
             else:
-                res = await self.client.agenerate(list(input_ids) + out, request)
-            out += res.output_ids
-            logprobs += res.output_logprobs
-            versions += [parse_version(v, known) for v in res.output_versions]
-            if res.finish_reason == "abort" and self._pauses != pauses and len(out) < max_new:
-                self.resubmitted += 1
-                continue
-            reason = "length" if res.finish_reason == "abort" and len(out) >= max_new else res.finish_reason
-            return Completion(list(input_ids), out, logprobs, reason, output_versions=versions)
+                results = await self.client.agenerate_many(inputs, requests)
+            again = []
+            for i, res in zip(todo, results):
+                outs[i] += res.output_ids
+                logprobs[i] += res.output_logprobs
+                versions[i] += [parse_version(v, known) for v in res.output_versions]
+                full = len(outs[i]) >= int(params[i].get("max_new_tokens", 0))
+                if res.finish_reason == "abort" and self._pauses != pauses and not full:
+                    self.resubmitted += 1
+                    again.append(i)
+                else:
+                    reasons[i] = "length" if res.finish_reason == "abort" and full else res.finish_reason
+            todo = again
+        return [
+            Completion(list(p), out, lps, reason, output_versions=vs)
+            for p, out, lps, reason, vs in zip(prompts, outs, logprobs, reasons, versions)
+        ]
+
+    @staticmethod
+    def _continuation(params: dict[str, Any], done: int) -> dict[str, Any]:
+        """A sample's request after ``done`` tokens: the rest of the budget and a random stream of its own
+        (the first part's draws must not repeat)."""
+        if not done:
+            return params
+        request = {
+            **params,
+            "max_new_tokens": int(params.get("max_new_tokens", 0)) - done,
+            "min_new_tokens": max(0, int(params.get("min_new_tokens", 0) or 0) - done),
+        }
+        if params.get("sampling_seed") is not None:
+            request["sampling_seed"] = continuation_seed(params["sampling_seed"], done)
+        return request
 
     def _account_take(self, new_step: bool) -> asyncio.Task:
         """Count a round as taken (submitting what that allows); the task that makes the round."""

@@ -8,6 +8,7 @@ for the servers' family by the client's ``ServerAPI`` and fanned out to every se
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -37,6 +38,28 @@ class ServerState:
     """Most recent failure, for error messages."""
     weight_version: str = ""
     """Version of the last weight update this client made on the server ("" before any)."""
+
+
+class ServerStateFailure(Exception):
+    """A failure worth retrying elsewhere: connection error, timeout or 5xx."""
+
+    def __init__(self, message: str, *, refused: bool = False, timed_out: bool = False):
+        super().__init__(message)
+        self.refused = refused
+        self.timed_out = timed_out
+        self.recorded = False
+        """Counted against its server already (a batch's failure reaches each of its requests)."""
+
+
+async def cancel_on_first_error(tasks: list[asyncio.Task]) -> list[BaseException]:
+    """Wait for ``tasks``; at the first failure cancel the rest. Returns the failures (empty if none)."""
+    _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    errors = [e for t in tasks if t.done() and not t.cancelled() and (e := t.exception()) is not None]
+    if errors:
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    return errors
 
 
 class ServerControl:
@@ -133,12 +156,14 @@ class ServerControl:
         version: int | str | None,
         *,
         flush_cache: bool = True,
+        load_format: str | None = None,
     ) -> dict[str, Any]:
         """Tell the group's servers to receive these tensors; the trainer broadcasts them meanwhile.
 
         SGLang sets its weight version after every call that carries one, so a sync in several
         buckets passes ``version`` with the last bucket only (None for the others): a sync that
-        fails half-way never reports new weights on half-updated ones.
+        fails half-way never reports new weights on half-updated ones.  ``load_format =
+        'flattened_bucket'``: the tensors come as one broadcast of their bytes, in order.
         """
         if not self.api.distributed_weights:
             raise self._no_distributed_weights()
@@ -163,6 +188,8 @@ class ServerControl:
         }
         if version is not None:
             payload["weight_version"] = str(version)
+        if load_format is not None:
+            payload["load_format"] = load_format
         result = await self._fan_out([Call("POST", "/update_weights_from_distributed", payload)], servers=members)
         if version is not None:
             for s in members:
@@ -199,7 +226,10 @@ class ServerControl:
         version: int | str | None,
         *,
         flush_cache: bool = True,
+        load_format: str | None = None,
     ) -> dict[str, Any]:
         return self._wait(
-            self.aupdate_weights_from_distributed(names, dtypes, shapes, group_name, version, flush_cache=flush_cache)
+            self.aupdate_weights_from_distributed(
+                names, dtypes, shapes, group_name, version, flush_cache=flush_cache, load_format=load_format
+            )
         )
