@@ -134,6 +134,7 @@ class FakeSGLang:
         self.n_updates = 0
         self.weights: dict[str, Any] = {}
         self.update_calls: list[list[str]] = []
+        self.load_formats: list[str | None] = []
         self.versions_after_update: list[str] = []
         self.group_requests: list[dict[str, Any]] = []
         self.disk_loads: list[str] = []
@@ -332,16 +333,27 @@ class FakeSGLang:
         from archon.rollout.weight_group import broadcast_tensor
 
         def receive() -> dict[str, Any]:
-            got = {}
-            for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"]):
-                t = torch.empty(shape, dtype=getattr(torch, dtype))
-                broadcast_tensor(t, pg, src=0)
-                got[name] = t
-            return got
+            empty = [
+                torch.empty(shape, dtype=getattr(torch, dtype)) for dtype, shape in zip(body["dtypes"], body["shapes"])
+            ]
+            if body.get("load_format") == "flattened_bucket":
+                # SGLang's FlattenedTensorBucket: every tensor's bytes in order, one uint8 broadcast.
+                flat = torch.empty(sum(t.numel() * t.element_size() for t in empty), dtype=torch.uint8)
+                broadcast_tensor(flat, pg, src=0)
+                start = 0
+                for t in empty:
+                    size = t.numel() * t.element_size()
+                    t.view(-1).view(torch.uint8).copy_(flat[start : start + size])
+                    start += size
+            else:
+                for t in empty:
+                    broadcast_tensor(t, pg, src=0)
+            return dict(zip(body["names"], empty))
 
         got = await asyncio.get_running_loop().run_in_executor(None, receive)
         self.weights.update(got)
         self.update_calls.append(list(body["names"]))
+        self.load_formats.append(body.get("load_format"))
         if body.get("flush_cache", True):
             self.flushes += 1
         # SGLang (TokenizerControlMixin.update_weights_from_distributed) sets the version after every
@@ -371,6 +383,7 @@ class FakeSGLang:
                 "served": self.served,
                 "max_in_flight": self.max_in_flight,
                 "update_calls": self.update_calls,
+                "load_formats": self.load_formats,
                 "versions_after_update": self.versions_after_update,
                 "group_requests": self.group_requests,
                 "disk_loads": self.disk_loads,

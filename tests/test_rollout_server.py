@@ -35,6 +35,7 @@ from archon.rollout.server import RunningServer, serve_in_thread
 from archon.rollout.weight_group import (
     broadcast_tensor,
     destroy_weight_update_group,
+    flatten_bucket,
     init_weight_update_group,
     listen_on,
     listening_port,
@@ -446,7 +447,7 @@ def test_update_weights_from_distributed(cli_servers, tmp_path, model_type, seed
     assert status == 200 and answer["success"] is True, answer
     pg = joined["pg"]
 
-    def update(names: list[str], version: str) -> tuple[int, Any]:
+    def update(names: list[str], version: str, flattened: bool = False) -> tuple[int, Any]:
         body = {
             "names": names,
             "dtypes": ["float32"] * len(names),
@@ -455,10 +456,15 @@ def test_update_weights_from_distributed(cli_servers, tmp_path, model_type, seed
             "weight_version": version,
             "flush_cache": True,
         }
+        if flattened:
+            body["load_format"] = "flattened_bucket"
         with ThreadPoolExecutor(1) as pool:
             pending = pool.submit(_post, url, "/update_weights_from_distributed", body)
-            for name in names:
-                broadcast_tensor(tensors[name].contiguous(), pg, src=0)
+            if flattened:
+                broadcast_tensor(flatten_bucket([tensors[n].contiguous() for n in names]), pg, src=0)
+            else:
+                for name in names:
+                    broadcast_tensor(tensors[name].contiguous(), pg, src=0)
             return pending.result(timeout=300)
 
     try:
@@ -484,6 +490,23 @@ def test_update_weights_from_distributed(cli_servers, tmp_path, model_type, seed
         status, out = _post(url, "/generate", _greedy_body(p, 8))
         assert out["meta_info"]["weight_version"] == f"step-{seed}"
         _assert_matches(out, _reference(new_model, p, 8))
+
+        # One broadcast of the bucket's bytes (SGLang's load_format 'flattened_bucket'): a bad name
+        # still takes the whole bucket off the group and applies nothing; a good bucket applies.
+        status, answer = update([*names[:3], "model.layers.0.mlp.bogus.weight", *names[3:]], "bad", flattened=True)
+        assert status == 400 and "bogus" in answer["message"], answer
+        assert _post(url, "/generate", _greedy_body(p, 8))[1]["output_ids"] == out["output_ids"]
+        save_tiny_hf(tmp_path / "third", model_type, seed=seed + 100)
+        third = models.load_hf_model(tmp_path / "third")
+        for shard in sorted((tmp_path / "third").glob("*.safetensors")):
+            tensors.update(load_file(shard))
+        status, answer = update(names, "flat", flattened=True)
+        assert status == 200 and answer["success"] is True, answer
+        status, out = _post(url, "/generate", _greedy_body(p, 8))
+        assert out["meta_info"]["weight_version"] == "flat"
+        _assert_matches(out, _reference(third, p, 8))
+        other_format = _post(url, "/update_weights_from_distributed", {**body, "load_format": "safetensors"})
+        assert other_format[0] == 400 and "'flattened_bucket'" in other_format[1]["message"]
 
         unknown = _post(url, "/update_weights_from_distributed", {**body, "group_name": "nope"})
         assert unknown[0] == 400 and "init_weights_update_group" in unknown[1]["message"]

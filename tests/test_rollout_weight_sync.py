@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,6 +17,7 @@ from safetensors.torch import save_file
 
 from archon.rollout.client import RolloutClient
 from archon.rollout.launcher import LaunchSpec, RolloutLauncher, free_ports
+from archon.rollout.weight_group import bucket_nbytes, flatten_bucket, unflatten_bucket
 from archon.rollout.weight_sync import (
     DiskWeightSync,
     DistributedWeightSync,
@@ -107,6 +109,7 @@ def _distributed_worker(addrs: list[str]) -> dict[str, Any]:
         out["after_v1"] = _snapshot(addrs)
     engine.step = 1
     sync.dtype = torch.bfloat16  # what a bf16 server would be sent
+    sync.flattened = True  # each bucket as one broadcast of its bytes (SGLang's 'flattened_bucket')
     out["v2"] = sync.sync("2", servers_quiet=True)  # the caller holds every request back: no pause
     if dist.get_rank() == 0:
         out["after_v2"] = _snapshot(addrs)
@@ -140,11 +143,36 @@ def test_distributed_sync_sends_exact_full_tensors_in_buckets(servers):
             assert snap1["weights"][name].dtype == torch.float32
             assert torch.equal(snap1["weights"][name], full_tensor(name, 0)), name
         assert snap2["state"]["update_calls"] == v1_buckets + v2_buckets
+        assert snap2["state"]["load_formats"] == [None] * 4 + ["flattened_bucket"] * 3
         assert snap2["state"]["version"] == "2"
         assert snap2["state"]["versions_after_update"] == ["0", "0", "0", "1", "1", "1", "2"]
         for name in NAMES:
             assert snap2["weights"][name].dtype == torch.bfloat16
             assert torch.equal(snap2["weights"][name], full_tensor(name, 1).to(torch.bfloat16)), name
+
+
+def test_a_flattened_bucket_holds_each_tensors_bytes_in_order():
+    g = torch.Generator().manual_seed(0)
+    # Odd sizes put the float32 and float64 tensors at offsets that are not multiples of their size.
+    tensors = [
+        torch.randn(3, generator=g).to(torch.bfloat16),
+        torch.randn(5, 1, generator=g),
+        torch.randn(2, 3, generator=g).double(),
+        torch.randint(0, 100, (7,), generator=g),
+        torch.tensor(2.5),
+    ]
+    flat = flatten_bucket(tensors)
+    assert flat.dtype == torch.uint8 and flat.numel() == 6 + 20 + 48 + 56 + 4
+    assert bucket_nbytes([t.dtype for t in tensors], [list(t.shape) for t in tensors]) == flat.numel()
+    # Byte by byte what each tensor holds, in order (SGLang's FlattenedTensorBucket layout); a
+    # bfloat16 is the upper half of its float32.
+    bf16 = (tensors[0].float().numpy().view(np.uint32) >> 16).astype("<u2").tobytes()
+    assert bytes(flat.tolist()) == bf16 + b"".join(t.numpy().tobytes() for t in tensors[1:])
+    back = unflatten_bucket(flat, [t.dtype for t in tensors], [list(t.shape) for t in tensors])
+    for got, want in zip(back, tensors):
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+    with pytest.raises(ValueError, match="cannot hold tensors of"):
+        unflatten_bucket(flat[:-1], [t.dtype for t in tensors], [list(t.shape) for t in tensors])
 
 
 def _disk_worker(addrs: list[str], folder: str) -> dict[str, Any]:

@@ -367,6 +367,10 @@ class RolloutConfig:
     """How new weights reach the servers: a broadcast group, or an HF folder on shared disk (vllm: disk only)."""
     weight_chunk_mb: int = 512
     """Bucket size of the distributed weight broadcast."""
+    weight_load_format: Literal["auto", "tensors", "flattened_bucket"] = "auto"
+    """How a bucket of the distributed broadcast travels: 'tensors' one broadcast per tensor (every SGLang),
+    'flattened_bucket' one broadcast of the bucket's bytes (SGLang's load_format of that name; far fewer round trips
+    with many tensors), 'auto' flattened for the built-in servers and per tensor for SGLang."""
     max_concurrent_rollouts: int = 0
     """Requests in flight per trainer process; 0 sends the whole batch at once."""
     max_server_restarts: int = 3

@@ -308,10 +308,11 @@ class Generator:
         shapes: Sequence[Sequence[int]],
         weight_version: str | None = None,
         abort_running: bool = False,
+        flattened: bool = False,
     ) -> Future:
-        """Receive HF-named tensors broadcast from rank 0 of ``group`` (in order) into the model."""
+        """Receive HF-named tensors broadcast from rank 0 of ``group`` (in order, or ``flattened``) into the model."""
         return self.run_exclusive(
-            lambda model: receive_weights(model, group, names, dtypes, shapes), weight_version, abort_running
+            lambda model: receive_weights(model, group, names, dtypes, shapes, flattened), weight_version, abort_running
         )
 
     def close(self) -> None:

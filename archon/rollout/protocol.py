@@ -22,6 +22,7 @@ import torch
 from archon.errors import ArchonError
 from archon.rollout.generator import GenerationRequest, GenerationResult
 from archon.rollout.sampling import SamplingParams
+from archon.rollout.weight_group import FLATTENED_BUCKET
 
 DEFAULT_GROUP_NAME = "weight_update_group"
 
@@ -423,6 +424,8 @@ class UpdateFromDistributedArgs(UpdateOptions):
     """Shape of each broadcast tensor."""
     group_name: str
     """Group made by ``/init_weights_update_group``."""
+    flattened: bool = False
+    """``load_format = 'flattened_bucket'``: one broadcast of the tensors' bytes, in order (SGLang's format)."""
 
 
 def parse_update_from_distributed(payload: Any) -> UpdateFromDistributedArgs:
@@ -440,11 +443,18 @@ def parse_update_from_distributed(payload: Any) -> UpdateFromDistributedArgs:
             f"{ep}: names, dtypes and shapes have {len(names)}, {len(raw_dtypes)} and {len(shapes)} entries; "
             "give one of each per tensor."
         )
+    load_format = _field(obj, "load_format", str, ep, None)
+    if load_format not in (None, FLATTENED_BUCKET):
+        raise ProtocolError(
+            f"{ep}: load_format {load_format!r} is not supported; send null (one broadcast per tensor) or "
+            f"'{FLATTENED_BUCKET}' (one broadcast of the bucket's bytes)."
+        )
     return UpdateFromDistributedArgs(
         names=list(names),
         dtypes=[parse_dtype(d, f"{ep} dtypes[{i}]") for i, d in enumerate(raw_dtypes)],
         shapes=[list(s) for s in shapes],
         group_name=_group_name(obj, ep),
+        flattened=load_format == FLATTENED_BUCKET,
         **_update_options(obj, ep),
     )
 

@@ -345,7 +345,13 @@ def create_app(server: RolloutServer) -> FastAPI:
         try:
             await asyncio.wrap_future(
                 gen.update_weights_from_group(
-                    group, args.names, args.dtypes, args.shapes, args.weight_version, args.abort_all_requests
+                    group,
+                    args.names,
+                    args.dtypes,
+                    args.shapes,
+                    args.weight_version,
+                    args.abort_all_requests,
+                    flattened=args.flattened,
                 )
             )
         except Exception as e:  # noqa: BLE001

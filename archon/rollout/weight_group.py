@@ -15,6 +15,7 @@ several such groups (one per trainer it serves) without a default group of its o
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 from datetime import timedelta
@@ -107,3 +108,45 @@ def destroy_weight_update_group(pg: dist.ProcessGroup) -> None:
 def broadcast_tensor(tensor: torch.Tensor, pg: dist.ProcessGroup, src: int = 0) -> None:
     """In-place broadcast from ``src`` over a weight-update group."""
     dist.broadcast(tensor, src=src, group=pg)
+
+
+FLATTENED_BUCKET = "flattened_bucket"
+"""``load_format`` of a distributed update whose tensors come as one broadcast of their bytes (SGLang's name).
+
+One broadcast per bucket instead of one per tensor: each broadcast is a round trip between the
+trainer and every server, which on a small model is most of a sync (24 tensors of the digits
+demo's model: 3.8 ms of receiving, 0.3 ms flattened) and on a large MoE model thousands of them.
+"""
+
+
+def flatten_bucket(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The bytes of ``tensors`` (contiguous), one after another, as one uint8 tensor (SGLang's layout)."""
+    return torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])
+
+
+def unflatten_bucket(flat: torch.Tensor, dtypes: list[torch.dtype], shapes: list[list[int]]) -> list[torch.Tensor]:
+    """The tensors of ``dtypes`` and ``shapes`` whose bytes ``flat`` (uint8, from ``flatten_bucket``) holds."""
+    if flat.numel() != bucket_nbytes(dtypes, shapes):
+        raise ValueError(
+            f"a flattened bucket of {flat.numel()} bytes cannot hold tensors of {bucket_nbytes(dtypes, shapes)} bytes"
+        )
+    out = []
+    offset = 0
+    for dtype, shape in zip(dtypes, shapes):
+        size = _nbytes(dtype, shape)
+        part = flat[offset : offset + size]
+        # A view in another dtype must start at a multiple of its element size; mixed dtypes may not.
+        if offset % dtype.itemsize:
+            part = part.clone()
+        out.append(part.view(dtype).view(shape))
+        offset += size
+    return out
+
+
+def bucket_nbytes(dtypes: list[torch.dtype], shapes: list[list[int]]) -> int:
+    """Bytes of the tensors of ``dtypes`` and ``shapes`` (the length of their flattened bucket)."""
+    return sum(_nbytes(dtype, shape) for dtype, shape in zip(dtypes, shapes))
+
+
+def _nbytes(dtype: torch.dtype, shape: list[int]) -> int:
+    return math.prod(shape) * dtype.itemsize

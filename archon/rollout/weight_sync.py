@@ -6,8 +6,10 @@ Two ways, chosen by ``rollout.weight_sync``:
   (``weight_group.py``).  Per sync, all trainer ranks iterate ``engine.named_full_tensors()``
   (a collective that gathers one full tensor at a time); rank 0 packs them into buckets of at
   most ``chunk_mb`` MiB, and for each bucket tells the servers the names, dtypes and shapes
-  (``/update_weights_from_distributed``) while it broadcasts the bucket's tensors in that order.
-  Only one bucket is ever held in memory, and only the last one carries the new weight version.
+  (``/update_weights_from_distributed``) while it broadcasts the bucket's tensors in that order,
+  or, flattened (``load_format = 'flattened_bucket'``: the built-in servers, SGLang on request),
+  the bucket's bytes in one broadcast.  Only one bucket is ever held in memory, and only the last
+  one carries the new weight version.
 - ``disk``: the engine exports an HF folder (a collective; rank 0 writes) into a fresh temp
   dir, rank 0 renames it atomically to ``<folder>/v<version>`` and asks the servers to load it
   (SGLang's ``/update_weights_from_disk``; vLLM's reload sequence, see ``archon.rollout.vllm``).
@@ -41,7 +43,14 @@ import torch.distributed as dist
 from archon.config import ConfigError
 from archon.drill import drill_point
 from archon.errors import ArchonError
-from archon.rollout.weight_group import destroy_weight_update_group, init_weight_update_group, listen_on, listening_port
+from archon.rollout.weight_group import (
+    FLATTENED_BUCKET,
+    destroy_weight_update_group,
+    flatten_bucket,
+    init_weight_update_group,
+    listen_on,
+    listening_port,
+)
 
 logger = logging.getLogger("archon.rollout.weight_sync")
 
@@ -223,6 +232,7 @@ class DistributedWeightSync:
         timeout_s: float = 600.0,
         extras: bool = False,
         pause_mode: str | None = None,
+        flattened: bool = False,
     ):
         if chunk_mb <= 0:
             raise ConfigError(f"rollout.weight_chunk_mb = {chunk_mb} must be positive")
@@ -240,6 +250,8 @@ class DistributedWeightSync:
         # How the servers pause around the broadcast (SGLang's mode; None: abort). Asynchronous RL
         # sets 'retract' so that requests in flight continue with the new weights.
         self.pause_mode = pause_mode
+        # One broadcast of each bucket's bytes (load_format 'flattened_bucket') instead of one per tensor.
+        self.flattened = flattened
         self.device = (
             torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         )
@@ -414,10 +426,12 @@ class DistributedWeightSync:
                 self.group_name,
                 version if flush else None,
                 flush_cache=flush,
+                load_format=FLATTENED_BUCKET if self.flattened else None,
             )
         )
+        sent = [flatten_bucket([t for _, t in bucket])] if self.flattened else [t for _, t in bucket]
         # async_op=True: each returns its Work.
-        works = cast("list[dist.Work]", [dist.broadcast(t, src=0, group=self._pg, async_op=True) for _, t in bucket])
+        works = cast("list[dist.Work]", [dist.broadcast(t, src=0, group=self._pg, async_op=True) for t in sent])
         drill_point("weight_sync")
         # Poll instead of blocking in wait(): a server that refuses the bucket never receives, and its
         # HTTP error must not be hidden behind a broadcast that waits for the group timeout.
@@ -458,10 +472,12 @@ def build_weight_sync(
     ranks_per_server: int = 1,
     dtype: torch.dtype | None = None,
     extras: bool = False,
+    flattened: bool = False,
 ) -> WeightSync:
     """The weight sync for ``rollout.weight_sync`` (call ``.setup()`` once, then ``.sync(version)`` per step).
 
     ``extras``: the servers are Archon's own and also take what HF formats lack (the MoE routing bias).
+    ``flattened``: each distributed bucket goes as one broadcast of its bytes (``load_format = 'flattened_bucket'``).
     """
     if mode == "distributed":
         return DistributedWeightSync(
@@ -473,6 +489,7 @@ def build_weight_sync(
             ranks_per_server=ranks_per_server,
             dtype=dtype,
             extras=extras,
+            flattened=flattened,
         )
     if mode == "disk":
         if folder is None:

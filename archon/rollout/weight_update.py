@@ -9,7 +9,7 @@ check everything before touching a weight, so a bad update leaves the served mod
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import models
-from archon.rollout.weight_group import broadcast_tensor
+from archon.rollout.weight_group import broadcast_tensor, bucket_nbytes, unflatten_bucket
 from models.state_dict_adapter import UnknownKeyError
 
 
@@ -90,19 +90,30 @@ def _plan_received(
     return problems
 
 
+def _receive_each(
+    group: dist.ProcessGroup, dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]], device: torch.device
+) -> Iterator[torch.Tensor]:
+    for dtype, shape in zip(dtypes, shapes):
+        tensor = torch.empty(tuple(shape), dtype=dtype, device=device)
+        broadcast_tensor(tensor, group, src=0)
+        yield tensor
+
+
 def receive_weights(
     model: nn.Module,
     group: dist.ProcessGroup,
     names: Sequence[str],
     dtypes: Sequence[torch.dtype],
     shapes: Sequence[Sequence[int]],
+    flattened: bool = False,
 ) -> None:
     """Receive each tensor by broadcast from rank 0 of ``group``, in order, and copy it into ``model``.
 
     Names are Hugging Face names; a per-expert tensor fills one slice of a grouped expert
     tensor.  Every tensor is received even when the names do not fit the model (so the
     sender, which broadcasts regardless, does not hang); then nothing is applied and a
-    ``ValueError`` lists the problems.
+    ``ValueError`` lists the problems.  ``flattened``: the tensors come as one broadcast of
+    their bytes (``weight_group.flatten_bucket``).
     """
     if not len(names) == len(dtypes) == len(shapes):
         raise ValueError(
@@ -112,11 +123,15 @@ def receive_weights(
     targets = model.state_dict(keep_vars=True)
     problems = _plan_received(adapter, targets, names, shapes)
     device = next(model.parameters()).device
-    for name, dtype, shape in zip(names, dtypes, shapes):
-        tensor = torch.empty(tuple(shape), dtype=dtype, device=device)
-        broadcast_tensor(tensor, group, src=0)
+    if flattened:
+        flat = torch.empty(bucket_nbytes(list(dtypes), [list(s) for s in shapes]), dtype=torch.uint8, device=device)
+        broadcast_tensor(flat, group, src=0)
+        received: Iterable[torch.Tensor] = unflatten_bucket(flat, list(dtypes), [list(s) for s in shapes])
+    else:
+        received = _receive_each(group, dtypes, shapes, device)
+    for name, tensor in zip(names, received):
         if problems:
-            continue
+            continue  # every tensor is still received
         for archon_name, expert, value in adapter.from_hf_tensor(name, tensor):
             dst = targets[archon_name]
             (dst if expert is None else dst[expert]).copy_(value)
