@@ -21,8 +21,9 @@ writes, without downloading anything:
     OUT_DIR/data/test.jsonl   held-out prompts (none of them appears in train.jsonl)
 
 The reward (``digits_reward``) is the fraction of answer digits right in place, halved unless the
-completion stops right after the answer; with ``gconfig.max_new_tokens = digits + 1`` a
-completion either stops or runs one token too long.  Everything is a function of the seeds.
+completion stops with EOS right after the answer, judged on the token ids; with
+``gconfig.max_new_tokens = digits + 1`` a completion either stops or runs one token too long.
+Everything is a function of the seeds.
 """
 
 from __future__ import annotations
@@ -84,13 +85,21 @@ def answer_of(prompt: str) -> str:
     return prompt[:-1]
 
 
-def digits_reward(prompt: str, completion: str, answer: str, **_: Any) -> float:
-    """Fraction of ``answer``'s characters that ``completion`` has in the same place, halved unless the
-    completion is exactly as long as the answer (it stopped, with EOS, right after it)."""
+def digits_reward(prompt: str, completion: str, answer: str, *, completion_ids: Sequence[int], **_: Any) -> float:
+    """Fraction of ``answer``'s digits that the completion has in the same place, halved unless it
+    stopped with EOS right after them.
+
+    Judged on the token ids: the text has no special tokens, so it cannot tell EOS from a
+    padding or unknown token, and a policy judged on text learns to emit those instead (it did:
+    ``"13<unk>5"`` read as ``"135"``).
+    """
     if not answer:
         raise ValueError("digits_reward needs a non-empty answer")
-    right = sum(a == b for a, b in zip(completion, answer)) / len(answer)
-    return right if len(completion) == len(answer) else 0.5 * right
+    vocab = vocabulary()
+    tokens = [vocab[i] if 0 <= i < len(vocab) else UNK_TOKEN for i in completion_ids]
+    right = sum(a == b for a, b in zip(tokens, answer)) / len(answer)
+    stopped = len(tokens) == len(answer) + 1 and tokens[-1] == EOS_TOKEN
+    return right if stopped else 0.5 * right
 
 
 def make_rows(task: DigitsTask = DigitsTask()) -> dict[str, list[dict[str, str]]]:

@@ -8,6 +8,11 @@ def length_reward(prompt, completion, answer, **kw):
     return float(len(completion)) + float(kw.get("bonus", 0.0))
 
 
+def token_count(prompt, completion, answer, *, completion_ids, **kw):
+    """The completion's length in tokens, from the ids the trainer passes (stop token included)."""
+    return float(len(completion_ids))
+
+
 def is_yes(prompt, completion, answer, **kw):
     return completion.strip() == "yes"
 

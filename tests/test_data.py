@@ -83,6 +83,12 @@ def test_gsm8k_rows_with_chat_template(tmp_path, tok):
     assert s.input_ids == ids(tok, expected)
 
 
+def test_a_field_named_like_the_rewards_token_ids_is_refused(plain_tok):
+    rows = [{"prompt": "2 + 2", "answer": "4"}, {"prompt": "1 + 1", "answer": "2", "completion_ids": [1]}]
+    with pytest.raises(DataError, match="row 2 has a 'completion_ids' field.*rename the field"):
+        RLPromptDataset(rows, plain_tok)
+
+
 def test_prompt_template_system_prompt_and_plain_tokenisation(tok, plain_tok):
     rows = [{"prompt": "2 + 2", "answer": "4", "level": 3}]
     ds = RLPromptDataset(rows, plain_tok, prompt_template="what is {prompt} ?")

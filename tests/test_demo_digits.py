@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import models
 from archon.data import RLPromptDataset, load_jsonl
+from archon.demo import EOS_TOKEN, PAD_TOKEN, UNK_TOKEN
 from archon.demo_digits import REWARD_FN, DigitsTask, answer_of, digits_reward, main, make_assets, make_rows, vocabulary
 from archon.rl.rewards import get_reward_fn
 
@@ -50,14 +51,22 @@ def test_rows_are_deterministic_disjoint_and_parse(assets, tok):
         DigitsTask(digits=0)
 
 
-def test_reward_on_hand_written_cases():
+def test_reward_on_hand_written_cases(tok):
     reward = get_reward_fn(REWARD_FN)
     assert reward is digits_reward
-    assert reward("471=", "471", "471") == 1.0
-    assert reward("471=", "47", "471") == pytest.approx(0.5 * 2 / 3)  # stopped too early
-    assert reward("471=", "4710", "471") == 0.5  # all digits, but did not stop (cut one token later)
-    assert reward("471=", "170", "471") == pytest.approx(1 / 3)  # only the 7 is in place
-    assert reward("471=", "", "471") == 0.0
+
+    def score(*tokens: str) -> float:
+        ids = tok.convert_tokens_to_ids(list(tokens))
+        return reward("471=", tok.decode(ids, skip_special_tokens=True), "471", completion_ids=ids)
+
+    assert score("4", "7", "1", EOS_TOKEN) == 1.0
+    assert score("4", "7", EOS_TOKEN) == pytest.approx(0.5 * 2 / 3)  # stopped too early
+    assert score("4", "7", "1", "0") == 0.5  # all digits, but did not stop (cut one token later)
+    assert score("1", "7", "0", EOS_TOKEN) == pytest.approx(1 / 3)  # only the 7 is in place
+    assert score(EOS_TOKEN) == 0.0
+    # Special tokens other than EOS vanish from the text ("471"), not from the ids: no credit for them.
+    assert score("4", "7", "1", PAD_TOKEN) == 0.5
+    assert score("4", "7", UNK_TOKEN, "1") == pytest.approx(0.5 * 2 / 3)
 
 
 def test_model_loads_in_transformers_and_archon_with_equal_logits(assets, tok):

@@ -101,6 +101,16 @@ def test_on_policy_step_has_ratio_one_and_server_logprobs_match_trainer(rl_setup
     assert history[1]["behav_prox_logprob_diff"] < 1e-5
 
 
+def test_reward_functions_get_the_completions_token_ids(rl_setup):
+    model, data, root = rl_setup
+    history = _run(
+        1, overrides(model, data, root / "token_ids", total_train_steps=1, **{"reward.fn": "reward_fns:token_count"})
+    )
+    # The reward counts the ids it was given; the trainer counts the tokens it trains on.
+    assert history[0]["reward_mean"] == pytest.approx(history[0]["response_len_mean"])
+    assert history[0]["response_len_max"] > 1
+
+
 def test_grpo_losses_do_not_depend_on_the_allocation(rl_setup):
     model, data, root = rl_setup
     extra: dict[str, Any] = dict(

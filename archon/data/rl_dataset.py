@@ -14,6 +14,9 @@ from archon.errors import DataError
 
 logger = logging.getLogger(__name__)
 
+COMPLETION_IDS = "completion_ids"
+"""The keyword under which reward functions get a completion's token ids (TRL's name); no data field may use it."""
+
 
 @dataclass(frozen=True)
 class PromptSample:
@@ -56,6 +59,11 @@ def _row_fields(row: dict[str, Any], where: str) -> tuple[str, str, dict[str, An
     if not isinstance(text, str):
         raise DataError(f"{where}: '{text_key}' must be a string, got {type(text).__name__}")
     extra = {k: v for k, v in row.items() if k not in (text_key, "answer")}
+    if COMPLETION_IDS in extra:
+        raise DataError(
+            f"{where} has a '{COMPLETION_IDS}' field, a name the trainer passes to reward functions (the "
+            "generated token ids); rename the field"
+        )
     return text, str(answer), extra
 
 
