@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, Any, cast
 from archon.rl.dynamic_filter import collect_mixed_groups
 from archon.rl.offpolicy import staleness_metrics
 from archon.rl.rollout_batch import Completion
+from archon.rollout.control import gather_or_cancel
 
 if TYPE_CHECKING:
     from archon.data.rl_dataset import PromptLoader, PromptSample
@@ -259,15 +260,8 @@ class RolloutWorker:
                 completions = await self._generate([p.input_ids for p in prompts], params)
             else:
                 # At most max_concurrency requests in flight over every round: one sample per request.
-                loop = asyncio.get_running_loop()
-                tasks = [loop.create_task(self._generate([p.input_ids], [q])) for p, q in zip(prompts, params)]
-                try:
-                    completions = [c for group in await asyncio.gather(*tasks) for c in group]
-                except BaseException:
-                    for t in tasks:
-                        t.cancel()
-                    await asyncio.gather(*tasks, return_exceptions=True)
-                    raise
+                groups = await gather_or_cancel(self._generate([p.input_ids], [q]) for p, q in zip(prompts, params))
+                completions = [c for group in groups for c in group]
         finally:
             self._generating.pop(r, None)
         return completions, time.perf_counter() - t0

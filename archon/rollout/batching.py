@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from archon.rollout.control import gather_or_cancel
 from archon.rollout.server_api import RolloutError, RolloutRequestError
 
 PER_REQUEST_FIELDS = ("input_ids", "sampling_params", "rid")
@@ -86,22 +87,19 @@ class RequestBatcher:
         chunks: list[list[dict[str, Any]]] = [[]]
         tokens = 0
         for payload in payloads:
-            if len(chunks[-1]) >= self.max_requests or tokens >= self.max_tokens:
+            if self._full(len(chunks[-1]), tokens):
                 chunks.append([])
                 tokens = 0
             chunks[-1].append(payload)
             tokens += len(payload.get("input_ids") or ())
         if len(chunks) == 1:
             return await self._send_batch(url, chunks[0])
-        tasks = [asyncio.ensure_future(self._send_batch(url, chunk)) for chunk in chunks]
-        try:
-            answers = await asyncio.gather(*tasks)
-        except BaseException:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+        answers = await gather_or_cancel(self._send_batch(url, chunk) for chunk in chunks)
         return [a for chunk in answers for a in chunk]
+
+    def _full(self, n_requests: int, tokens: int) -> bool:
+        """Whether a batch of this many requests and prompt tokens takes no more."""
+        return n_requests >= self.max_requests or tokens >= self.max_tokens
 
     def _enqueue(self, url: str, payload: dict[str, Any]) -> asyncio.Future:
         loop = asyncio.get_running_loop()
@@ -116,7 +114,7 @@ class RequestBatcher:
         batch.payloads.append(payload)
         batch.futures.append(future)
         batch.tokens += len(payload.get("input_ids") or ())
-        if len(batch.payloads) >= self.max_requests or batch.tokens >= self.max_tokens:
+        if self._full(len(batch.payloads), batch.tokens):
             self._flush(batch)
         return future
 

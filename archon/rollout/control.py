@@ -9,7 +9,7 @@ for the servers' family by the client's ``ServerAPI`` and fanned out to every se
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine, Sequence
+from collections.abc import Awaitable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -60,6 +60,19 @@ async def cancel_on_first_error(tasks: list[asyncio.Task]) -> list[BaseException
             t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
     return errors
+
+
+async def gather_or_cancel(aws: Iterable[Awaitable[T]]) -> list[T]:
+    """The results of ``aws`` in order; at the first failure (or when the caller is cancelled) the
+    others are cancelled and waited for, and the failure is raised."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 class ServerControl:

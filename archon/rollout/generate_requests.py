@@ -15,7 +15,7 @@ import logging
 from collections.abc import Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from archon.rollout.control import ServerState, ServerStateFailure, cancel_on_first_error
+from archon.rollout.control import ServerState, ServerStateFailure, gather_or_cancel
 from archon.rollout.server_api import GenerateResult, RolloutError, ServerAPI
 
 if TYPE_CHECKING:
@@ -179,11 +179,7 @@ class GenerateRequests:
             start += count
         if len(shares) == 1:
             return await shares[0]
-        tasks = [self._loop.create_task(share) for share in shares]
-        errors = await cancel_on_first_error(tasks)
-        if errors:
-            raise errors[0]
-        return [r for t in tasks for r in t.result()]
+        return [r for share in await gather_or_cancel(shares) for r in share]
 
     async def _agenerate_share(
         self,
@@ -215,16 +211,10 @@ class GenerateRequests:
             last = self._generate_failed(server, failure, [p["rid"] for p in payloads], 0)
             if self.retries:
                 await asyncio.sleep(self._backoff(0))
-            tasks = [
-                self._loop.create_task(
-                    self._agenerate(ids, p, return_logprob, return_routed_experts, {server.url}, 1, last)
-                )
+            return await gather_or_cancel(
+                self._agenerate(ids, p, return_logprob, return_routed_experts, {server.url}, 1, last)
                 for ids, p in zip(prompts, params)
-            ]
-            errors = await cancel_on_first_error(tasks)
-            if errors:
-                raise errors[0]
-            return [t.result() for t in tasks]
+            )
         server.consecutive_failures = 0
         return [
             self.api.parse_generate(
@@ -274,12 +264,8 @@ class GenerateRequests:
             async with limit:
                 return await self._agenerate(ids, params, return_logprob, return_routed_experts)
 
-        tasks = [self._loop.create_task(one(p, sp)) for p, sp in zip(prompts, per_prompt)]
         # One request lost for good stops the others rather than finish a batch nobody will use.
-        errors = await cancel_on_first_error(tasks)
-        if errors:
-            raise errors[0]
-        return [t.result() for t in tasks]
+        return await gather_or_cancel(one(p, sp) for p, sp in zip(prompts, per_prompt))
 
     def generate(
         self,
