@@ -2,11 +2,11 @@
 
 * ``full``: every block recomputes its forward in backward.
 * ``selective`` with an integer N: every Nth block is checkpointed (layer-level).
-* ``selective`` with ``op``: inside every block, outputs of matmuls, attention and context
-  parallel's all-to-alls are saved and everything cheap (norms, activations, RoPE, casts) is
-  recomputed.  Keeping all matmul outputs costs more memory than torchtitan's "every other
-  mm" rule but never re-runs a matmul (or a collective), which matters most on small models
-  and CPUs.
+* ``selective`` with ``op``: inside every block, outputs of matmuls, attention (SDPA's kernels
+  and, on CUDA, the packed varlen op) and context parallel's all-to-alls are saved and
+  everything cheap (norms, activations, RoPE, casts) is recomputed.  Keeping all matmul
+  outputs costs more memory than torchtitan's "every other mm" rule but never re-runs a
+  matmul (or a collective), which matters most on small models and CPUs.
 * ``memory_budget``: torch.compile's min-cut partitioner picks what to save so activations
   stay within a fraction of the no-recompute memory; it only exists under compile.
 
@@ -24,6 +24,11 @@ import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
+try:  # registers torch.ops.torch_attn._varlen_attn, the op packed CUDA attention calls
+    import torch.nn.attention.varlen  # noqa: F401
+except ImportError:  # a torch without varlen attention: nothing to save
+    pass
+
 from parallel.errors import ParallelConfigError
 
 logger = logging.getLogger("archon.parallel.ac")
@@ -31,7 +36,18 @@ logger = logging.getLogger("archon.parallel.ac")
 AC_MODES = ("none", "full", "selective", "memory_budget")
 
 
-def _save_list() -> set:
+def _find_varlen_op() -> Any:
+    """``torch.ops.torch_attn._varlen_attn.default`` (registered by importing ``torch.nn.attention.varlen``)."""
+    namespace = getattr(torch.ops, "torch_attn", None)
+    op = getattr(namespace, "_varlen_attn", None) if namespace is not None else None
+    return op.default if op is not None else None
+
+
+_VARLEN_OP = _find_varlen_op()
+
+
+def save_list() -> set:
+    """Ops whose outputs op-level selective AC saves: matmuls, every attention kernel, CP's all-to-all."""
     ops = {
         torch.ops.aten.mm.default,
         torch.ops.aten.addmm.default,
@@ -40,9 +56,20 @@ def _save_list() -> set:
         torch.ops.aten._scaled_dot_product_flash_attention.default,
         torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     }
-    for name in ("_grouped_mm", "_scaled_dot_product_cudnn_attention"):
+    for name in (
+        "_grouped_mm",
+        "_scaled_dot_product_cudnn_attention",
+        # The kernels behind packed (varlen) attention when called directly rather than through the op below.
+        "_flash_attention_forward",
+        "_cudnn_attention_forward",
+    ):
         if hasattr(torch.ops.aten, name):
             ops.add(getattr(torch.ops.aten, name).default)
+    # Packed CUDA attention (models/common/attention.py) calls torch.nn.attention.varlen.varlen_attn, a
+    # custom op: SAC sees it and not the FlashAttention kernel inside, so it is saved by this name
+    # (as torchtitan does); otherwise every backward would run the attention forward again.
+    if _VARLEN_OP is not None:
+        ops.add(_VARLEN_OP)
     # Context parallel's all-to-alls: recomputing them would repeat the communication in backward.
     ops.add(torch.ops._c10d_functional.all_to_all_single.default)
     return ops
@@ -145,7 +172,7 @@ def apply_ac(
     save_ops = None
     if ac_mode == "selective":
         if selective_ac_option == "op":
-            save_ops = _save_list()
+            save_ops = save_list()
         elif selective_ac_option.isdigit() and int(selective_ac_option) >= 1:
             every = int(selective_ac_option)
         else:

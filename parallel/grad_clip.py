@@ -43,9 +43,14 @@ def clip_grad_norm_(
     if pp_group is not None:
         dist.all_reduce(total, group=pp_group)
     total_norm = total ** (1.0 / norm_type)
-    if max_norm > 0 and torch.isfinite(total_norm):
-        scale = min(1.0, max_norm / (float(total_norm) + 1e-6))
-        if scale < 1.0:
-            for g in grads:
-                g.mul_(scale)
+    if max_norm > 0 and grads:
+        # The factor stays a tensor (1 for a non-finite norm): reading the norm here would make the
+        # host wait for the GPU, and the caller reads it once anyway.
+        scale = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+        scale = torch.where(torch.isfinite(total_norm), scale, torch.ones_like(scale))
+        by_group: dict[tuple[torch.device, object], list[torch.Tensor]] = defaultdict(list)
+        for g in grads:
+            by_group[(g.device, g.device_mesh if isinstance(g, DTensor) else None)].append(g)
+        for (device, _), group in by_group.items():
+            torch._foreach_mul_(group, scale.to(device))  # pyright: ignore[reportPrivateImportUsage]
     return total_norm

@@ -8,6 +8,7 @@
 
 Modules: ``split`` (stages by module names), ``placement`` (stage -> rank, loop and V),
 ``schedules`` (schedule by name, microbatch and AC rules), ``runner`` (one pipelined step),
+``p2p`` (the forward-only pass's transfer order and transport),
 ``model`` (this rank's stages and what the engine asks of them).
 """
 

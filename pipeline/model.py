@@ -132,7 +132,9 @@ class PipelinedModel:
         for info in self.full_tensors:
             if info.owner == my_rank:
                 tensor = local[info.name]
-                full = (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().contiguous()
+                # ``.to``: under CPU offload the parameters live on the CPU; every rank receives on the device.
+                full = (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
+                full = full.to(self.runner.device).contiguous()
             else:
                 full = torch.empty(info.shape, dtype=info.dtype, device=self.runner.device)
             dist.broadcast(full, src=dist.get_global_rank(group, info.owner), group=group)

@@ -12,9 +12,10 @@ Python objects, the stage modules themselves are reused.
 
 Training runs the torch schedule; the last stage calls ``loss_fn(output, microbatch_index)``
 for each microbatch and backpropagates the scalar it returns.  Forward-only passes need no
-schedule: every rank runs its stages in stage order over all microbatches (fill and drain),
-which works for loop and V placement alike (torch's ``eval()`` of V schedules asks stages for
-backward outputs that a forward-only pass never makes).
+schedule: every rank walks one global order of stage-to-stage transfers (``pipeline.p2p``,
+the order NCCL needs) and computes each stage as soon as its input is there, which works for
+loop and V placement alike (torch's ``eval()`` of V schedules asks stages for backward outputs
+that a forward-only pass never makes).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
+from pipeline.p2p import GroupTransport, P2PTransport, Waitable, forward_p2p_ops
 from pipeline.placement import PlacementStyle, rank_of_stage
 from pipeline.schedules import build_schedule
 
@@ -71,6 +73,7 @@ class PipelineRunner:
         pp_group: dist.ProcessGroup,
         device: torch.device,
         boundary: StageBoundary,
+        transport: P2PTransport | None = None,
     ) -> None:
         if len(parts) != len(stage_ids) or list(stage_ids) != sorted(stage_ids):
             raise ValueError(f"parts and stage ids must pair up in increasing stage order, got ids {stage_ids}")
@@ -81,6 +84,9 @@ class PipelineRunner:
         self.style: PlacementStyle = style
         self.pp_group = pp_group
         self.pp_size = dist.get_world_size(pp_group)
+        self.pp_rank = dist.get_rank(pp_group)
+        self.transport: P2PTransport = transport if transport is not None else GroupTransport(pp_group)
+        """Carries the forward-only pass's hidden states (the torch schedules of training send their own)."""
         self.device = device
         self.boundary = boundary
         self._expected: tuple[tuple[int, ...], torch.dtype] | None = None
@@ -168,34 +174,56 @@ class PipelineRunner:
 
     # ------------------------------------------------------------------ forward only
     def forward_step(self, microbatches: list[Microbatch], output_fn: OutputFn) -> None:
-        """Forward of every microbatch (call under ``torch.no_grad``); the last stage calls ``output_fn(output, i)``."""
+        """Forward of every microbatch (call under ``torch.no_grad``); the last stage calls ``output_fn(output, i)``.
+
+        Sends and receives follow the one global order of ``pipeline.p2p`` (NCCL deadlocks
+        otherwise).  A received hidden state runs through this rank's stages at once, as far as
+        they go without another rank; stage 0's work waits until its output is due to be sent,
+        so the next rank starts on the first microbatch while this one computes the second.
+        """
         seq_len = self._check_microbatches(microbatches)
         shape, dtype = self.boundary.shape(seq_len), self.boundary.dtype
         self._expected = (shape, dtype)
-        local = set(self.stage_ids)
-        sends: list[tuple[dist.Work, torch.Tensor]] = []
-        handed_on: list[torch.Tensor] = []
+        local = {sid: part for sid, part in zip(self.stage_ids, self.parts)}
+        outgoing: dict[tuple[int, int], torch.Tensor] = {}  # (stage, microbatch) -> output due to be sent
+        started: set[int] = set()  # microbatches whose stage-0 chain ran here
+
+        def run_from(sid: int, i: int, x: torch.Tensor) -> None:
+            # Local stages from ``sid`` on, until the last stage or a stage held by another rank.
+            kwargs = microbatches[i][1]
+            while True:
+                out = local[sid](x, **kwargs)
+                if sid == self.n_stages - 1:
+                    output_fn(out, i)
+                    return
+                if sid + 1 not in local:
+                    outgoing[(sid, i)] = out.contiguous()
+                    return
+                sid, x = sid + 1, out
+
+        def start(i: int) -> None:
+            started.add(i)
+            run_from(0, i, microbatches[i][0])
+
+        ops = forward_p2p_ops(self.pp_rank, self.pp_size, self.n_stages, len(microbatches), self.style)
+        sends: list[tuple[Waitable, torch.Tensor]] = []
         try:
-            for part, sid in zip(self.parts, self.stage_ids):
-                received, handed_on = handed_on, []
-                for i, (inputs, kwargs) in enumerate(microbatches):
-                    if sid == 0:
-                        x = inputs
-                    elif sid - 1 in local:
-                        x = received[i]
-                    else:
-                        x = torch.empty(shape, dtype=dtype, device=self.device)
-                        dist.recv(x, src=self.global_rank_of_stage(sid - 1), group=self.pp_group)
-                    out = part(x, **kwargs)
-                    if sid == self.n_stages - 1:
-                        output_fn(out, i)
-                    elif sid + 1 in local:
-                        handed_on.append(out)
-                    else:
-                        out = out.contiguous()
-                        work = dist.isend(out, dst=self.global_rank_of_stage(sid + 1), group=self.pp_group)
-                        assert work is not None, "isend returns None only on ranks outside the group"
-                        sends.append((work, out))
+            for op in ops:
+                key = (op.stage, op.microbatch)
+                if op.kind == "send":
+                    if key not in outgoing:
+                        start(op.microbatch)  # nothing upstream is received: the chain begins at stage 0
+                    out = outgoing.pop(key)
+                    sends.append((self.transport.isend(out, op.peer), out))
+                else:
+                    x = torch.empty(shape, dtype=dtype, device=self.device)
+                    self.transport.recv(x, op.peer)
+                    run_from(op.stage + 1, op.microbatch, x)
+            if 0 in local:
+                for i in range(len(microbatches)):
+                    if i not in started:
+                        start(i)  # every stage is on this rank (no transfer ever asked for stage 0's work)
+            assert not outgoing, f"stage outputs {sorted(outgoing)} were computed but never sent"
             for work, _ in sends:
                 work.wait()
         finally:

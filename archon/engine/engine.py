@@ -17,6 +17,7 @@ before token ``i``.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Iterator
 from contextlib import nullcontext
@@ -36,13 +37,16 @@ from archon.engine.microbatch import (
     ROUTED_EXPERTS,
     Batch,
     PackedMicrobatch,
+    on_host,
     pack,
     pack_token_values,
     plan_microbatches,
+    rows_of,
     seqlens_of,
+    to_device,
 )
 from archon.engine.optimizer import build_lr_scheduler, build_optimizer
-from archon.engine.options import parallelize_options, pipeline_options
+from archon.engine.options import parallelize_options, parameter_device, pipeline_options
 from archon.engine.state import TrainState, engine_states
 from archon.engine.step_loss import (
     LossFn,
@@ -52,7 +56,8 @@ from archon.engine.step_loss import (
     reduce_step_totals,
     token_count_weight,
 )
-from archon.engine.token_outputs import loss_positions, output_keys, token_outputs
+from archon.engine.token_outputs import CollectedRows, loss_positions, output_keys, token_outputs
+from archon.engine.torch_floor import check_torch_version
 from archon.engine.weights import hf_full_tensors, init_from_seed, init_unloaded, load_hf_config, write_hf_folder
 from archon.errors import ArchonError
 from parallel.context_parallel import shard_sequence
@@ -141,8 +146,10 @@ class ArchonEngine:
             except ParallelConfigError as exc:  # parallel/ states what the layout cannot do to this model
                 raise EngineError(f"{self.name}.backend = '{cfg.backend}': {exc}") from None
             parts = [model]
+        # The CPU under offload (FSDP2's rule); _init_weights puts the buffers on the compute device.
+        where, fsdp = f"{self.name}.backend = '{cfg.backend}'", self.parallel_dims.fsdp_enabled
         for part in parts:
-            part.to_empty(device=self.device)
+            part.to_empty(device=parameter_device(self.device, cfg.archon.offload_params, fsdp, where))
         self.model = model
         self._init_weights()
         from archon.engine.moe_balance import build_moe_balancer
@@ -166,6 +173,7 @@ class ArchonEngine:
     def _init_parallel(self) -> None:
         """Device, process group, allocation and device meshes: what every engine sets up first."""
         cfg = self.config
+        check_torch_version()
         self.device_type = resolve_device_type(self.device_setting)
         if cfg.archon.use_deterministic_algorithms:
             from parallel.determinism import apply_determinism
@@ -262,11 +270,13 @@ class ArchonEngine:
     def _dp_group(self):
         return self.parallel_dims.get_mesh("dp").get_group() if self.dp_size > 1 else None
 
-    def _to_device(self, batch: Batch) -> Batch:
-        # Replayed routing is large ([B, S, layers, top_k]); it moves per microbatch, packed.
-        return {
-            k: v.to(self.device) if isinstance(v, torch.Tensor) and k != ROUTED_EXPERTS else v for k, v in batch.items()
-        }
+    def _rows(self, batch: Batch, indices: list[int], weight_fn: LossWeightFn) -> tuple[Batch | None, float]:
+        """A microbatch's rows of the host ``batch`` on the device (None without samples), and their loss weight."""
+        if not indices:
+            return None, 0.0
+        rows = rows_of(batch, indices)
+        rows.pop(ROUTED_EXPERTS, None)  # replayed routing reaches the model packed, never the loss
+        return to_device(rows, self.device), float(weight_fn(rows))
 
     def _pack(self, batch: Batch, indices: list[int], pad_to: int = 0) -> PackedMicrobatch:
         """Pack ``indices`` into one row: to ``max_tokens_per_mb`` under pad_to_maximum, else to ``pad_to``."""
@@ -376,7 +386,7 @@ class ArchonEngine:
 
         lens = seqlens_of(batch)
         longest = max(1, max(sum(lens[i] for i in indices) for indices in mbs))
-        packs = [self._pack(batch, indices, pad_to=longest) for indices in mbs]
+        packs = [to_device(self._pack(batch, indices, pad_to=longest), self.device) for indices in mbs]
         n_bounds = max(p.cu_seqlens.numel() for p in packs)
         inputs = []
         for p in packs:
@@ -389,13 +399,18 @@ class ArchonEngine:
     def train_batch(
         self, batch: Batch, loss_fn: LossFn, loss_weight_fn: LossWeightFn = token_count_weight
     ) -> dict[str, float]:
-        """Forward+backward over every microbatch, then one optimizer step; returns global stats."""
+        """Forward+backward over every microbatch, then one optimizer step; returns global stats.
+
+        The host waits for the device once: losses and stats stay tensors until the gradient norm
+        is read to decide the step, and they come back with it (``StepTotals.read``).
+        """
         assert self.model is not None and self.optimizer is not None and self.lr_scheduler is not None, (
             "initialize() a trainable engine first"
         )
         t0 = time.perf_counter()
         self.model.train()
-        batch = self._to_device(batch)
+        # Planned, packed and weighed on the host; microbatches go to the device one by one.
+        batch = on_host(batch)
         total_weight = float(loss_weight_fn(batch))
         if total_weight <= 0:
             raise EngineError(
@@ -414,13 +429,11 @@ class ArchonEngine:
                 self.moe.use_prepass_counts()
         if self.pipeline is not None:
             packs, inputs = self._pipeline_microbatches(batch, my_mbs)
+            rows = [self._rows(batch, indices, loss_weight_fn) for indices in my_mbs]
 
             def last_stage_loss(out: torch.Tensor, i: int) -> torch.Tensor:
                 outputs = self._token_outputs(out, packs[i])
-                return (
-                    microbatch_loss(outputs, batch, my_mbs[i], loss_fn, loss_weight_fn, total_weight, totals)
-                    * grad_scale
-                )
+                return microbatch_loss(outputs, *rows[i], loss_fn, total_weight, totals) * grad_scale
 
             with self._autocast():
                 self.pipeline.train_step(inputs, last_stage_loss)
@@ -429,14 +442,19 @@ class ArchonEngine:
             for i, indices in enumerate(my_mbs):
                 self._set_gradient_sync(i == len(my_mbs) - 1)
                 packed = self._pack(batch, indices)
-                outputs = self._run_model(packed, keep=self._loss_positions(batch, packed))
-                scaled = microbatch_loss(outputs, batch, indices, loss_fn, loss_weight_fn, total_weight, totals)
+                keep = to_device(self._loss_positions(batch, packed), self.device)
+                outputs = self._run_model(to_device(packed, self.device), keep=keep)
+                scaled = microbatch_loss(
+                    outputs, *self._rows(batch, indices, loss_weight_fn), loss_fn, total_weight, totals
+                )
                 (scaled * grad_scale).backward()
                 totals.tokens += packed.n_real_tokens
 
         pp_group = self.parallel_dims.get_mesh("pp").get_group() if self.parallel_dims.pp_enabled else None
         grad_norm = clip_grad_norm_(self.model.parameters(), self.config.optimizer.max_grad_norm, pp_group=pp_group)
-        finite = bool(torch.isfinite(grad_norm))
+        # The step's one host read: the norm decides the step, and the losses and stats come along.
+        (norm,) = totals.read(grad_norm)
+        finite = math.isfinite(norm)
         lr = self.optimizer.param_groups[0]["lr"]
         drill_point("optimizer_step")
         if finite:
@@ -456,7 +474,7 @@ class ArchonEngine:
             keys, reduced = self.pipeline.broadcast_from_last_stage((keys, reduced))
         result = {
             "loss": float(reduced[0]),
-            "grad_norm": float(grad_norm),
+            "grad_norm": norm,
             "lr": lr,
             "tokens": float(reduced[1]),
             "update_skipped": float(not finite),
@@ -480,7 +498,7 @@ class ArchonEngine:
             return
         assert self.model is not None, "initialize() the engine first"
         for indices in my_mbs:
-            packed = self._pack(batch, indices)
+            packed = to_device(self._pack(batch, indices), self.device)
             tokens, kwargs = self._model_inputs(packed)
             with self._autocast():
                 self.model(tokens, cu_seqlens=packed.cu_seqlens, **kwargs)
@@ -491,40 +509,19 @@ class ArchonEngine:
         """Per-token ``logprobs`` and ``entropy`` (or ``values`` for a critic), ``[B, S]``, global batch order."""
         assert self.model is not None, "initialize() first"
         self.model.eval()
-        batch = self._to_device(batch)
-        B, S = batch["input_ids"].shape
-        mine: dict[str, list[torch.Tensor]] = {}
-        my_indices: list[int] = []
-
-        def keep(outputs: dict[str, torch.Tensor], indices: list[int]) -> None:
-            outputs.pop("_anchor")
-            if not indices:
-                return
-            my_indices.extend(indices)
-            for key, value in outputs.items():
-                mine.setdefault(key, []).extend(list(value.float().cpu()))
-
+        batch = on_host(batch)
+        rows = CollectedRows(output_keys(self.is_critic))
         my_mbs = self._plan(batch)
         if self.pipeline is not None:
             packs, inputs = self._pipeline_microbatches(batch, my_mbs)
             with self._autocast():
-                self.pipeline.forward_step(inputs, lambda out, i: keep(self._token_outputs(out, packs[i]), my_mbs[i]))
+                self.pipeline.forward_step(
+                    inputs, lambda out, i: rows.add(self._token_outputs(out, packs[i]), my_mbs[i])
+                )
         else:
             for indices in my_mbs:
-                keep(self._run_model(self._pack(batch, indices)), indices)
-        gathered: list[Any] = [None] * self.dp_size
-        payload = (my_indices, mine)
-        if self.dp_size > 1:
-            dist.all_gather_object(gathered, payload, group=self._dp_group())
-        else:
-            gathered = [payload]
-        keys = output_keys(self.is_critic)
-        result = {k: torch.zeros(B, S, dtype=torch.float32) for k in keys}
-        for indices, values in gathered:
-            for key in keys:
-                for row, idx in enumerate(indices):
-                    v = values[key][row]
-                    result[key][idx, : v.shape[0]] = v
+                rows.add(self._run_model(to_device(self._pack(batch, indices), self.device)), indices)
+        result = rows.assemble(tuple(batch["input_ids"].shape), self._dp_group())
         if self.pipeline is not None:
             # The last stage computed the outputs; every rank returns them.
             result = self.pipeline.broadcast_from_last_stage(result)

@@ -43,6 +43,7 @@ from torch.distributed.tensor import DTensor
 from archon.engine.engine import ArchonEngine, EngineError
 from archon.engine.microbatch import Batch, pack, rows_of
 from archon.engine.optimizer import build_lr_scheduler, build_optimizer
+from archon.engine.options import parameter_device
 from archon.engine.token_outputs import output_keys
 from archon.engine.transformers_model import (
     TransformersModelError,
@@ -117,8 +118,13 @@ class FSDPEngine(ArchonEngine):
             self._parallelize(model)
         except (TransformersModelError, ParallelConfigError) as exc:
             raise EngineError(f"{self.name}.backend = '{cfg.backend}': {exc}") from None
-        model.to_empty(device=self.device)
-        restore_buffers(model, buffers)
+        # The CPU under offload (FSDP2's rule); the buffers go to the compute device.
+        model.to_empty(
+            device=parameter_device(
+                self.device, cfg.archon.offload_params, pd.fsdp_enabled, f"{self.name}.backend = '{cfg.backend}'"
+            )
+        )
+        restore_buffers(model, buffers, self.device)
         if self._tied and not embeddings_tied(model):
             retie_embeddings(model)
         self.model = model

@@ -13,15 +13,18 @@ compile (``pad_to_maximum``).
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 
 from archon.config import ConfigError
 
 Batch = dict[str, torch.Tensor]
+T = TypeVar("T")
 
 ROUTED_EXPERTS = "routed_experts"
 """Batch key of the experts the rollout servers chose, ``[B, S, n_layers, top_k]`` (-1: none), for routing replay."""
@@ -209,3 +212,32 @@ def pad_rows_to(values: torch.Tensor, width: int, fill: float = 0.0) -> torch.Te
         return values[:, :width]
     pad = values.new_full((values.shape[0], width - values.shape[1]), fill)
     return torch.cat([values, pad], dim=1)
+
+
+def to_device(value: T, device: torch.device) -> T:
+    """A tensor, a dict of tensors or a dataclass of them (a packed microbatch) with its tensors on ``device``.
+
+    Host tensors go through pinned memory without blocking, so the copy waits for nothing on the
+    GPU: a plain host-to-GPU copy synchronises the stream, one host sync per tensor.
+    """
+    if isinstance(value, torch.Tensor):
+        if value.device == device:
+            return value
+        if device.type == "cuda" and value.device.type == "cpu":
+            return value.pin_memory().to(device, non_blocking=True)  # type: ignore[return-value]
+        return value.to(device)  # type: ignore[return-value]
+    if isinstance(value, dict):
+        return {k: to_device(v, device) for k, v in value.items()}  # type: ignore[return-value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        moved: dict[str, Any] = {
+            f.name: to_device(getattr(value, f.name), device)
+            for f in dataclasses.fields(value)
+            if isinstance(getattr(value, f.name), torch.Tensor)
+        }
+        return dataclasses.replace(value, **moved)
+    return value
+
+
+def on_host(batch: Batch) -> Batch:
+    """``batch`` on the CPU, where planning, packing and loss weights read it without waiting for a GPU."""
+    return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}

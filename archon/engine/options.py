@@ -6,7 +6,9 @@ Archon's config, so they depend on nothing above ``parallel/``.
 
 from __future__ import annotations
 
-from archon.config import TrainEngineConfig
+import torch
+
+from archon.config import ConfigError, TrainEngineConfig
 from parallel.options import ParallelizeOptions
 from pipeline import PipelineOptions
 
@@ -32,3 +34,22 @@ def parallelize_options(cfg: TrainEngineConfig) -> ParallelizeOptions:
 def pipeline_options(cfg: TrainEngineConfig) -> PipelineOptions:
     """``PipelineOptions`` of an engine config (used when its allocation has p > 1)."""
     return PipelineOptions(schedule=cfg.archon.pp_schedule, layers_per_stage=cfg.archon.pp_layers_per_stage)
+
+
+def parameter_device(compute: torch.device, cpu_offload: bool, fsdp_enabled: bool, where: str) -> torch.device:
+    """Where a meta-device model's parameters are materialised: the CPU under offload, else ``compute``.
+
+    FSDP2's ``CPUOffloadPolicy`` keeps the sharded parameters (and so gradients and optimizer
+    state) on the CPU and copies each unit to the compute device for its all-gather; it refuses
+    parameters materialised anywhere else ("FSDP parameters should be materialized on CPU").
+    Buffers are not FSDP's: they stay on ``compute``.  Offload needs FSDP to act on, so a layout
+    without it (``d*c = 1``) is refused rather than left with parameters the GPU cannot reach.
+    """
+    if not cpu_offload:
+        return compute
+    if not fsdp_enabled:
+        raise ConfigError(
+            f"{where}: archon.offload_params = true offloads FSDP-sharded parameters, but this allocation "
+            "shards none (its d*c is 1); turn offload_params off or give the allocation d > 1"
+        )
+    return torch.device("cpu")

@@ -9,7 +9,10 @@ given the tokens before it, 0 at each sequence's first token.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
@@ -79,3 +82,50 @@ def token_outputs(
         result[key] = unpack(aligned, mb)
     result["_anchor"] = anchor
     return result
+
+
+class CollectedRows:
+    """Per-token rows of a forward, microbatch by microbatch, put back in global batch order on every rank.
+
+    The rows stay on the device until ``assemble`` copies them all to the host at once: one wait
+    for the GPU per forward instead of one per microbatch and output.
+    """
+
+    def __init__(self, keys: list[str]) -> None:
+        self.keys = keys
+        self.indices: list[int] = []
+        self.blocks: list[dict[str, torch.Tensor]] = []  # per microbatch: key -> [rows, width] on the device
+
+    def add(self, outputs: dict[str, torch.Tensor], indices: list[int]) -> None:
+        """A microbatch's ``token_outputs`` for samples ``indices`` (none: a padding-only microbatch)."""
+        outputs.pop("_anchor")
+        if not indices:
+            return
+        self.indices.extend(indices)
+        self.blocks.append({key: outputs[key].detach().float() for key in self.keys})
+
+    def _host_rows(self) -> dict[str, list[torch.Tensor]]:
+        flat = [block[key] for block in self.blocks for key in self.keys]
+        if not flat:
+            return {key: [] for key in self.keys}
+        host = iter(torch.cat([t.reshape(-1) for t in flat]).cpu().split([t.numel() for t in flat]))
+        rows: dict[str, list[torch.Tensor]] = {key: [] for key in self.keys}
+        for block in self.blocks:
+            for key in self.keys:
+                # Copies, not views: a pickled view (all_gather_object) would carry the whole buffer.
+                rows[key].extend(row.clone() for row in next(host).view(block[key].shape))
+        return rows
+
+    def assemble(self, shape: tuple[int, ...], dp_group: dist.ProcessGroup | None) -> dict[str, torch.Tensor]:
+        """``[B, S]`` float32 rows per key (0 past each sequence), from every rank of ``dp_group`` (None: this one)."""
+        mine = (self.indices, self._host_rows())
+        gathered: list[Any] = [mine]
+        if dp_group is not None:
+            gathered = [None] * dist.get_world_size(dp_group)
+            dist.all_gather_object(gathered, mine, group=dp_group)
+        result = {k: torch.zeros(shape, dtype=torch.float32) for k in self.keys}
+        for indices, values in gathered:
+            for key in self.keys:
+                for row, idx in enumerate(indices):
+                    result[key][idx, : values[key][row].shape[0]] = values[key][row]
+        return result

@@ -117,14 +117,22 @@ def build_meta_model(
 
 
 @torch.no_grad()
-def restore_buffers(model: nn.Module, buffers: dict[str, torch.Tensor]) -> None:
-    """Copy the buffers saved by ``build_meta_model`` back after ``to_empty`` left them uninitialised."""
+def restore_buffers(model: nn.Module, buffers: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Copy the buffers saved by ``build_meta_model`` back after ``to_empty`` left them uninitialised.
+
+    Every buffer ends on the compute ``device``: under CPU offload ``to_empty`` put them on the
+    CPU with the parameters, and FSDP moves parameters only.
+    """
     from parallel.fqn import clean_fqn
 
     for name, buf in model.named_buffers():
         saved = buffers.get(clean_fqn(name))
         if saved is not None:
             buf.copy_(saved.to(buf.device, buf.dtype))
+    for module in model.modules():
+        for key, buf in module._buffers.items():
+            if buf is not None and buf.device != device:
+                module._buffers[key] = buf.to(device)
 
 
 def embeddings_tied(model: nn.Module) -> bool:

@@ -17,13 +17,16 @@ from typing import TYPE_CHECKING, Any
 
 from archon.alloc import AllocationError, ModelAllocation
 from archon.plan.memory import (
+    HELD_TERMS,
     Estimate,
     GiB,
     Term,
     Workload,
     estimate_training_rank,
     model_args_of,
+    process_terms,
     read_model_config,
+    usable_gpu_bytes,
     workload_of,
 )
 
@@ -38,7 +41,7 @@ class FitReport:
     """The memory check of a run against one GPU's memory."""
 
     gpu_bytes: int
-    """Memory of one GPU (cluster.gpu_memory_gb)."""
+    """Memory one process can allocate on a GPU (cluster.gpu_memory_gb, less the driver's share on CUDA)."""
     train: Estimate | None = None
     """The fullest training GPU (None for a run without training ranks)."""
     rollout: Estimate | None = None
@@ -89,7 +92,7 @@ def _engines(cfg: Config, job: str) -> list[tuple[str, TrainEngineConfig, bool, 
 
 
 def _states(est: Estimate) -> list[Term]:
-    return [t for t in est.terms if t.name.startswith(("parameters", "optimizer state"))]
+    return [t for t in est.terms if t.name.startswith(HELD_TERMS)]
 
 
 def estimate_train_gpu(
@@ -105,7 +108,7 @@ def estimate_train_gpu(
         for name, eng, critic, trainable in engines
     }
     if len(ests) == 1:
-        return ests["actor"]
+        return _with_process_terms(ests["actor"], device_type)
     best: Estimate | None = None
     for name, est in ests.items():
         terms = [dataclasses.replace(t, name=f"{name} {t.name}") for t in est.terms]
@@ -116,7 +119,15 @@ def estimate_train_gpu(
         if best is None or combined.total > best.total:
             best = combined
     assert best is not None  # ests has two engines or more here
-    return best
+    return _with_process_terms(best, device_type)
+
+
+def _with_process_terms(est: Estimate, device_type: str) -> Estimate:
+    """``est`` plus what the process holds once on a GPU (context, cuBLAS, default NCCL group, fragmentation)."""
+    if device_type != "cuda":
+        return est
+    tensors = sum(t.bytes for t in est.terms if "NCCL" not in t.name)  # NCCL's buffers bypass torch's allocator
+    return Estimate(est.what, est.terms + process_terms(tensors), est.limit)
 
 
 def _replace_engine(engine: TrainEngineConfig, **changes: Any) -> TrainEngineConfig:
@@ -254,7 +265,8 @@ def estimate_server_gpu(cfg: Config, hf: dict[str, Any], gpu: int) -> Estimate |
 
 def check_fit(cfg: Config, job: str = "rl", device_type: str = "cuda") -> FitReport:
     """Estimate a training GPU and a rollout GPU of ``cfg`` against ``cluster.gpu_memory_gb``."""
-    gpu = int(cfg.cluster.gpu_memory_gb * GiB)
+    # On CUDA a card's nominal size is more than a process can allocate (memory.USABLE_FRACTION).
+    gpu = usable_gpu_bytes(cfg.cluster.gpu_memory_gb) if device_type == "cuda" else int(cfg.cluster.gpu_memory_gb * GiB)
     hf = read_model_config(cfg.actor)
     report = FitReport(gpu)
     report.train = estimate_train_gpu(cfg, job, hf, device_type)
@@ -262,6 +274,11 @@ def check_fit(cfg: Config, job: str = "rl", device_type: str = "cuda") -> FitRep
         report.fixes = _checked_fixes(cfg, job, hf, gpu, device_type)
     if job == "rl" and not cfg.rollout.server_addrs:
         report.rollout = estimate_server_gpu(cfg, hf, gpu)
+    if device_type == "cuda":
+        report.notes.append(
+            f"cluster.gpu_memory_gb = {cfg.cluster.gpu_memory_gb:g}: processes can allocate {gpu / GiB:.1f} GiB "
+            "of such a card (torch.cuda.mem_get_info's total on an 80 GB H100: 79.1 GiB)"
+        )
     w = workload_of(cfg, job)
     report.notes.append(
         f"every sequence assumed {w.seq_len} tokens long, {w.sequences} per optimizer step"

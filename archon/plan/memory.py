@@ -20,6 +20,11 @@ training rank, from the model's config.json (no weights), the allocation and the
   (``full``: the block input; ``selective``: matmul and attention outputs, or every Nth block);
   the last stage adds the float32 softmax of the loss over the (vocab-parallel) logits.
 
+On CUDA (``device_type = "cuda"``) each engine also holds its NCCL communicators' buffers, and
+``fit`` adds what a process holds once (CUDA context, cuBLAS workspaces, the default NCCL group, a
+fragmentation margin) and compares with what CUDA lets a process allocate of the card, not its
+nominal size (see "beyond tensors" below for the figures and their sources).
+
 Microbatch tokens assume every sequence is as long as it may be (RL: ``train_dataset.max_length
 + gconfig.max_new_tokens``; SFT: ``train_dataset.max_length``).  torch.compile usually saves
 less than eager; the estimate is eager's.  For one rollout server GPU: the weights (split t*p
@@ -41,6 +46,7 @@ if TYPE_CHECKING:
     from archon.config import Config, TrainEngineConfig
 
 GiB = 1 << 30
+MiB = 1 << 20
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _TP_LINEARS = ("wq", "wk", "wv", "w1", "w2", "w3")
 
@@ -351,6 +357,83 @@ def _rank_actions(schedule: str, pp: int, n_stages: int, n_mbs: int, rank: int) 
     return out
 
 
+# ---------------------------------------------------------------------------------- beyond tensors (CUDA)
+# What a training process holds on a GPU besides the tensors counted below, and how much of a
+# card a process may use at all.  Figures are documented or measured elsewhere (sources beside
+# each); they are deliberately round, so "fits" keeps a margin rather than promising the last MiB.
+
+USABLE_FRACTION = 79.11 / 80
+"""Share of a card's nominal memory CUDA lets processes allocate: an "80 GB" H100 (80 GiB of HBM) reports
+79.11 GiB total to torch.cuda.mem_get_info, the capacity in torch's out-of-memory message
+(vllm-project/vllm#27508; A100 80GB: 79.15-79.35 GiB); the driver keeps the rest."""
+CUDA_CONTEXT_BYTES = 512 * MiB
+"""The CUDA context of one process with its kernels: ~300 MB at initialisation since CUDA 11.7 loads
+kernels lazily, >1 GB before (pytorch/pytorch#107667), growing as a step loads torch's, NCCL's and Triton's."""
+CUBLAS_WORKSPACE_BYTES = 2 * 32 * MiB
+"""torch's default cuBLAS workspace, shared with cuBLASLt, is 32 MiB per (handle, stream) on Hopper and 8.1 MiB
+before (``:4096:8``, aten/src/ATen/cuda/CublasHandlePool.cpp; cuBLAS's cublasSetWorkspace recommends 32 MiB on
+Hopper); forward and backward matmuls share one stream, two allow for one side stream."""
+NCCL_COLLECTIVE_BYTES = GiB
+"""One NCCL communicator that runs collectives (all-gather, reduce-scatter, all-reduce): its buffers are
+NCCL_BUFFSIZE (4 MiB, Simple protocol) plus the LL and LL128 buffers per channel and ring peer, with up to
+32 channels on H100 NVLink; one communicator after an all-reduce held ~1.6 GB with the context (NVIDIA/nccl#864)."""
+NCCL_PEER_BYTES = 450 * MiB
+"""Each peer of an all-to-all or point-to-point communicator: on 8 H100s the first all_to_all_single took a
+rank's NCCL memory from 1.06 to 4.34 GB, 32 channels to each of 7 peers (NVIDIA/nccl#1685)."""
+FRAGMENTATION_MARGIN = 0.10
+"""Caching-allocator blocks reserved but not usable for the next request, as a share of the tensors' peak: a
+margin, not a law; it reached 21% (16 of 77 GiB) in a torchrec study (meta-pytorch/torchrec#4584) and shrinks with
+PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True."""
+
+
+HELD_TERMS = ("parameters", "optimizer state", "NCCL buffers")
+"""Names of the terms an engine holds all the time (beside another engine's peak, or in its optimizer step)."""
+
+
+def usable_gpu_bytes(gpu_memory_gb: float) -> int:
+    """Bytes a process can allocate on a card of ``gpu_memory_gb`` nominal GiB (``cluster.gpu_memory_gb``)."""
+    return int(gpu_memory_gb * GiB * USABLE_FRACTION)
+
+
+def process_terms(tensor_bytes: int) -> list[Term]:
+    """What one training process adds once, whatever its engines: CUDA context, cuBLAS, the default NCCL
+    group (barriers, object broadcasts), and the fragmentation margin on ``tensor_bytes`` (its tensors' peak)."""
+    return [
+        Term("CUDA context and kernels", CUDA_CONTEXT_BYTES, ""),
+        Term("cuBLAS workspaces", CUBLAS_WORKSPACE_BYTES, ""),
+        Term("NCCL buffers of the default group", NCCL_COLLECTIVE_BYTES, ""),
+        Term(
+            f"allocator fragmentation ({FRAGMENTATION_MARGIN:.0%} margin)",
+            int(FRAGMENTATION_MARGIN * tensor_bytes),
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True wastes less",
+        ),
+    ]
+
+
+def nccl_communicators(lay: _Layout) -> tuple[int, int]:
+    """(communicators running collectives, all-to-all and point-to-point peers) of one engine's meshes."""
+    collectives = int(lay.fsdp) + int(lay.dp_replicate > 1) + int(lay.tp > 1)
+    peers = 0
+    if lay.cp > 1:
+        peers += lay.cp - 1  # Ulysses all-to-all
+    if lay.ep > 1:
+        peers += lay.ep - 1  # token dispatch all-to-all
+        collectives += int(lay.dp_shard * lay.cp * lay.tp // (lay.ep * lay.etp) > 1)  # expert FSDP (efsdp)
+    if lay.pp > 1:
+        peers += 1 if lay.pp == 2 else 2  # the previous and the next pipeline rank
+    return collectives, peers
+
+
+def nccl_term(lay: _Layout) -> Term:
+    """NCCL buffers of one engine's communicators (held as long as the engine lives)."""
+    collectives, peers = nccl_communicators(lay)
+    return Term(
+        f"NCCL buffers ({collectives} collective communicators, {peers} all-to-all/p2p peers)",
+        collectives * NCCL_COLLECTIVE_BYTES + peers * NCCL_PEER_BYTES,
+        "fewer parallel dimensions, or NCCL_BUFFSIZE / NCCL_MAX_NCHANNELS",
+    )
+
+
 def estimate_training_rank(
     engine: TrainEngineConfig,
     hf: dict[str, Any],
@@ -393,6 +476,8 @@ def estimate_training_rank(
         terms.append(Term("parameters (float32, sharded)", int(4 * n_local), "raise t, e or p (or d, under FSDP)"))
         if trainable:
             terms.append(Term("optimizer state (AdamW, float32)", int(8 * n_local), "raise t, e or p (or d)"))
+    if device_type == "cuda" and any(nccl_communicators(lay)):
+        terms.append(nccl_term(lay))  # held for the engine's life, like its states
     # Unsharded parameters while a unit computes.
     reshard = engine.archon.reshard_after_forward_policy == "always" or (
         engine.archon.reshard_after_forward_policy == "default" and lay.pp == 1
@@ -479,7 +564,7 @@ def estimate_training_rank(
     if not trainable or offload:
         return compute
     # The optimizer step: sharded gradients, and foreach AdamW's float32 temporaries (fused on CUDA: none).
-    states = [t for t in terms if t.name.startswith(("parameters", "optimizer"))]
+    states = [t for t in terms if t.name.startswith(HELD_TERMS)]
     step = states + [Term("gradients (float32, sharded)", int(4 * n_local), "raise t, e, p or d")]
     if device_type != "cuda":
         step.append(Term("optimizer step temporaries (foreach AdamW)", int(4 * n_local), "raise t, e, p or d"))

@@ -181,7 +181,7 @@ class CoreAttention(nn.Module):
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
         # Trailing padding is one more sequence, as on the SDPA path; when there is none the
         # appended entry is an empty sequence (as pad_cu_seqlens makes), so no host sync decides.
-        cu = torch.cat([cu, cu.new_tensor([seqlen])])
+        cu = torch.cat([cu, cu.new_full((1,), seqlen)])  # a fill: new_tensor would copy from the host and sync
         if max_seqlen is None:  # Decoder.forward passes it (one sync per forward, not per layer)
             max_seqlen = int((cu[1:] - cu[:-1]).max())
         assert _VARLEN_ATTN is not None, "the varlen path runs only where _can_use_varlen holds"

@@ -85,12 +85,29 @@ def count_per_expert(selected: torch.Tensor, num_experts: int, token_mask: torch
     return torch.histc(flat.reshape(-1), bins=num_experts, min=0, max=num_experts)
 
 
-def _use_grouped_mm(x: torch.Tensor) -> bool:
-    # torch._grouped_mm's fast kernel is bfloat16 on Hopper and newer; elsewhere it is
-    # either missing, slow (a syncing fallback) or lacks a CPU backward, so use the loop.
-    if not (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")):
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the experts' matmuls run in: autocast's where it is on (F.linear's rule), else ``x``'s.
+
+    Without FSDP, mixed precision is autocast over float32 parameters and activations, so the
+    activations' own dtype would say float32 and miss the grouped GEMM.
+    """
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def grouped_mm_fits(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` has its fast kernel for ``dtype`` on ``device``: bfloat16 on sm90+.
+
+    Elsewhere it is missing, slow (a syncing fallback) or lacks a CPU backward, so the loop runs.
+    """
+    if device.type != "cuda" or dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm"):
         return False
-    return torch.cuda.get_device_capability(x.device)[0] >= 9
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _use_grouped_mm(x: torch.Tensor) -> bool:
+    return x.is_cuda and grouped_mm_fits(x.device, compute_dtype(x))
 
 
 class GroupedExperts(nn.Module):
@@ -155,7 +172,10 @@ def _run_experts_grouped_mm(
     w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, x: torch.Tensor, num_tokens_per_expert: torch.Tensor
 ) -> torch.Tensor:
     offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
-    x = x.to(w1.dtype)
+    # Autocast does not cast for torch._grouped_mm, which needs one dtype: cast as F.linear would
+    # (to autocast's dtype), or without autocast to the weights' (FSDP's compute dtype).
+    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else w1.dtype
+    x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
     # (torch._grouped_mm is private to pyright: torch does not export it)
     h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets))  # pyright: ignore[reportPrivateImportUsage]
     h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)  # pyright: ignore[reportPrivateImportUsage]
