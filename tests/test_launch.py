@@ -324,6 +324,7 @@ def test_slurm_job_runs_the_demo_on_two_simulated_nodes(demo_assets, tmp_path):
     assert started is not None
     server_pid = int(started.group(1))
     assert not pid_alive(server_pid)  # the script stopped the server step when training ended
+    assert "node 0: stopping its rollout servers" in log  # with a SIGTERM serve-node handles, not srun's SIGKILL
 
 
 @pytest.mark.slow
@@ -403,6 +404,7 @@ def test_a_cancelled_slurm_job_stops_every_step(demo_assets, tmp_path):
             proc.wait()
     text = log.read_text()
     assert proc.returncode == 143, text[-3000:]
+    assert "node 0: stopping its rollout servers" in text  # the steps got SIGTERM (scancel), not srun's SIGKILL
     started = re.search(r"started rollout server 0 \(pid (\d+)\)", text)
     assert started is not None
     server_pid = int(started.group(1))

@@ -64,7 +64,7 @@ def _parser(command: str) -> argparse.ArgumentParser:
 
 def _slurm(args: argparse.Namespace) -> int:
     from archon.launch.common import load_run
-    from archon.launch.slurm import build_job, default_script_path, dry_run_text, render_script, submit
+    from archon.launch.slurm import build_job, default_script_path, dry_run_text, log_path, render_script, submit
 
     cfg, plan = load_run(args.config, args.overrides, args.job)
     job = build_job(cfg, plan, args.config, args.overrides, args.job, args.rdzv_port, args.sbatch_arg)
@@ -75,6 +75,7 @@ def _slurm(args: argparse.Namespace) -> int:
     script.parent.mkdir(parents=True, exist_ok=True)
     script.write_text(render_script(job))
     script.chmod(0o755)
+    log_path(job).parent.mkdir(parents=True, exist_ok=True)
     print(f"wrote {script}")
     if args.submit:
         print(submit(script))

@@ -12,7 +12,9 @@ The job takes ``cluster.n_nodes`` whole nodes.  Its script, run by Slurm on the 
    number, ``--nproc_per_node`` = the plan's training ranks per node, c10d rendezvous on the
    first training node, ``CUDA_VISIBLE_DEVICES`` = the plan's training GPUs of a node;
    trainer rank 0 finds the servers in the run directory instead of launching any;
-5. when training ends, fails, or the job is cancelled, stops the server steps.
+5. when training ends, fails, or the job is cancelled, stops the steps still running: SIGTERM to
+   their tasks with ``scancel --signal=TERM`` (srun itself would SIGKILL them), then, for a step
+   still running ``STOP_GRACE_S`` later, srun's kill.
 
 torchrun's c10d rendezvous numbers the nodes in its own order (by host name), so every
 training node must hold the same training GPUs; the plan gives that whenever training has
@@ -37,6 +39,8 @@ from archon.plan import ClusterPlan, Job
 from archon.rollout.discovery import LAUNCH_ID_ENV, REGISTRY_ENV
 
 DEFAULT_RDZV_PORT = 29500
+STOP_GRACE_S = 60
+"""Seconds the steps still running when the script ends have to stop after SIGTERM, before srun kills them."""
 
 
 class Shell(str):
@@ -176,11 +180,16 @@ def _srun(job: SlurmJob, step: Step) -> str:
     return " \\\n".join(lines)
 
 
+def log_path(job: SlurmJob) -> Path:
+    """The job's output (``%j``: its id); Slurm fails a job whose log folder is missing, so the launcher makes it."""
+    return job.run_dir / "launch" / "slurm-%j.log"
+
+
 def render_script(job: SlurmJob) -> str:
     """The sbatch script (see the module docstring)."""
     plan = job.plan
     n = plan.n_nodes
-    log = job.run_dir / "launch" / "slurm-%j.log"
+    log = log_path(job)
     head = [
         "#!/bin/bash",
         "# An Archon run on Slurm, written by `python -m archon.launch slurm`; its steps follow the cluster plan",
@@ -203,10 +212,16 @@ def render_script(job: SlurmJob) -> str:
         "    exit 2",
         "fi",
         "",
-        "# Every step runs in the background; whatever ends the script stops the ones still running.",
+        "# Every step runs in the background; whatever ends the script stops the ones still running:",
+        "# SIGTERM to their tasks through Slurm (not to this script), so serve-node and torchrun stop their",
+        "# own processes.  srun answers a SIGTERM by killing its tasks (SIGKILL): it gets one only for a step",
+        f"# still running {STOP_GRACE_S} s later.",
         "STEPS=()",
         "stop_steps() {",
         "    trap - EXIT INT TERM",
+        f"    local tenths={STOP_GRACE_S * 10}",
+        '    scancel --signal=TERM "$SLURM_JOB_ID" 2>/dev/null || tenths=0',
+        '    while [[ -n "$(jobs -pr)" ]] && (( tenths-- > 0 )); do sleep 0.1; done',
         '    for pid in "${STEPS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done',
         "    wait || true",
         "}",
