@@ -45,6 +45,10 @@ class Panel:
     """y-axis label."""
     prefixes: tuple[str, ...] = ()
     """Also draw every metric whose name starts with one of these (per-layer series)."""
+    dashed: tuple[str, ...] = ()
+    """Keys among ``keys`` drawn dashed: bounds the other lines are held to."""
+    log_y: bool = False
+    """Logarithmic y axis (values that span orders of magnitude)."""
 
     def keys_in(self, records: Sequence[dict[str, Any]]) -> list[str]:
         """The panel's keys, then the prefixed keys found in ``records`` (in natural order)."""
@@ -63,7 +67,19 @@ PANELS: tuple[Panel, ...] = (
     Panel("response length", ("response_len_mean",), ylabel="tokens"),
     Panel("actor loss", ("actor/loss",)),
     Panel("KL", ("actor/approx_kl", "kl_ref", "kl_teacher")),
-    Panel("train/inference mismatch", ("behav_prox_logprob_diff",), ylabel="mean |logprob diff|"),
+    Panel(
+        "train/inference mismatch",
+        (
+            "behav_prox_logprob_diff",
+            "mismatch/logprob_diff",
+            "weight_check/logprob_diff",
+            "mismatch/warn_bound",
+            "mismatch/stop_bound",
+        ),
+        ylabel="mean |logprob diff|",
+        dashed=("mismatch/warn_bound", "mismatch/stop_bound"),
+        log_y=True,
+    ),
     Panel("entropy", ("actor/entropy", "entropy"), ylabel="nats / token"),
     Panel("grad norm", ("actor/grad_norm", "grad_norm")),
     Panel(
@@ -188,8 +204,8 @@ def _band(records: Sequence[dict[str, Any]], mean_key: str, std_key: str) -> tup
 
 
 def panels_for(records: Sequence[dict[str, Any]], panels: Sequence[Panel] = PANELS) -> list[Panel]:
-    """The panels with at least one logged value."""
-    return [p for p in panels if any(_series(records, k)[1] for k in p.keys_in(records))]
+    """The panels with at least one logged value (bounds alone do not make a panel)."""
+    return [p for p in panels if any(_series(records, k)[1] for k in p.keys_in(records) if k not in p.dashed)]
 
 
 def plot_metrics(
@@ -215,7 +231,8 @@ def plot_metrics(
             xs, ys = _series(records, key)
             if not ys:
                 continue
-            (line,) = ax.plot(xs, ys, label=key, linewidth=1.5, marker="." if len(ys) < 60 else None)
+            style = {"linestyle": "--", "linewidth": 1.0} if key in panel.dashed else {"linewidth": 1.5}
+            (line,) = ax.plot(xs, ys, label=key, marker="." if len(ys) < 60 else None, **style)
             drawn += 1
             if panel.band is not None and key == panel.band[0]:
                 bx, lo, hi = _band(records, *panel.band)
@@ -223,6 +240,8 @@ def plot_metrics(
                     ax.fill_between(bx, lo, hi, color=line.get_color(), alpha=0.2, linewidth=0)
         ax.set_title(panel.title)
         ax.set_xlabel("step")
+        if panel.log_y and any(y > 0 for k in panel.keys_in(records) for y in _series(records, k)[1]):
+            ax.set_yscale("log", nonpositive="clip")
         if panel.ylabel:
             ax.set_ylabel(panel.ylabel)
         ax.grid(True, alpha=0.3)

@@ -370,15 +370,14 @@ class InProcess:
 
 
 def as_fake_vllm(cmd: list[str], *extra: str) -> list[str]:
-    """The launcher's ``python -m vllm.entrypoints.cli.main serve ...`` as this script (all args kept)."""
-    assert cmd[1:4] == ["-m", "vllm.entrypoints.cli.main", "serve"], cmd
+    """The launcher's ``python -m vllm.entrypoints.openai.api_server --model ...`` as this script (all args kept)."""
+    assert cmd[1:4] == ["-m", "vllm.entrypoints.openai.api_server", "--model"], cmd
     return [sys.executable, str(Path(__file__).resolve()), *cmd[3:], *extra]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="fake vLLM server for tests")
-    parser.add_argument("command", choices=["serve"])
-    parser.add_argument("model")
+    parser.add_argument("--model", required=True)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--max-model-len", type=int, default=None)

@@ -225,6 +225,35 @@ def test_recipe_ranks_select_the_plan_gpus_however_the_launcher_exports_them(pat
         assert selected_device({**env, "CUDA_VISIBLE_DEVICES": "GPU-1a2b"}, count=1, plan=plan).index == 0
 
 
+def test_a_job_holding_part_of_a_node_maps_plan_gpus_through_its_device_list():
+    # A container or a partial-node job sees its 4 GPUs as physical 4-7, renumbered 0-3; the plan numbers them 0-3.
+    cfg = load_config(None, ["rollout.backend=sglang:d2", "actor.backend=archon:d2", "cluster.n_gpus_per_node=4"])
+    plan = plan_for_config(cfg)
+    got = [
+        selected_device(torchrun_env(p.index, p.local_index, 2, CUDA_VISIBLE_DEVICES="4,5,6,7"), count=4, plan=plan)
+        for p in plan.train_ranks
+    ]
+    assert [d.index for d in got] == [p.gpus[0] for p in plan.train_ranks] == [2, 3]  # physical GPUs 6 and 7
+
+
+def test_auto_says_loudly_when_nvidia_smi_sees_gpus_this_torch_cannot_use(tmp_path, monkeypatch, caplog):
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'NVIDIA H100 80GB HBM3, 470.57.02'\necho 'NVIDIA H100 80GB HBM3, 470.57.02'\n")
+    smi.chmod(0o755)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{archon_dist.os.environ['PATH']}")
+    with caplog.at_level("WARNING", logger="archon.engine"):
+        assert archon_dist.resolve_device_type("auto") == "cpu"
+    (record,) = [r for r in caplog.records if "nvidia-smi lists" in r.getMessage()]
+    message = record.getMessage()
+    assert "lists 2 GPU(s) (NVIDIA H100 80GB HBM3, 470.57.02)" in message and "install a torch built" in message
+    caplog.clear()
+    monkeypatch.setenv("PATH", "/nonexistent")  # no nvidia-smi: a CPU machine, nothing to say
+    with caplog.at_level("WARNING", logger="archon.engine"):
+        assert archon_dist.resolve_device_type("auto") == "cpu"
+    assert not caplog.records
+
+
 def test_no_plan_keeps_torchrun_local_rank():
     assert selected_device(torchrun_env(3, 3, 4)).index == 3
 

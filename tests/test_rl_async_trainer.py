@@ -76,6 +76,9 @@ def test_async_runs_are_reproducible_and_do_not_depend_on_the_allocation(rl_setu
     assert [r["async/staleness_max"] for r in d1] == [0, 1, 1]
     assert [r["async/staleness_hist/1"] for r in d1] == [0, 1, 1]
     assert d1[1]["behav_ratio/max"] > 1.0 > d1[1]["behav_ratio/min"]  # stale data: pi_prox != pi_behav
+    # The train/inference mismatch is measured on tokens of the version trained only: step 1's, none after.
+    assert d1[0]["mismatch/logprob_diff"] < 1e-5 and d1[0]["behav_prox_logprob_diff"] < 1e-5
+    assert [r["mismatch/logprob_diff"] for r in d1[1:]] == [None, None] and d1[1]["behav_prox_logprob_diff"] > 1e-3
     for key in (
         "actor/loss",
         "actor/grad_norm",
@@ -116,6 +119,10 @@ def test_staleness_stays_within_k_for_a_slow_trainer_with_critic_reference_and_d
         assert r["async/staleness_max"] <= k and r["n_samples"] == 16
         assert r["critic/value_loss"] is not None and r["kl_ref"] is not None
         assert 0.0 <= r["async/token_staleness_mean"] <= r["async/staleness_mean"]  # tokens only get fresher
+        if r["mismatch/logprob_diff"] is not None:  # tokens of the version trained: the engines' difference only
+            assert r["mismatch/logprob_diff"] < 1e-5, r
+            if r["async/token_staleness_mean"] > 0:  # stale tokens add the policy's own change
+                assert r["behav_prox_logprob_diff"] > 1e-4, r
     positions = [r["async/data_position"] for r in history]
     rounds = [r["dynamic_filter/rounds"] for r in history]
     assert positions == [4.0 * sum(rounds[: i + 1]) for i in range(len(rounds))]  # 4 prompts per round

@@ -74,7 +74,7 @@ def test_vllm_d2t2p2_specs_on_one_node(model_dir, tmp_path):
     specs = build_launch_specs(cfg, tmp_path, ports=[8100, 8101], node=0)  # the plan gives node 0 to rollout
     assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["0,1,2,3", "4,5,6,7"]
     for i, s in enumerate(specs):
-        assert s.cmd[:5] == [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir)]
+        assert s.cmd[:5] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
         assert _flag(s.cmd, "--tensor-parallel-size") == "2" and _flag(s.cmd, "--pipeline-parallel-size") == "2"
         assert _flag(s.cmd, "--port") == str(8100 + i) and _flag(s.cmd, "--host") == "0.0.0.0"
         assert _flag(s.cmd, "--seed") == str(9 + i)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -24,6 +25,7 @@ from archon.rollout.weight_sync import (
     WeightSyncError,
     build_weight_sync,
     dtype_name,
+    weight_group_backend,
 )
 
 if TYPE_CHECKING:
@@ -320,3 +322,70 @@ def test_factory_and_dtype_names():
         build_weight_sync("nfs", ShardedEngine(), None)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="weight_chunk_mb = 0 must be positive"):
         build_weight_sync("distributed", cast("WeightSyncEngine", ShardedEngine()), None, chunk_mb=0)
+
+
+class _OneProcessEngine:
+    """The trainer as one process (no trainer group): full tensors as they are."""
+
+    def named_full_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in NAMES:
+            yield name, full_tensor(name, 0)
+
+    def export_hf(self, path: str | Path, dtype: torch.dtype | None = None) -> None:
+        raise AssertionError("not a disk sync")
+
+
+def test_a_refused_first_bucket_is_reported_where_the_transport_connects_lazily(tmp_path, monkeypatch):
+    """NCCL connects a group inside its first collective, and that call blocks until every rank joined
+    (gloo connects when the group forms); a server that refuses the first bucket never joins.  The
+    broadcast below behaves so: the sync must report the server's error instead of waiting in the call."""
+    port = free_ports(1)[0]
+    spec = LaunchSpec(0, fake_command(port), {}, "127.0.0.1", port, tmp_path / "server.log")
+    with RolloutLauncher([spec], setup_timeout=300) as launcher:
+        client = RolloutClient(launcher.addrs, setup_timeout=60, backoff_s=0.01)
+        sync = DistributedWeightSync(
+            cast("WeightSyncEngine", _OneProcessEngine()),
+            client,
+            chunk_mb=1,
+            backend="gloo",
+            master_address="127.0.0.1",
+            group_name="wsync_lazy",
+        )
+        sync.setup()
+        configure(launcher.addrs[0], fail_weight_update="shapes do not match the model")
+        never_connects = threading.Event()
+        broadcast = dist.broadcast
+
+        def lazily_connecting_broadcast(tensor, src=0, group=None, async_op=False):
+            if group is not None and group is sync._pg:
+                never_connects.wait()  # the refusing server never calls its side
+            return broadcast(tensor, src=src, group=group, async_op=async_op)
+
+        monkeypatch.setattr(dist, "broadcast", lazily_connecting_broadcast)
+        outcome: dict[str, BaseException | None] = {}
+
+        def run() -> None:
+            try:
+                sync.sync(1)
+                outcome["error"] = None
+            except BaseException as exc:  # noqa: BLE001 - inspected below
+                outcome["error"] = exc
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        thread.join(120)  # far below the group's 600 s timeout: the refusal must end the sync
+        assert not thread.is_alive(), "the weight sync waited in a broadcast that could never connect"
+        error = outcome["error"]
+        assert isinstance(error, WeightSyncError) and "shapes do not match the model" in str(error)
+        assert sync._pg is None  # abandoned: the next sync asks for setup() again
+        client.close()
+
+
+def test_the_weight_group_backend_is_chosen_from_both_ends():
+    assert weight_group_backend("sglang", "cuda") == "nccl"
+    assert weight_group_backend("local", "cuda") == "gloo"  # the built-in server has no GPU
+    assert weight_group_backend("sglang", "cpu") == "gloo"
+    sync = DistributedWeightSync(
+        cast("WeightSyncEngine", _OneProcessEngine()), None, backend=weight_group_backend("local", "cuda")
+    )
+    assert sync.device == torch.device("cpu")  # buckets are staged on the CPU for gloo

@@ -10,7 +10,10 @@ The GPU rule (one for every launcher).  The cluster plan (``archon.plan``) gives
    node-local ids that includes it (e.g. a Slurm step that shows each node its training GPUs);
 3. the one visible GPU when the launcher bound the process to a single GPU that the list
    names differently (Ray gives each bundle its own GPU);
-4. otherwise an error that names the rank, ``g`` and the list.
+4. entry ``g`` of a longer list that does not name ``g``: the job's GPUs renumbered from 0 (a
+   container or a job holding part of a node, ``CUDA_VISIBLE_DEVICES=4,5,6,7``), as the rollout
+   servers' GPUs are mapped (``archon.rollout.launcher.visible_devices``);
+5. otherwise an error that names the rank, ``g`` and the list.
 
 Without a plan (an engine used on its own under torchrun) the rank uses visible device
 ``LOCAL_RANK``, as torchrun expects.  ``LOCAL_RANK``, when set, must be the rank's position
@@ -20,8 +23,11 @@ from the plan is refused, because the plan's GPUs would then collide.
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import signal
+import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
@@ -38,6 +44,9 @@ if TYPE_CHECKING:
     from archon.plan import ClusterPlan
 
 
+logger = logging.getLogger("archon.engine")
+
+
 class DeviceSelectionError(ArchonError, RuntimeError):
     """This training process cannot tell which GPU is its own; the message says why and how to fix it."""
 
@@ -45,10 +54,51 @@ class DeviceSelectionError(ArchonError, RuntimeError):
 def resolve_device_type(device: str = "auto") -> str:
     """'cuda' when asked or available (for 'auto'), else 'cpu'."""
     if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        if torch.cuda.is_available():
+            return "cuda"
+        warn_unusable_gpus()
+        return "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device = 'cuda' but no CUDA device is visible; set device = 'cpu' or 'auto'")
     return device
+
+
+def nvidia_smi_gpus() -> list[str]:
+    """``name, driver version`` of every GPU ``nvidia-smi`` lists (empty without nvidia-smi or GPUs)."""
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else []
+
+
+def warn_unusable_gpus() -> None:
+    """Say loudly that ``device = 'auto'`` falls back to the CPU on a machine whose GPUs this torch cannot use."""
+    gpus = nvidia_smi_gpus()
+    if not gpus:
+        return
+    cuda = torch.version.cuda
+    why = (
+        f"this torch {torch.__version__} is a CPU build"
+        if cuda is None
+        else f"this torch {torch.__version__} was built for CUDA {cuda}, which needs a newer driver than the GPUs' "
+        f"({gpus[0].rsplit(',', 1)[-1].strip()}), or the GPUs are not visible to this process"
+    )
+    logger.warning(
+        "device = 'auto' runs on the CPU although nvidia-smi lists %d GPU(s) (%s): %s; install a torch built for this "
+        "driver (https://pytorch.org/get-started/locally/, `make install TORCH_SPEC=...`), or set device = 'cpu' to "
+        "run on the CPU on purpose",
+        len(gpus),
+        gpus[0],
+        why,
+    )
 
 
 def plan_gpu(plan: ClusterPlan, env: Mapping[str, str] = os.environ) -> int:
@@ -80,6 +130,8 @@ def cuda_device_index(gpu: int | None, env: Mapping[str, str] = os.environ) -> i
             index = visible.index(str(gpu))
         elif len(visible) == 1:
             index = 0
+        elif gpu < len(visible):
+            index = gpu
         else:
             raise DeviceSelectionError(
                 f"the cluster plan gives this training rank (RANK={env.get('RANK', '0')}) GPU {gpu} of its node, "

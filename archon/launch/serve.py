@@ -91,7 +91,12 @@ def serve_node(
         )
     registry.check()
     api_key = run_api_key(cfg.run_dir)
-    specs = _select(build_launch_specs(cfg, cfg.run_dir, node=node, api_key=api_key), node, servers)
+    # With --gpus the launcher bound this process's devices (Ray): CUDA_VISIBLE_DEVICES is the server's own already.
+    specs = _select(
+        build_launch_specs(cfg, cfg.run_dir, node=node, api_key=api_key, map_visible_devices=gpus is None),
+        node,
+        servers,
+    )
     if gpus is not None:
         if len(specs) != 1:
             raise ConfigError("--gpus gives the GPU ids of one server's process; select that server with --server")

@@ -20,7 +20,7 @@ from archon.rl.distill import distillation_loss
 from archon.rl.losses import aggregate, loss_weight, make_actor_loss_fn
 from archon.rl.offpolicy import proximal_metrics, proximal_sums
 from archon.rl.rejection_sampling import RejectionSampling
-from archon.rl.rollout_batch import ppo_minibatches
+from archon.rl.rollout_batch import FRESH_MASK, ppo_minibatches
 
 Batch = dict[str, torch.Tensor]
 logger = logging.getLogger("archon.rl")
@@ -88,8 +88,9 @@ class PPOActor:
     ) -> tuple[torch.Tensor, Batch]:
         if proximal_from_update:
             loss, stats = self.loss_fn_proximal_from_outputs(outputs, mb)
+            weight = loss_weight(mb, self.agg_mode)
             stats.update(
-                proximal_sums(outputs["logprobs"], mb["logprobs"], mb["loss_mask"], loss_weight(mb, self.agg_mode))
+                proximal_sums(outputs["logprobs"], mb["logprobs"], mb["loss_mask"], weight, mb.get(FRESH_MASK))
             )
         else:
             loss, stats = self.loss_fn(outputs, mb)

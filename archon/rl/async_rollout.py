@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from archon.rl.dynamic_filter import collect_mixed_groups
 from archon.rl.offpolicy import staleness_metrics
+from archon.rl.rank0 import run_on_rank0
 from archon.rl.rollout_batch import Completion
 from archon.rollout.control import gather_or_cancel
 
@@ -405,8 +406,6 @@ class AsyncRollout:
     """
 
     def __init__(self, trainer: RLTrainer, *, start_step: int, state: dict[str, Any] | None = None):
-        from archon.rl.trainer import run_on_rank0
-
         cfg = trainer.cfg
         self.trainer = trainer
         self.k = cfg.rollout.max_head_offpolicyness
@@ -457,8 +456,6 @@ class AsyncRollout:
                 )
 
     def _take(self, step: int, new_step: bool) -> tuple[list[Completion], list[float], dict[str, float]]:
-        from archon.rl.trainer import run_on_rank0
-
         t0 = time.perf_counter()
 
         def take() -> tuple[list[int], list[Completion], list[float], dict[str, float]]:
@@ -509,8 +506,6 @@ class AsyncRollout:
 
     def sync_weights(self, step: int) -> dict[str, float]:
         """Collective: publish version ``step`` to the servers around the rollout in flight."""
-        from archon.rl.trainer import run_on_rank0
-
         waited = run_on_rank0(
             lambda: self._rank0_worker().before_update(), f"pausing rollout for the weights of step {step}"
         )

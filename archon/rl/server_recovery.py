@@ -21,6 +21,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from archon.rl.rank0 import run_on_rank0
 from archon.rollout.client import RolloutError, RolloutRequestError
 from archon.rollout.weight_sync import WeightSyncError
 
@@ -51,7 +52,6 @@ def recover_servers(supervisor: Any, weight_sync: Any, version: str | None) -> b
     ``version`` is what the servers should serve (None: the model folder's weights, which a
     restarted server already has).  Returns whether any server was restarted or dropped.
     """
-    from archon.rl.trainer import run_on_rank0
 
     def recover() -> tuple[bool, bool]:
         result = supervisor.recover()

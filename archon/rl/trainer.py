@@ -19,12 +19,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from archon.cli import JobError
 from archon.config import Config, ConfigError
 from archon.data.rl_dataset import COMPLETION_IDS
 from archon.drill import drill_point
 from archon.engine import ArchonEngine, build_engine
-from archon.errors import user_error_types
 from archon.gc_freeze import freeze_startup_objects, thaw_startup_objects
 from archon.rl.actor import PPOActor, ReferenceModel
 from archon.rl.advantages import check_advantage_options, compute_advantages
@@ -32,9 +30,12 @@ from archon.rl.critic import PPOCritic
 from archon.rl.dynamic_filter import collect_mixed_groups
 from archon.rl.kl import KLController, kl_estimate
 from archon.rl.losses import aggregate
-from archon.rl.offpolicy import behaviour_ratio_metrics
-from archon.rl.rollout_batch import Completion, build_rollout_batch, routed_experts_array
+from archon.rl.mismatch import MismatchMonitor
+from archon.rl.offpolicy import MISMATCH, behaviour_ratio_metrics, mismatch
+from archon.rl.rank0 import RankZeroError, run_on_rank0  # noqa: F401 - RankZeroError is public here
+from archon.rl.rollout_batch import FRESH_MASK, Completion, build_rollout_batch, routed_experts_array
 from archon.rl.server_recovery import generate_or_recover, recover_servers, sync_with_recovery
+from archon.rl.weight_check import ServerWeightCheck, default_tolerance
 
 if TYPE_CHECKING:
     from archon.rl.rewards import RewardComputer
@@ -71,34 +72,6 @@ def policy_temperature(cfg: Config) -> float:
     return t if t > 0 and cfg.gconfig.top_k != 1 else 1.0
 
 
-class RankZeroError(JobError):
-    """Work that only rank 0 does (launching servers, rollouts, rewards) failed; raised on every rank."""
-
-
-def run_on_rank0(fn, what: str) -> Any:
-    """``fn()`` on rank 0, its result broadcast to every rank; a failure is raised on every rank.
-
-    Without this, a rank-0 failure would leave the other ranks waiting in the next collective
-    until the process-group timeout (30 minutes by default).
-    """
-    payload: list[Any] = [None]
-    if dist.get_rank() == 0:
-        try:
-            payload = [("ok", fn())]
-        except user_error_types() as exc:  # one sentence says it all: no traceback
-            payload = [("error", f"{what} failed on rank 0: {exc}")]
-        except Exception as exc:  # noqa: BLE001 - a bug: keep its traceback in rank 0's log; re-raised below
-            logger.exception("%s failed on rank 0", what)
-            payload = [("error", f"{what} failed on rank 0: {type(exc).__name__}: {exc}")]
-    if dist.get_world_size() > 1:
-        # Pickling a round of rollouts for a group of one cost ~1.5 ms of a digits-demo step.
-        dist.broadcast_object_list(payload, src=0)
-    status, value = payload[0]
-    if status == "error":
-        raise RankZeroError(value)
-    return value
-
-
 class RLTrainer:
     """One RL run: ``RLTrainer(cfg).run()`` on every training rank (torchrun)."""
 
@@ -130,6 +103,8 @@ class RLTrainer:
         self.served_version: str | None = None  # weights the servers hold (None: actor.path's)
         # rollout.max_head_offpolicyness > 0: batches come from archon.rl.async_rollout.
         self.async_rollout = None
+        self.weight_check: ServerWeightCheck | None = None  # built with the weight sync
+        self.mismatch_monitor = MismatchMonitor(cfg.rollout.mismatch_warn, cfg.rollout.mismatch_stop)
 
     # ------------------------------------------------------------------ setup
     def _build_engines(self) -> None:
@@ -185,6 +160,7 @@ class RLTrainer:
         )
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
+        self.probe_prompt = list(dataset[0].input_ids)  # the weight check's probe
         from archon.rollout.server_api import sampling_params
 
         # The tokenizer's EOS may differ from config.json's eos_token_id (which the server stops on).
@@ -196,10 +172,8 @@ class RLTrainer:
         """Rank 0 gets the servers (``server_source``: launched, published, given); every rank joins the weight sync."""
         from archon.rollout.client import RolloutClient
         from archon.rollout.discovery import server_source
-        from archon.rollout.launcher import ranks_per_server
         from archon.rollout.recovery import ServerSupervisor
-        from archon.rollout.weight_sync import build_weight_sync
-        from parallel.dtypes import to_dtype
+        from archon.rollout.weight_sync import server_dtype, weight_sync_for
 
         cfg = self.cfg
         rollout_alloc = cfg.allocations()["rollout"]
@@ -217,22 +191,16 @@ class RLTrainer:
                 "actor.archon.moe_load_balance = 'aux_free': the routing bias reaches Archon's built-in "
                 "servers only; SGLang's Qwen3-MoE has no field for it and routes without it"
             )
-        # SGLang and vLLM serve in their own dtype; the built-in server in the actor's.
-        dtype = to_dtype(
-            {"sglang": cfg.sglang.dtype, "vllm": cfg.vllm.dtype}.get(rollout_alloc.backend, cfg.actor.dtype)
-        )
-        self.weight_sync = build_weight_sync(
-            cfg.rollout.weight_sync,
-            self.actor_engine,
-            self.client,
-            folder=cfg.run_dir / "weights",
-            chunk_mb=cfg.rollout.weight_chunk_mb,
-            ranks_per_server=ranks_per_server(rollout_alloc),
-            dtype=dtype,
-            extras=rollout_alloc.backend == "local",
-            flattened=cfg.rollout.weight_load_format == "flattened_bucket"
-            or (cfg.rollout.weight_load_format == "auto" and rollout_alloc.backend == "local"),
-        )
+        self.weight_sync = weight_sync_for(cfg, self.actor_engine, self.client, self.actor_engine.device_type)
+        if cfg.rollout.weight_check_freq > 0:
+            self.weight_check = ServerWeightCheck(
+                self.actor,
+                self.probe_prompt,
+                self.sampling,
+                tol=cfg.rollout.weight_check_tol or default_tolerance(server_dtype(cfg), cfg.actor.dtype),
+                freq=cfg.rollout.weight_check_freq,
+                pad_token_id=self.pad_token_id,
+            )
 
     def _build_rewards(self) -> None:
         from archon.rl.rewards import RewardComputer, get_reward_fn
@@ -325,9 +293,10 @@ class RLTrainer:
         assert self.rewards is not None  # rank 0 started them in _build_rewards
         return self.rewards.compute([p.prompt for p in prompts], texts, [p.answer for p in prompts], **extra)
 
-    def _prepare(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
-        """Reference/proximal logprobs, values and advantages, added to ``batch``; returns metrics."""
-        metrics: dict[str, float] = {}
+    def _prepare(self, batch: dict[str, torch.Tensor]) -> dict[str, float | None]:
+        """Reference/proximal logprobs, values and advantages, added to ``batch``; returns metrics (None: not
+        measured this step)."""
+        metrics: dict[str, float | None] = {}
         mask = batch["loss_mask"]
         if self.ref is not None:
             batch["ref_logprobs"] = self.ref.compute_logprobs(batch)
@@ -335,6 +304,7 @@ class RLTrainer:
             batch["old_logprobs"] = self.actor.compute_logprobs(batch)
             diff = (batch["old_logprobs"] - batch["logprobs"]).abs()
             metrics["behav_prox_logprob_diff"] = float(aggregate(diff, mask, "token-mean"))
+            metrics[MISMATCH] = mismatch(batch["old_logprobs"], batch["logprobs"], mask, batch.get(FRESH_MASK))
             if self.async_rollout is not None:
                 metrics.update(behaviour_ratio_metrics(batch["old_logprobs"], batch["logprobs"], mask))
         if self.ref is not None:
@@ -387,7 +357,9 @@ class RLTrainer:
     def _step(self, step: int) -> dict[str, Any]:
         t_start = time.perf_counter()
         completions, rewards, timing = self._collect_rollouts(step)
-        batch = build_rollout_batch(completions, rewards, pad_token_id=self.pad_token_id)
+        # Asynchronous batches mark the tokens of the version this step trains (step - 1): the mismatch's tokens.
+        fresh = step - 1 if self.async_rollout is not None else None
+        batch = build_rollout_batch(completions, rewards, pad_token_id=self.pad_token_id, fresh_version=fresh)
         t_train = time.perf_counter()
         record: dict[str, Any] = {
             "step": step,
@@ -405,6 +377,10 @@ class RLTrainer:
             record["behav_prox_logprob_diff"] = actor_stats.get("actor/behav_logprob_diff_first_mb")
         actor_stats.pop("actor/behav_logprob_diff_first_mb", None)
         record.update(actor_stats)
+        if fresh is None:
+            # Synchronous: every token came from the weights trained, so the whole difference is the mismatch.
+            record[MISMATCH] = record["behav_prox_logprob_diff"]
+        record.update(self.mismatch_monitor.bounds())
         if self.critic is not None:
             record.update(self.critic.ppo_update(batch))
         train_time = time.perf_counter() - t_train
@@ -413,6 +389,8 @@ class RLTrainer:
         else:
             sync = sync_with_recovery(self.supervisor, self.weight_sync, str(step))
         self.served_version = str(step)
+        if self.weight_check is not None and self.weight_check.due(step):
+            sync.update(self.weight_check.run(self.client, str(step)))
 
         r = torch.tensor(rewards, dtype=torch.float64)
         lengths = torch.tensor([len(c.output_ids) for c in completions], dtype=torch.float64)
@@ -471,6 +449,10 @@ class RLTrainer:
             # The servers started from actor.path; give them the resumed policy.
             self.weight_sync.sync(str(start))
             self.served_version = str(start)
+        if self.weight_check is not None:
+            checked = self.weight_check.run(self.client, self.served_version)
+            if self.rank0:
+                logger.info("rollout servers compute with the trainer's weights: %s", checked)
         if self._asynchronous():
             from archon.rl.async_rollout import AsyncRollout
 
@@ -501,6 +483,7 @@ class RLTrainer:
                     record = self.step(step)
                     history.append(record)
                     metrics_log.log(record)
+                    self.mismatch_monitor.observe(step, record.get(MISMATCH))
                     freq = cfg.saver.freq_steps
                     if (freq and step % freq == 0) or step == cfg.total_train_steps:
                         self.ckpt.save(

@@ -58,6 +58,8 @@ class GenerateRequests:
 
         async def _ensure_healthy(self) -> None: ...
 
+        def _server(self, url: str) -> ServerState: ...
+
         def _wait(self, coro: Coroutine[Any, Any, T]) -> T: ...
 
     async def agenerate(
@@ -281,6 +283,29 @@ class GenerateRequests:
                 input_ids, sampling_params, return_logprob=return_logprob, return_routed_experts=return_routed_experts
             )
         )
+
+    async def agenerate_on(
+        self, url: str, input_ids: Sequence[int], sampling_params: dict[str, Any], *, return_logprob: bool = True
+    ) -> GenerateResult:
+        """One completion from the server at ``url`` and no other (no retry elsewhere): what that server computes."""
+        server = self._server(url)
+        payload = self.api.generate_payload(
+            [int(t) for t in input_ids], sampling_params, return_logprob, self._new_rid()
+        )
+        server.in_flight += 1
+        try:
+            body = await self._http(server, "POST", self.api.generate_path, payload)
+        except ServerStateFailure as exc:
+            raise RolloutError(f"generate request to {server.url} failed: {exc}") from None
+        finally:
+            server.in_flight -= 1
+        return self.api.parse_generate(body, server.url, return_logprob, server.weight_version)
+
+    def generate_on(
+        self, url: str, input_ids: Sequence[int], sampling_params: dict[str, Any], *, return_logprob: bool = True
+    ) -> GenerateResult:
+        """One completion from the server at ``url`` (blocking)."""
+        return self._wait(self.agenerate_on(url, input_ids, sampling_params, return_logprob=return_logprob))
 
     def generate_many(
         self,

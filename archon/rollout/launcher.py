@@ -56,7 +56,8 @@ from archon.plan.cpu_cores import share_of_slots
 from archon.rollout.auth import API_KEY_ENV, generate_api_key, write_api_key
 from archon.rollout.server_api import HEALTH_PROBE_TIMEOUT_S
 from archon.rollout.server_commands import check_sglang_options, local_command, resolve_context_length, sglang_command
-from archon.rollout.vllm import check_vllm_config, vllm_command, vllm_env
+from archon.rollout.tied_embeddings import untied_view
+from archon.rollout.vllm import check_vllm_config, vllm_command, vllm_env, vllm_model_view
 
 logger = logging.getLogger("archon.rollout.launcher")
 
@@ -77,7 +78,7 @@ class LaunchSpec:
     cmd: list[str]
     """Command line."""
     env: dict[str, str]
-    """Variables set on top of the launcher's environment (e.g. CUDA_VISIBLE_DEVICES)."""
+    """Variables set on top of the launcher's environment, less torchrun's (e.g. CUDA_VISIBLE_DEVICES)."""
     host: str
     """Address the server binds to."""
     port: int
@@ -88,6 +89,8 @@ class LaunchSpec:
     """Address clients use to reach it; empty means `host` (or 127.0.0.1 when binding 0.0.0.0)."""
     api_key: str | None = None
     """Key the server requires (``Authorization: Bearer``); None: an open server."""
+    model_view: tuple[str, str] | None = None
+    """(model folder, view folder): make the untied view the command names before launching (vLLM, tied embeddings)."""
 
     @property
     def addr(self) -> str:
@@ -108,6 +111,52 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+# What torchrun sets in a training rank's environment.  A server launched by rank 0 must not inherit them: SGLang's and
+# vLLM's own init_process_group would read RANK / WORLD_SIZE / MASTER_* and, with TORCHELASTIC_USE_AGENT_STORE, join
+# torchrun's agent store as a client (torch's rendezvous._create_c10d_store) and wait for a server that never answers.
+_TORCHRUN_VARIABLES = (
+    "RANK",
+    "LOCAL_RANK",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "ROLE_NAME",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_WORLD_SIZE",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+def server_environment(extra: dict[str, str], base: dict[str, str] | None = None) -> dict[str, str]:
+    """A launched server's environment: ``base`` (this process's) without torchrun's variables, plus ``extra``."""
+    base = dict(os.environ if base is None else base)
+    clean = {k: v for k, v in base.items() if k not in _TORCHRUN_VARIABLES and not k.startswith("TORCHELASTIC_")}
+    return {**clean, **extra}
+
+
+def visible_devices(gpus: Sequence[int], who: str, inherited: str | None = None) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for node-local plan GPUs ``gpus``: mapped through the list this process was given.
+
+    A job that holds part of a node (Slurm's ``--gres``, a container) sees its GPUs renumbered from 0 with
+    ``CUDA_VISIBLE_DEVICES`` naming the real ones; a child process reads that variable against the whole node, so
+    plan GPU ``g`` is the ``g``-th entry of the inherited list, not device ``g``.
+    """
+    inherited = os.environ.get("CUDA_VISIBLE_DEVICES") if inherited is None else inherited
+    if not inherited or not inherited.strip():
+        return ",".join(map(str, gpus))
+    listed = [d.strip() for d in inherited.split(",") if d.strip()]
+    beyond = [g for g in gpus if g >= len(listed)]
+    if beyond:
+        raise ConfigError(
+            f"the cluster plan puts {who} on GPU(s) {','.join(map(str, gpus))} of its node, but this process sees only "
+            f"{len(listed)} (CUDA_VISIBLE_DEVICES={inherited}); set cluster.n_gpus_per_node = {len(listed)} or give "
+            "the job the GPUs the plan needs (`python -m archon.plan` shows the layout)"
+        )
+    return ",".join(listed[g] for g in gpus)
 
 
 def ranks_per_server(rollout: ModelAllocation) -> int:
@@ -154,12 +203,15 @@ def build_launch_specs(
     ports: Sequence[int] | None = None,
     node: int | None = None,
     api_key: str | None = None,
+    map_visible_devices: bool = True,
 ) -> list[LaunchSpec]:
     """One LaunchSpec per rollout server of ``cfg.rollout.backend`` (empty when server_addrs is set).
 
     ``node``: only the servers the cluster plan puts on that node; None: every server, which
     must then be on the node of training rank 0 (the trainer launches them).  Every server
-    requires ``api_key`` (default: a fresh key for this run).
+    requires ``api_key`` (default: a fresh key for this run).  A server's plan GPUs are mapped
+    through this process's ``CUDA_VISIBLE_DEVICES`` (``visible_devices``) unless
+    ``map_visible_devices`` is false (the caller sets each server's devices itself).
     """
     if cfg.rollout.server_addrs:
         return []
@@ -180,16 +232,23 @@ def build_launch_specs(
     if len(ports) != len(servers):
         raise ValueError(f"{len(ports)} ports given for {len(servers)} rollout servers")
     log_dir = Path(run_dir if run_dir is not None else cfg.run_dir) / "rollout"
+    model_view = None
     if rollout.backend == "vllm":
         check_vllm_config(cfg)
         context = resolve_context_length(cfg.vllm.max_model_len, model_path, "vllm.max_model_len")
+        view = vllm_model_view(model_path, log_dir.parent)
+        if view is not None:
+            model_view, model_path = (model_path, str(view)), str(view)
     else:
         context = resolve_context_length(cfg.sglang.context_length, model_path, "sglang.context_length")
     api_key = api_key or generate_api_key()
     specs = []
     for placement, port in zip(servers, ports):
         env = {"PYTHONUNBUFFERED": "1"}
-        gpus = ",".join(map(str, placement.gpus))
+        # The built-in server's plan slots are CPU slots: it gets no GPU.
+        inherited = None if map_visible_devices else ""
+        who = f"rollout server {placement.index}"
+        gpus = visible_devices(placement.gpus, who, inherited) if rollout.backend != "local" else ""
         if rollout.backend == "sglang":
             cmd = sglang_command(
                 cfg, model_path, bind, port, cfg.sglang.random_seed + placement.index, tp, context, api_key
@@ -205,7 +264,15 @@ def build_launch_specs(
             env[API_KEY_ENV] = api_key
         specs.append(
             LaunchSpec(
-                placement.index, cmd, env, bind, port, log_dir / f"server_{placement.index}.log", connect, api_key
+                placement.index,
+                cmd,
+                env,
+                bind,
+                port,
+                log_dir / f"server_{placement.index}.log",
+                connect,
+                api_key,
+                model_view,
             )
         )
     return specs
@@ -370,7 +437,10 @@ class RolloutLauncher:
         shown = ["<api key>" if spec.api_key and arg == spec.api_key else arg for arg in spec.cmd]
         log.write(f"# {' '.join(shown)}\n".encode())
         log.flush()
-        env = {**os.environ, **spec.env}
+        if spec.model_view is not None:
+            untied_view(*spec.model_view)
+            logger.info("%s ties its word embeddings: serving an untied view, %s", *spec.model_view)
+        env = server_environment(spec.env)
         try:
             # A session of its own: stop() signals the whole group, SGLang's scheduler children included,
             # and a Ctrl-C in the terminal reaches the trainer only (which then stops the servers).

@@ -4,6 +4,8 @@
 ``[sglang]`` options (checked first by ``check_sglang_options`` against the GPUs a server gets);
 ``local_command`` the built-in CPU server's.  A context length is passed only when the user sets
 one, clamped to the model's own (``resolve_context_length``): SGLang refuses to start above it.
+SGLang and vLLM pin their own torch and transformers, so they often live in virtual environments
+of their own: ``server_python`` picks the interpreter (``sglang.python``, ``vllm.python``).
 vLLM's command lives in ``archon.rollout.vllm``.
 """
 
@@ -11,6 +13,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -93,6 +97,19 @@ def resolve_context_length(requested: int, model_path: str, key: str) -> int | N
     return requested
 
 
+def server_python(configured: str, key: str) -> str:
+    """The interpreter that runs a launched server: ``configured`` (a path or a name on PATH), or this one."""
+    if not configured:
+        return sys.executable
+    found = shutil.which(configured)
+    if found is None or not os.access(found, os.X_OK):
+        raise ConfigError(
+            f"{key} = '{configured}' is not an executable Python interpreter; give the path of the bin/python of the "
+            f"environment the server is installed in, or leave {key} empty to use this one ({sys.executable})"
+        )
+    return found
+
+
 def sglang_command(
     cfg: Config,
     model_path: str,
@@ -106,7 +123,7 @@ def sglang_command(
     """``python -m sglang.launch_server ...`` for one server (SGLang reads its key from the command line only)."""
     sg = cfg.sglang
     cmd = [
-        sys.executable,
+        server_python(sg.python, "sglang.python"),
         "-m",
         "sglang.launch_server",
         "--model-path",

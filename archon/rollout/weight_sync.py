@@ -33,6 +33,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Literal, Protocol, cast
 from urllib.parse import urlsplit
@@ -40,9 +41,12 @@ from urllib.parse import urlsplit
 import torch
 import torch.distributed as dist
 
-from archon.config import ConfigError
+from archon.alloc import ModelAllocation
+from archon.config import Config, ConfigError
 from archon.drill import drill_point
 from archon.errors import ArchonError
+from archon.rollout.launcher import ranks_per_server
+from archon.rollout.tied_embeddings import ties_word_embeddings, untie_in_place
 from archon.rollout.weight_group import (
     FLATTENED_BUCKET,
     destroy_weight_update_group,
@@ -51,6 +55,7 @@ from archon.rollout.weight_group import (
     listen_on,
     listening_port,
 )
+from parallel.dtypes import to_dtype
 
 logger = logging.getLogger("archon.rollout.weight_sync")
 
@@ -67,6 +72,15 @@ class WeightSyncEngine(Protocol):
     def named_full_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]: ...
 
     def export_hf(self, path: str | Path, dtype: torch.dtype | None = None) -> None: ...
+
+
+def weight_group_backend(server_backend: str, trainer_device_type: str) -> str:
+    """The weight-update group's backend, from both ends: NCCL only between a CUDA trainer and GPU servers.
+
+    The built-in server (``local:``) is a CPU process whatever the trainer runs on, so it joins over gloo; a CUDA
+    trainer then stages each bucket on the CPU (``DistributedWeightSync.device``).
+    """
+    return "nccl" if trainer_device_type == "cuda" and server_backend in ("sglang", "vllm") else "gloo"
 
 
 def _extras_kw(extras: bool) -> dict[str, bool]:
@@ -144,6 +158,7 @@ class DiskWeightSync:
         dtype: torch.dtype | None = None,
         keep_last: int = 1,
         extras: bool = False,
+        untie_embeddings: bool = False,
     ):
         self.engine = engine
         self.client = client
@@ -151,6 +166,8 @@ class DiskWeightSync:
         self.dtype = dtype
         self.extras = extras
         self.keep_last = max(1, keep_last)
+        # vLLM: a tied LM head is never reloaded, so tied models are served and synced untied.
+        self.untie_embeddings = untie_embeddings
 
     def setup(self) -> None:
         """Nothing to prepare beyond the folder (collective, for symmetry with DistributedWeightSync)."""
@@ -185,6 +202,8 @@ class DiskWeightSync:
             final = self.folder / f"v{version}"
             drill_point("weight_sync")
             try:
+                if self.untie_embeddings and ties_word_embeddings(tmp):
+                    untie_in_place(tmp)
                 nbytes = sum(f.stat().st_size for f in Path(tmp).glob("*.safetensors"))
                 if final.exists():
                     shutil.rmtree(final)  # re-syncing a version replaces it
@@ -430,26 +449,48 @@ class DistributedWeightSync:
             )
         )
         sent = [flatten_bucket([t for _, t in bucket])] if self.flattened else [t for _, t in bucket]
-        # async_op=True: each returns its Work.
-        works = cast("list[dist.Work]", [dist.broadcast(t, src=0, group=self._pg, async_op=True) for t in sent])
+        issued = self._issue_broadcasts(sent)
         drill_point("weight_sync")
         # Poll instead of blocking in wait(): a server that refuses the bucket never receives, and its
         # HTTP error must not be hidden behind a broadcast that waits for the group timeout.
         deadline = time.monotonic() + self.timeout_s
         poll = _FIRST_POLL_S
-        while not all(w.is_completed() for w in works):
+        while not (issued.done() and all(w.is_completed() for w in issued.result())):
             if request.done() and request.exception() is not None:
                 raise WeightSyncError(f"a rollout server failed while receiving {names[0]}..: {request.exception()}")
             if time.monotonic() > deadline:
+                stage = "did not finish" if issued.done() else "could not connect to every server"
                 raise WeightSyncError(
-                    f"broadcast of {len(names)} tensor(s) starting at {names[0]} did not finish "
-                    f"within {self.timeout_s:g} s"
+                    f"broadcast of {len(names)} tensor(s) starting at {names[0]} {stage} within {self.timeout_s:g} s"
                 )
             time.sleep(poll)
             poll = min(2 * poll, _POLL_S)
-        for w in works:
+        for w in issued.result():
             w.wait()  # surfaces a failed collective as an exception
         request.result(timeout=self.timeout_s)
+
+    def _issue_broadcasts(self, tensors: list[torch.Tensor]) -> Future[list[dist.Work]]:
+        """Start the broadcasts of ``tensors`` from a thread of their own; their Works once issued.
+
+        NCCL connects a group lazily, inside its first collective, and that call blocks until every
+        rank has joined: a server that refuses the bucket never joins, so issued from this thread the
+        call would hang before any error could be polled.  Gloo connects when the group forms, and
+        its call returns at once.  A thread stuck connecting is left behind with the abandoned group.
+        """
+        issued: Future[list[dist.Work]] = Future()
+
+        def issue() -> None:
+            try:
+                if self.device.type == "cuda":
+                    torch.cuda.set_device(self.device)  # a new thread starts on device 0
+                # async_op=True: each returns its Work.
+                works = [dist.broadcast(t, src=0, group=self._pg, async_op=True) for t in tensors]
+                issued.set_result(cast("list[dist.Work]", works))
+            except BaseException as exc:  # noqa: BLE001 - handed to the polling thread
+                issued.set_exception(exc)
+
+        threading.Thread(target=issue, name="archon-weight-broadcast", daemon=True).start()
+        return issued
 
     def close(self) -> None:
         if self._pg is not None:
@@ -473,11 +514,13 @@ def build_weight_sync(
     dtype: torch.dtype | None = None,
     extras: bool = False,
     flattened: bool = False,
+    untie_embeddings: bool = False,
 ) -> WeightSync:
     """The weight sync for ``rollout.weight_sync`` (call ``.setup()`` once, then ``.sync(version)`` per step).
 
     ``extras``: the servers are Archon's own and also take what HF formats lack (the MoE routing bias).
     ``flattened``: each distributed bucket goes as one broadcast of its bytes (``load_format = 'flattened_bucket'``).
+    ``untie_embeddings``: disk folders of a model with tied word embeddings are written untied (vLLM servers).
     """
     if mode == "distributed":
         return DistributedWeightSync(
@@ -496,5 +539,31 @@ def build_weight_sync(
             raise ConfigError(
                 "rollout.weight_sync = 'disk' needs a folder the servers can read (e.g. <run_dir>/weights)"
             )
-        return DiskWeightSync(engine, client, folder, dtype=dtype, extras=extras)
+        return DiskWeightSync(engine, client, folder, dtype=dtype, extras=extras, untie_embeddings=untie_embeddings)
     raise ConfigError(f"rollout.weight_sync = '{mode}' must be 'distributed' or 'disk'")
+
+
+def server_dtype(cfg: Config) -> str:
+    """The dtype the rollout servers compute in: SGLang's and vLLM's own, the actor's for the built-in server."""
+    backend = ModelAllocation.from_str(cfg.rollout.backend).backend
+    return {"sglang": cfg.sglang.dtype, "vllm": cfg.vllm.dtype}.get(backend, cfg.actor.dtype)
+
+
+def weight_sync_for(cfg: Config, engine: WeightSyncEngine, client: Any, trainer_device_type: str) -> WeightSync:
+    """The weight sync a run of ``cfg`` uses between ``engine`` (the actor's, on ``trainer_device_type``) and its
+    servers: tensors in the servers' dtype, the group's backend from both ends, what each server kind takes."""
+    rollout = ModelAllocation.from_str(cfg.rollout.backend)
+    fmt = cfg.rollout.weight_load_format
+    return build_weight_sync(
+        cfg.rollout.weight_sync,
+        engine,
+        client,
+        folder=cfg.run_dir / "weights",
+        chunk_mb=cfg.rollout.weight_chunk_mb,
+        backend=weight_group_backend(rollout.backend, trainer_device_type),
+        ranks_per_server=ranks_per_server(rollout),
+        dtype=to_dtype(server_dtype(cfg)),
+        extras=rollout.backend == "local",  # the built-in servers also take what HF formats lack
+        flattened=fmt == "flattened_bucket" or (fmt == "auto" and rollout.backend == "local"),
+        untie_embeddings=rollout.backend == "vllm",
+    )
