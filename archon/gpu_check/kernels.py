@@ -21,6 +21,8 @@ the wrong expert or sequence, an empty group shifting the rest) are errors of or
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -87,6 +89,24 @@ def packed_row(lengths: list[int], padding: int, empties: int) -> tuple[torch.Te
     return pad_cu_seqlens(cu, cu.numel() + empties), bounds[-1] + padding
 
 
+def record_errors(
+    worst: dict[str, float],
+    out: torch.Tensor,
+    leaves: list[torch.Tensor],
+    reference: Callable[..., torch.Tensor],
+    grad_out: torch.Tensor,
+) -> None:
+    """Raise ``worst``'s output and gradient errors to those of ``out`` (backpropagated already) and its ``leaves``
+    against ``reference`` run in float64 on the same leaves with the same output gradient."""
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    ref = reference(*ref_leaves)
+    ref.backward(grad_out.double())
+    worst["out_err"] = max(worst["out_err"], relative_error(out, ref))
+    for got, want in zip(leaves, ref_leaves):
+        assert got.grad is not None and want.grad is not None
+        worst["grad_err"] = max(worst["grad_err"], relative_error(got.grad, want.grad))
+
+
 def reference_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, seqlen: int, scale: float
 ) -> torch.Tensor:
@@ -119,14 +139,8 @@ def attention_errors(device: torch.device, dtype: torch.dtype, seed: int = 0) ->
         with ops:
             out = attn(*leaves, cu_seqlens=cu.to(device), max_seqlen=max(lengths + [padding]))
             out.backward(grad_out)
-        ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
-        rq, rk, rv = ref_leaves
-        ref = reference_attention(rq, rk, rv, cu, seqlen, attn.scale)
-        ref.backward(grad_out.double())
-        worst["out_err"] = max(worst["out_err"], relative_error(out, ref))
-        for got, want in zip(leaves, ref_leaves):
-            assert got.grad is not None and want.grad is not None
-            worst["grad_err"] = max(worst["grad_err"], relative_error(got.grad, want.grad))
+        reference = functools.partial(reference_attention, cu=cu, seqlen=seqlen, scale=attn.scale)
+        record_errors(worst, out, leaves, reference, grad_out)
     return worst, ops.names
 
 
@@ -192,14 +206,7 @@ def experts_errors(
             out = experts(x, torch.tensor(counts, device=device))
             out.backward(grad_out)
         leaves = [x, experts.w1, experts.w2, experts.w3]
-        ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
-        rx, r1, r2, r3 = ref_leaves
-        ref = reference_experts(rx, r1, r2, r3, counts)
-        ref.backward(grad_out.double())
-        worst["out_err"] = max(worst["out_err"], relative_error(out, ref))
-        for got, want in zip(leaves, ref_leaves):
-            assert got.grad is not None and want.grad is not None
-            worst["grad_err"] = max(worst["grad_err"], relative_error(got.grad, want.grad))
+        record_errors(worst, out, leaves, functools.partial(reference_experts, counts=counts), grad_out)
     return worst, ops.names
 
 

@@ -21,52 +21,34 @@ from archon.engine.dist import init_distributed
 from archon.gpu_check.table import Context
 
 VOCAB = 128
+_SMALL: dict[str, Any] = dict(
+    model_type="qwen3",
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
 MODELS: dict[str, dict[str, Any]] = {
-    "dense": dict(
-        model_type="qwen3",
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    ),
+    "dense": _SMALL,
     "moe": dict(
+        _SMALL,
         model_type="qwen3_moe",
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
         num_experts=8,
         num_experts_per_tok=2,
         moe_intermediate_size=32,
         norm_topk_prob=True,
     ),
     # For SGLang and vLLM servers: head_dim 64, which every attention backend of theirs takes.
-    "serve": dict(
-        model_type="qwen3",
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    ),
+    "serve": dict(_SMALL, vocab_size=512, hidden_size=256, intermediate_size=512, head_dim=64),
     # ~170M parameters (2 GiB of float32 states with AdamW): large enough that the memory
     # estimate's terms, not allocator slack, decide the peak.  CUDA checks only.
     "mid": dict(
-        model_type="qwen3",
+        _SMALL,
         vocab_size=32000,
         hidden_size=1024,
         intermediate_size=3072,
@@ -75,7 +57,6 @@ MODELS: dict[str, dict[str, Any]] = {
         num_key_value_heads=8,
         head_dim=64,
         max_position_embeddings=4096,
-        tie_word_embeddings=False,
     ),
 }
 
