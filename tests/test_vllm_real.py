@@ -242,7 +242,7 @@ def test_a_reload_from_disk_serves_the_new_weights(kind, models, vllm_py, tied_s
             served.close()
 
 
-def test_a_tied_model_served_and_synced_as_it_is_keeps_its_old_lm_head_and_the_check_says_so(
+def test_a_tied_model_served_and_synced_as_it_is_keeps_its_old_lm_head_and_the_check_stops_it(
     models, vllm_py, tmp_path
 ):
     # What Archon did before: vLLM started from the tied folder, and tied folders (no lm_head.weight) synced.
