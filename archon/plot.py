@@ -2,7 +2,8 @@
 
 Reads ``OUTPUT_DIR/metrics.jsonl`` (one JSON object per step, as RL and SFT runs write it)
 and draws one panel per group of metrics it finds: reward (mean with a +-std band), response
-length, actor loss, KL, train/inference logprob mismatch, entropy, gradient norm, the
+length, actor loss, KL, train/inference logprob mismatch (with the weight check's figure and the
+run's warn and stop bounds, log scale), entropy, gradient norm, the
 staleness of asynchronous runs (mean/max and histogram), the behaviour/proximal importance
 ratio and the clipped fractions of decoupled PPO, the SFT loss, and for MoE runs the router
 statistics (load imbalance of the worst and the mean layer and of every layer, the fraction of

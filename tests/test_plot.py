@@ -173,3 +173,18 @@ def test_asynchronous_runs_get_staleness_histogram_and_decoupled_ratio_panels(tm
     assert _is_png(tmp_path / "async.png")
     # A synchronous run has none of these panels.
     assert "staleness" not in [p.title for p in panels_for(_rl_records())]
+
+
+def test_the_mismatch_panel_draws_the_mismatch_and_its_bounds_but_bounds_alone_draw_nothing(tmp_path):
+    panel = next(p for p in PANELS if p.title == "train/inference mismatch")
+    assert panel.log_y and set(panel.dashed) == {"mismatch/warn_bound", "mismatch/stop_bound"}
+    bounds = {"mismatch/warn_bound": 0.1, "mismatch/stop_bound": 0.5}
+    only_bounds = [{"step": s, "reward_mean": 0.5, **bounds} for s in (1, 2)]
+    assert panel not in panels_for(only_bounds)
+    records = [
+        {"step": 1, "reward_mean": 0.1, "mismatch/logprob_diff": 1e-7, "weight_check/logprob_diff": 2e-7, **bounds},
+        {"step": 2, "reward_mean": 0.2, "mismatch/logprob_diff": 0.3, "weight_check/logprob_diff": 0.0, **bounds},
+    ]
+    assert panel in panels_for(records)
+    assert "train/inference mismatch" in plot_metrics(records, tmp_path / "curves.png")
+    assert (tmp_path / "curves.png").stat().st_size > 0

@@ -16,6 +16,7 @@ from dist_utils import run_distributed
 from fake_sglang import configure, fake_command, fetch_state, fetch_weights
 from safetensors.torch import save_file
 
+from archon.config import load_config
 from archon.rollout.client import RolloutClient
 from archon.rollout.launcher import LaunchSpec, RolloutLauncher, free_ports
 from archon.rollout.weight_group import bucket_nbytes, flatten_bucket, unflatten_bucket
@@ -26,6 +27,7 @@ from archon.rollout.weight_sync import (
     build_weight_sync,
     dtype_name,
     weight_group_backend,
+    weight_sync_for,
 )
 
 if TYPE_CHECKING:
@@ -385,7 +387,16 @@ def test_the_weight_group_backend_is_chosen_from_both_ends():
     assert weight_group_backend("sglang", "cuda") == "nccl"
     assert weight_group_backend("local", "cuda") == "gloo"  # the built-in server has no GPU
     assert weight_group_backend("sglang", "cpu") == "gloo"
-    sync = DistributedWeightSync(
-        cast("WeightSyncEngine", _OneProcessEngine()), None, backend=weight_group_backend("local", "cuda")
+    # What the trainer builds for a CUDA actor: gloo to the built-in server, buckets staged on the CPU.
+    engine = cast("WeightSyncEngine", _OneProcessEngine())
+    local = weight_sync_for(load_config(None, ["rollout.backend=local:d1"]), engine, None, "cuda")
+    assert isinstance(local, DistributedWeightSync) and local.backend == "gloo" and local.device == torch.device("cpu")
+    assert local.flattened and local.extras  # the built-in server takes flattened buckets and the routing bias
+    sglang = weight_sync_for(
+        load_config(None, ["rollout.backend=sglang:d1", "sglang.dtype=bfloat16"]), engine, None, "cpu"
     )
-    assert sync.device == torch.device("cpu")  # buckets are staged on the CPU for gloo
+    assert isinstance(sglang, DistributedWeightSync) and sglang.backend == "gloo" and sglang.dtype == torch.bfloat16
+    vllm = weight_sync_for(
+        load_config(None, ["rollout.backend=vllm:d1", "rollout.weight_sync=disk"]), engine, None, "cuda"
+    )
+    assert isinstance(vllm, DiskWeightSync) and vllm.untie_embeddings
