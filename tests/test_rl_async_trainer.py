@@ -56,7 +56,8 @@ def test_k0_through_the_asynchronous_loop_equals_the_synchronous_trainer(rl_setu
             assert a[key] == s[key], key
         # The server batches requests as they arrive, so logprobs may differ in the last bits.
         for key, value in s.items():
-            if isinstance(value, float) and not key.endswith(TIMINGS):
+            # Weight checks run after every synchronous update, every 10th asynchronous one.
+            if isinstance(value, float) and not key.endswith(TIMINGS) and not key.startswith("weight_check/"):
                 assert a[key] == pytest.approx(value, abs=1e-5), key
 
 

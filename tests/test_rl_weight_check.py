@@ -24,12 +24,14 @@ from archon.rl.mismatch import MismatchError, MismatchMonitor
 from archon.rl.offpolicy import MISMATCH, mismatch, proximal_metrics, proximal_sums
 from archon.rl.rollout_batch import FRESH_MASK, Completion, build_rollout_batch
 from archon.rl.weight_check import (
+    ASYNC_FREQ,
     FLOAT32_TOL,
     HALF_PRECISION_TOL,
     ServerWeightCheck,
     WeightCheckError,
     default_tolerance,
     probe_sampling,
+    weight_check_freq,
 )
 
 
@@ -92,6 +94,12 @@ def test_a_server_with_the_trainers_weights_passes_and_one_with_others_fails(ser
     assert "after the update to weight version '7'" in stale and addr in stale
 
 
+def test_how_often_updates_are_checked():
+    assert weight_check_freq(-1, asynchronous=False) == 1  # answered during the next rollout: every update
+    assert weight_check_freq(-1, asynchronous=True) == ASYNC_FREQ  # a check waits for busy servers
+    assert weight_check_freq(0, asynchronous=False) == 0 and weight_check_freq(3, asynchronous=True) == 3
+
+
 def test_probe_sampling_and_default_tolerance():
     params = probe_sampling({"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 512, "min_new_tokens": 3}, 8)
     assert params["max_new_tokens"] == 8 and params["ignore_eos"] and "min_new_tokens" not in params
@@ -147,7 +155,7 @@ def test_the_mismatch_counts_only_tokens_of_the_version_trained():
     assert proximal_metrics(reduced, 5)[MISMATCH] == pytest.approx((0.25 + 0.125 + 0.125) / 3)
 
 
-def test_a_run_whose_server_serves_another_model_stops_before_its_first_step(rl_setup):  # noqa: F811
+def test_a_run_whose_server_serves_another_model_stops_before_it_trains(rl_setup):  # noqa: F811
     model, data, root = rl_setup
     other = _perturbed_copy(model, root / "other_model")
     args = overrides(model, data, root / "wrong_server", "archon:d1", **{"sglang.model_path": str(other)})

@@ -364,3 +364,20 @@ def test_invalid_requests_are_refused(qwen3):
             with pytest.raises(ValueError, match=match):
                 gen.submit(GenerationRequest(ids, params))
         assert gen.generate([_greedy([1] * 20, 12)])[0].completion_tokens == 12
+
+
+def test_a_request_of_higher_priority_is_admitted_before_the_queued_ones(qwen3):
+    # SGLang's priority field (larger first): the trainer's weight probe goes ahead of a queued rollout round.
+    low = [_greedy(random_tokens(4, 60 + i), 3, ignore_eos=True) for i in range(3)]
+    high = _greedy(random_tokens(4, 70), 3, ignore_eos=True)
+    high.priority = 1
+    finished: list[str] = []
+    with Generator(qwen3, max_running_requests=1) as gen:
+        gen.pause().result(timeout=60)  # queue everything first, then admit one request at a time
+        futures = [gen.submit(r) for r in [*low, high]]
+        for name, future in zip(["low0", "low1", "low2", "high"], futures):
+            future.add_done_callback(lambda _, name=name: finished.append(name))
+        gen.resume()
+        results = [f.result(timeout=300) for f in futures]
+    assert finished == ["high", "low0", "low1", "low2"]
+    assert results[-1].output_ids == greedy_reference(qwen3, high.input_ids, 3)  # priority changes order only

@@ -57,7 +57,7 @@ RULES: dict[str, _Rule] = {
     "rollout.weight_chunk_mb": _POSITIVE,
     "rollout.max_concurrent_rollouts": (_NON_NEGATIVE[0], "0 (the whole batch) or more"),
     "rollout.max_server_restarts": (_NON_NEGATIVE[0], "0 (never restart) or more"),
-    "rollout.weight_check_freq": (_NON_NEGATIVE[0], "0 (never check) or more"),
+    "rollout.weight_check_freq": (lambda v: v >= -1, "-1 (by the loop), 0 (never check) or more"),
     "rollout.weight_check_tol": (_NON_NEGATIVE[0], "0 (by the servers' dtype) or more"),
     "rollout.mismatch_warn": (_NON_NEGATIVE[0], "0 (never warn) or more"),
     "rollout.mismatch_stop": (_NON_NEGATIVE[0], "0 (never stop) or more"),

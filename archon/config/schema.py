@@ -385,9 +385,10 @@ class RolloutConfig:
     token keeps the version that produced it). false: an update waits until every request that may start under the
     current weights has finished, so each batch comes from one policy version and a run is reproducible, at some cost in
     speed."""
-    weight_check_freq: int = 1
+    weight_check_freq: int = -1
     """Check that the servers serve the trainer's weights after every N-th weight update (and at start): each server
-    samples a short probe whose logprobs the trainer recomputes; a server that disagrees stops the run. 0: never."""
+    samples a short probe whose logprobs the trainer recomputes; a server that disagrees stops the run. -1: every
+    update of a synchronous run, every 10th of an asynchronous one (where a check waits for the servers); 0: never."""
     weight_check_tol: float = 0.0
     """Largest mean |server - trainer| logprob of the probe's tokens that passes the check; 0: by the servers' dtype
     (1e-3 in float32, 0.2 in 16-bit: a stale or half-loaded model differs by far more, bf16 noise by less)."""

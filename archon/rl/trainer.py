@@ -35,7 +35,7 @@ from archon.rl.offpolicy import MISMATCH, behaviour_ratio_metrics, mismatch
 from archon.rl.rank0 import RankZeroError, run_on_rank0  # noqa: F401 - RankZeroError is public here
 from archon.rl.rollout_batch import FRESH_MASK, Completion, build_rollout_batch, routed_experts_array
 from archon.rl.server_recovery import generate_or_recover, recover_servers, sync_with_recovery
-from archon.rl.weight_check import ServerWeightCheck, default_tolerance
+from archon.rl.weight_check import ServerWeightCheck, default_tolerance, weight_check_freq
 
 if TYPE_CHECKING:
     from archon.rl.rewards import RewardComputer
@@ -192,13 +192,14 @@ class RLTrainer:
                 "servers only; SGLang's Qwen3-MoE has no field for it and routes without it"
             )
         self.weight_sync = weight_sync_for(cfg, self.actor_engine, self.client, self.actor_engine.device_type)
-        if cfg.rollout.weight_check_freq > 0:
+        check_freq = weight_check_freq(cfg.rollout.weight_check_freq, asynchronous=self._asynchronous())
+        if check_freq > 0:
             self.weight_check = ServerWeightCheck(
                 self.actor,
                 self.probe_prompt,
                 self.sampling,
                 tol=cfg.rollout.weight_check_tol or default_tolerance(server_dtype(cfg), cfg.actor.dtype),
-                freq=cfg.rollout.weight_check_freq,
+                freq=check_freq,
                 pad_token_id=self.pad_token_id,
             )
 
@@ -357,6 +358,8 @@ class RLTrainer:
     def _step(self, step: int) -> dict[str, Any]:
         t_start = time.perf_counter()
         completions, rewards, timing = self._collect_rollouts(step)
+        # The servers' weights checked before the step trains on what they generated (probed after the last update).
+        checked = self.weight_check.finish() if self.weight_check is not None else {}
         # Asynchronous batches mark the tokens of the version this step trains (step - 1): the mismatch's tokens.
         fresh = step - 1 if self.async_rollout is not None else None
         batch = build_rollout_batch(completions, rewards, pad_token_id=self.pad_token_id, fresh_version=fresh)
@@ -390,7 +393,7 @@ class RLTrainer:
             sync = sync_with_recovery(self.supervisor, self.weight_sync, str(step))
         self.served_version = str(step)
         if self.weight_check is not None and self.weight_check.due(step):
-            sync.update(self.weight_check.run(self.client, str(step)))
+            self.weight_check.start(self.client if self.rank0 else None, str(step))
 
         r = torch.tensor(rewards, dtype=torch.float64)
         lengths = torch.tensor([len(c.output_ids) for c in completions], dtype=torch.float64)
@@ -405,6 +408,7 @@ class RLTrainer:
                 **timing,
                 "train_time_s": train_time,
                 **sync,
+                **checked,
                 "step_time_s": time.perf_counter() - t_start,
             }
         )
@@ -449,10 +453,8 @@ class RLTrainer:
             # The servers started from actor.path; give them the resumed policy.
             self.weight_sync.sync(str(start))
             self.served_version = str(start)
-        if self.weight_check is not None:
-            checked = self.weight_check.run(self.client, self.served_version)
-            if self.rank0:
-                logger.info("rollout servers compute with the trainer's weights: %s", checked)
+        if self.weight_check is not None:  # what the servers start from, checked before the first step trains
+            self.weight_check.start(self.client if self.rank0 else None, self.served_version)
         if self._asynchronous():
             from archon.rl.async_rollout import AsyncRollout
 
@@ -496,6 +498,8 @@ class RLTrainer:
                                 **self._async_state(),
                             },
                         )
+                if self.weight_check is not None:
+                    self.weight_check.finish()  # the last update's probes
             finally:
                 metrics_log.close()
             if cfg.saver.export_hf:

@@ -8,7 +8,10 @@ model, a reload may half-fail.  Nothing in the sync's answer says what a server 
 first training prompt, ``n_tokens`` tokens with the run's sampling parameters, a fixed seed, EOS
 ignored.  The trainer recomputes the logprobs of those tokens with its own weights, exactly as it
 recomputes a rollout's, and the run stops when a server's mean |server - trainer| logprob exceeds
-``rollout.weight_check_tol`` or it reports another weight version than the one just sent.
+``rollout.weight_check_tol`` or it reports another weight version than the one just sent.  The
+probes go out right after the update and are recomputed at the next step, before it trains on
+anything those weights generated (``start`` / ``finish``): a round trip per update would have
+cost the digits demo 10% of a synchronous step and half the asynchronous speed-up.
 
 The figure is the train/inference mismatch of fresh weights on one short sequence: 1e-6 between
 the built-in server and the trainer in float32, ~1e-2 for bf16 engines, ~1 for a stale LM head.
@@ -16,7 +19,11 @@ the built-in server and the trainer in float32, ~1e-2 for bf16 engines, ~1 for a
 
 from __future__ import annotations
 
+import concurrent.futures
+import logging
+import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import Any, Protocol
 
 import torch
@@ -24,6 +31,9 @@ import torch
 from archon.errors import ArchonError
 from archon.rl.rank0 import run_on_rank0
 from archon.rl.rollout_batch import Completion, build_rollout_batch
+from archon.rollout.server_api import RolloutError
+
+logger = logging.getLogger("archon.rl")
 
 PROBE_SEED = 20_241_126
 """Sampling seed of the probe: the same tokens every time for the same weights."""
@@ -31,6 +41,10 @@ FLOAT32_TOL = 1e-3
 """Default tolerance when the servers and the trainer both compute in float32."""
 HALF_PRECISION_TOL = 0.2
 """Default tolerance otherwise: bf16 noise on a few tokens stays well below it, wrong weights do not."""
+_ANSWER_TIMEOUT_S = 600.0
+# Ahead of a queued rollout round on servers that admit by priority (the built-in one): an asynchronous run waits
+# for its probe, 54 ms of a 150 ms digits-demo step with it, ~85 ms without.
+_PROBE_PRIORITY = 1
 
 
 class WeightCheckError(ArchonError, RuntimeError):
@@ -49,6 +63,20 @@ def default_tolerance(server_dtype: str, trainer_dtype: str) -> float:
     return FLOAT32_TOL if both_fp32 else HALF_PRECISION_TOL
 
 
+ASYNC_FREQ = 10
+"""Updates between checks of an asynchronous run by default: there the next step starts while the servers still
+generate a round ahead of the probe, so a check waits (~half a step of the digits demo)."""
+
+
+def weight_check_freq(configured: int, asynchronous: bool) -> int:
+    """Updates between checks: ``rollout.weight_check_freq``, or for -1 every update of a synchronous run (its probe
+    is answered during the next rollout, at the cost of one tiny forward) and every ``ASYNC_FREQ``-th of an
+    asynchronous one."""
+    if configured >= 0:
+        return configured
+    return ASYNC_FREQ if asynchronous else 1
+
+
 def probe_sampling(sampling: dict[str, Any], n_tokens: int) -> dict[str, Any]:
     """The run's sampling parameters for a probe of ``n_tokens`` tokens: fixed seed, EOS and stop tokens ignored."""
     params = dict(sampling, max_new_tokens=n_tokens, ignore_eos=True, sampling_seed=PROBE_SEED)
@@ -56,8 +84,20 @@ def probe_sampling(sampling: dict[str, Any], n_tokens: int) -> dict[str, Any]:
     return params
 
 
+def _answers(sent: list[tuple[str, Future[Any]]]) -> list[tuple[str, Any]]:
+    """The probe answers of the servers that answered; one that could not (it died, it is being restarted) is left to
+    the server supervisor, which deals with lost servers, and warned about here."""
+    out = []
+    for url, future in sent:
+        try:
+            out.append((url, future.result(timeout=_ANSWER_TIMEOUT_S)))
+        except (RolloutError, concurrent.futures.TimeoutError) as exc:
+            logger.warning("rollout server %s did not answer the weight probe (%s); not checked this time", url, exc)
+    return out
+
+
 class ServerWeightCheck:
-    """The probe of every server and its verdict (``run`` is collective over the training ranks)."""
+    """The probe of every server and its verdict (``start`` and ``finish`` are collective over the training ranks)."""
 
     def __init__(
         self,
@@ -78,22 +118,46 @@ class ServerWeightCheck:
         self.tol = tol
         self.freq = freq
         self.pad_token_id = pad_token_id
+        # (version, rank 0's probe requests in flight) between start() and finish().
+        self._pending: tuple[str | None, list[tuple[str, Future[Any]]]] | None = None
 
     def due(self, step: int) -> bool:
         """Whether the update of RL step ``step`` is checked."""
         return self.freq > 0 and step % self.freq == 0
 
     def run(self, client: Any, version: str | None) -> dict[str, float]:
-        """Collective: probe every up server (rank 0), recompute on every rank, raise on every rank if one disagrees.
+        """Collective: ``start`` then ``finish`` at once (the check at start, and tests)."""
+        self.start(client, version)
+        return self.finish()
 
-        ``client``: rank 0's ``RolloutClient`` (None elsewhere); ``version``: the weight version the servers were
-        just sent (None: the model folder's, not checked).  Returns ``weight_check/logprob_diff``, the worst server's
-        mean |server - trainer| logprob.
+    def start(self, client: Any, version: str | None) -> None:
+        """Collective, returns at once: rank 0 sends every up server the probe (``client``: rank 0's
+        ``RolloutClient``, None elsewhere) of the weights just sent as ``version`` (None: the model folder's).
+
+        The probes are answered while the next rollout runs (servers batch them with its requests;
+        an asynchronous server is busy generating anyway), so a check costs the trainer a tiny
+        forward in ``finish``, not a round trip.
         """
-        probes: list[tuple[str, Any]] = run_on_rank0(
-            lambda: [(url, client.generate_on(url, self.prompt_ids, self.sampling)) for url in client.up_addrs],
-            "probing the rollout servers' weights",
-        )
+        self._pending = (version, [] if client is None else self._send(client))
+
+    def _send(self, client: Any) -> list[tuple[str, Future[Any]]]:
+        return [
+            (url, client.submit(client.agenerate_on(url, self.prompt_ids, self.sampling, priority=_PROBE_PRIORITY)))
+            for url in client.up_addrs
+        ]
+
+    def finish(self) -> dict[str, float]:
+        """Collective, before the trainer's weights change again: recompute the probes ``start`` sent on every rank;
+        raise ``WeightCheckError`` on every rank if a server disagrees.  Returns ``weight_check/logprob_diff``, the
+        worst server's mean |server - trainer| logprob (nothing when no check is pending).
+        """
+        if self._pending is None:
+            return {}
+        (version, sent), self._pending = self._pending, None
+        t0 = time.perf_counter()
+        probes: list[tuple[str, Any]] = run_on_rank0(lambda: _answers(sent), "probing the rollout servers' weights")
+        if not probes:
+            return {}
         completions = [
             Completion(self.prompt_ids, list(r.output_ids), list(r.output_logprobs), r.finish_reason) for _, r in probes
         ]
@@ -108,7 +172,7 @@ class ServerWeightCheck:
         problem = run_on_rank0(lambda: self._problem(probes, diffs, version), "checking the rollout servers' weights")
         if problem is not None:
             raise WeightCheckError(problem)
-        return {"weight_check/logprob_diff": max(diffs, default=0.0)}
+        return {"weight_check/logprob_diff": max(diffs, default=0.0), "weight_check/time_s": time.perf_counter() - t0}
 
     def _problem(self, probes: list[tuple[str, Any]], diffs: list[float], version: str | None) -> str | None:
         """What is wrong with the servers' answers, in one sentence; None when every server passes."""

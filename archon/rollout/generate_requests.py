@@ -285,13 +285,24 @@ class GenerateRequests:
         )
 
     async def agenerate_on(
-        self, url: str, input_ids: Sequence[int], sampling_params: dict[str, Any], *, return_logprob: bool = True
+        self,
+        url: str,
+        input_ids: Sequence[int],
+        sampling_params: dict[str, Any],
+        *,
+        return_logprob: bool = True,
+        priority: int = 0,
     ) -> GenerateResult:
-        """One completion from the server at ``url`` and no other (no retry elsewhere): what that server computes."""
+        """One completion from the server at ``url`` and no other (no retry elsewhere): what that server computes.
+
+        ``priority`` > 0 asks servers that admit by priority to take it before the queued requests.
+        """
         server = self._server(url)
         payload = self.api.generate_payload(
             [int(t) for t in input_ids], sampling_params, return_logprob, self._new_rid()
         )
+        if priority and self.api.priority_field:
+            payload["priority"] = priority
         server.in_flight += 1
         try:
             body = await self._http(server, "POST", self.api.generate_path, payload)

@@ -41,6 +41,9 @@ class GenerationRequest:
     """Report the experts every token was routed to in every MoE layer (SGLang's name)."""
     routed_experts_start_len: int = 0
     """First position reported by ``return_routed_experts`` (SGLang's; 0 = the whole sequence)."""
+    priority: int = 0
+    """Admission order (SGLang's field, larger first): a request above 0 is admitted before the queued ones of lower
+    priority, e.g. the trainer's weight probe ahead of a rollout round."""
 
 
 @dataclass

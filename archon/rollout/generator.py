@@ -350,7 +350,7 @@ class Generator:
                     self._cond.wait()
                 if self._stopping:
                     break
-                self._waiting.extend(self._inbox)
+                self._queue(self._inbox)
                 self._inbox = []
                 abort_rids, self._abort_rids = self._abort_rids, set()
                 abort_everything, self._abort_everything = self._abort_everything, False
@@ -466,6 +466,19 @@ class Generator:
         if any(s.future.cancelled() for s in self._waiting):
             self._waiting = deque(s for s in self._waiting if not s.future.cancelled())
         self._retire([i for i, s in enumerate(self._running) if not s.future.cancelled()])
+
+    def _queue(self, arrived: list[ActiveSequence]) -> None:
+        """Queue newly arrived requests: after the waiting ones, except those of higher priority, which go before
+        every waiting request of lower priority (retracted ones included), in arrival order."""
+        for seq in arrived:
+            if seq.request.priority <= 0:
+                self._waiting.append(seq)
+                continue
+            at = next((i for i, w in enumerate(self._waiting) if w.request.priority < seq.request.priority), None)
+            if at is None:
+                self._waiting.append(seq)
+            else:
+                self._waiting.insert(at, seq)
 
     def _admit(self) -> None:
         """Prefill as many queued requests as fit (running rows, padded prefill tokens)."""

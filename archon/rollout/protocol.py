@@ -68,7 +68,6 @@ _NEUTRAL_GENERATE: dict[str, tuple[Any, ...]] = {
     "return_text_in_logprobs": (_ANY,),
     "log_metrics": (_ANY,),
     "data_parallel_rank": (_ANY,),
-    "priority": (_ANY,),
 }
 _SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
 _GENERATE_FIELDS = {
@@ -78,6 +77,7 @@ _GENERATE_FIELDS = {
     "rid",
     "return_routed_experts",
     "routed_experts_start_len",
+    "priority",
 }
 
 
@@ -210,6 +210,9 @@ def parse_generate(
     return_logprob = payload.get("return_logprob", False)
     return_routed = payload.get("return_routed_experts", False)
     routed_start = payload.get("routed_experts_start_len", 0)
+    priority = payload.get("priority")
+    if priority is not None and not _is_int64(priority):
+        raise ProtocolError(f"priority must be an integer, got {priority!r}.")
     rid = payload.get("rid")
     if not is_batch and isinstance(rid, list):
         raise ProtocolError("rid is a list, but input_ids is a single prompt; send one string.")
@@ -249,7 +252,13 @@ def parse_generate(
                 f"{where}routed_experts_start_len = {start!r} must be an integer in [0, the number of prompt tokens]."
             )
         request = GenerationRequest(
-            list(prompt), params, flag, rids[i], return_routed_experts=routed, routed_experts_start_len=start
+            list(prompt),
+            params,
+            flag,
+            rids[i],
+            return_routed_experts=routed,
+            routed_experts_start_len=start,
+            priority=priority or 0,
         )
         try:
             check(request)

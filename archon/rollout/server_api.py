@@ -89,6 +89,8 @@ class ServerAPI:
     """Appended to the error when a control endpoint answers HTTP 404."""
     batch_generate = False
     """Whether generate requests made together are sent as one batched request (``archon.rollout.batching``)."""
+    priority_field = False
+    """Whether the servers admit requests by SGLang's ``priority`` field (sent only then)."""
 
     def generate_payload(
         self,
@@ -252,10 +254,12 @@ class BuiltinServerAPI(ServerAPI):
 
     Its per-request HTTP handling costs as much as a small model's generation on CPU, so
     batching pays; SGLang's own batched form is not the default for SGLang servers, whose
-    per-request cost is small next to a GPU generation (and is not exercised here).
+    per-request cost is small next to a GPU generation (and is not exercised here).  It admits
+    requests by SGLang's ``priority`` field (SGLang itself only with ``--enable-priority-scheduling``).
     """
 
     batch_generate = True
+    priority_field = True
 
 
 def api_for_backend(backend: str) -> ServerAPI:
