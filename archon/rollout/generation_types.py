@@ -45,6 +45,25 @@ class GenerationRequest:
     """Admission order (SGLang's field, larger first): a request above 0 is admitted before the queued ones of lower
     priority, e.g. the trainer's weight probe ahead of a rollout round."""
 
+    def check(self, vocab_size: int, context_length: int) -> None:
+        """Raise ``ValueError`` (one sentence: what and how to fix) if a model of this vocabulary and context cannot
+        serve the request."""
+        ids = self.input_ids
+        if not isinstance(ids, list) or not ids:
+            raise ValueError("input_ids must be a non-empty list of token ids.")
+        for i, t in enumerate(ids):
+            if type(t) is not int:
+                raise ValueError(f"input_ids[{i}] is {t!r}; token ids must be integers.")
+            if not 0 <= t < vocab_size:
+                raise ValueError(f"input_ids[{i}] = {t} is outside the vocabulary [0, {vocab_size}).")
+        params = self.sampling_params
+        params.validate()
+        if len(ids) + params.max_new_tokens > context_length:
+            raise ValueError(
+                f"the prompt ({len(ids)} tokens) plus max_new_tokens ({params.max_new_tokens}) exceeds the "
+                f"context length {context_length}; shorten the prompt or lower max_new_tokens."
+            )
+
 
 @dataclass
 class GenerationResult:

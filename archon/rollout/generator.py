@@ -195,21 +195,7 @@ class Generator:
 
     def check_request(self, request: GenerationRequest) -> None:
         """Raise ``ValueError`` (one sentence: what and how to fix) if the request cannot be served."""
-        ids = request.input_ids
-        if not isinstance(ids, list) or not ids:
-            raise ValueError("input_ids must be a non-empty list of token ids.")
-        for i, t in enumerate(ids):
-            if type(t) is not int:
-                raise ValueError(f"input_ids[{i}] is {t!r}; token ids must be integers.")
-            if not 0 <= t < self.vocab_size:
-                raise ValueError(f"input_ids[{i}] = {t} is outside the vocabulary [0, {self.vocab_size}).")
-        params = request.sampling_params
-        params.validate()
-        if len(ids) + params.max_new_tokens > self.context_length:
-            raise ValueError(
-                f"the prompt ({len(ids)} tokens) plus max_new_tokens ({params.max_new_tokens}) exceeds the "
-                f"context length {self.context_length}; shorten the prompt or lower max_new_tokens."
-            )
+        request.check(self.vocab_size, self.context_length)
 
     def submit(self, request: GenerationRequest) -> Future:
         """Queue ``request``; the future resolves to a ``GenerationResult``.
@@ -471,14 +457,10 @@ class Generator:
         """Queue newly arrived requests: after the waiting ones, except those of higher priority, which go before
         every waiting request of lower priority (retracted ones included), in arrival order."""
         for seq in arrived:
-            if seq.request.priority <= 0:
-                self._waiting.append(seq)
-                continue
-            at = next((i for i, w in enumerate(self._waiting) if w.request.priority < seq.request.priority), None)
-            if at is None:
-                self._waiting.append(seq)
-            else:
-                self._waiting.insert(at, seq)
+            at = len(self._waiting)
+            if seq.request.priority > 0:
+                at = next((i for i, w in enumerate(self._waiting) if w.request.priority < seq.request.priority), at)
+            self._waiting.insert(at, seq)
 
     def _admit(self) -> None:
         """Prefill as many queued requests as fit (running rows, padded prefill tokens)."""
