@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from archon.config import ArchonEngineConfig, MicroBatchSpec, OptimizerConfig, TrainEngineConfig
+from archon.gpu_check.tiny import make_batch  # noqa: F401 - the engine tests' batches, shared with gpu_check
 
 
 def engine_config(path: str, backend: str = "archon:d1", **kw) -> TrainEngineConfig:
@@ -25,21 +26,6 @@ def engine_config(path: str, backend: str = "archon:d1", **kw) -> TrainEngineCon
         mb_spec=MicroBatchSpec(**mb),
         **kw,
     )
-
-
-def make_batch(step: int, n: int = 6, vocab: int = 128, min_len: int = 5, max_len: int = 17) -> dict[str, torch.Tensor]:
-    """A padded batch of ``n`` random sequences; loss on the second half of each (depends only on ``step``)."""
-    g = torch.Generator().manual_seed(1000 + step)
-    lens = torch.randint(min_len, max_len + 1, (n,), generator=g).tolist()
-    width = max(lens)
-    ids = torch.zeros(n, width, dtype=torch.long)
-    attn = torch.zeros(n, width, dtype=torch.long)
-    loss_mask = torch.zeros(n, width, dtype=torch.float32)
-    for b, length in enumerate(lens):
-        ids[b, :length] = torch.randint(1, vocab, (length,), generator=g)
-        attn[b, :length] = 1
-        loss_mask[b, length // 2 : length] = 1.0
-    return {"input_ids": ids, "attention_mask": attn, "loss_mask": loss_mask}
 
 
 def sft_loss(outputs: dict[str, torch.Tensor], mb: dict[str, torch.Tensor]):

@@ -80,8 +80,11 @@ def model_folder(ctx: Context, kind: str) -> str:
     return ctx.cache[key]
 
 
-def make_batch(step: int, n: int = 6, min_len: int = 5, max_len: int = 17) -> dict[str, torch.Tensor]:
-    """``n`` right-padded random sequences (deterministic in ``step``); the loss covers each one's second half."""
+def make_batch(
+    step: int, n: int = 6, vocab: int = VOCAB, min_len: int = 5, max_len: int = 17
+) -> dict[str, torch.Tensor]:
+    """``n`` right-padded random sequences (deterministic in ``step``); the loss covers each one's second half.
+    The engine tests train on the same batches."""
     g = torch.Generator().manual_seed(1000 + step)
     lens = torch.randint(min_len, max_len + 1, (n,), generator=g).tolist()
     width = max(lens)
@@ -89,7 +92,7 @@ def make_batch(step: int, n: int = 6, min_len: int = 5, max_len: int = 17) -> di
     attn = torch.zeros(n, width, dtype=torch.long)
     loss_mask = torch.zeros(n, width, dtype=torch.float32)
     for b, length in enumerate(lens):
-        ids[b, :length] = torch.randint(1, VOCAB, (length,), generator=g)
+        ids[b, :length] = torch.randint(1, vocab, (length,), generator=g)
         attn[b, :length] = 1
         loss_mask[b, length // 2 : length] = 1.0
     return {"input_ids": ids, "attention_mask": attn, "loss_mask": loss_mask}
