@@ -21,6 +21,7 @@ from dist_utils import run_distributed, wait_until
 from engine_utils import engine_config, make_batch, sft_loss, sft_weight
 from hf_fixtures import save_tiny_hf
 
+from archon.gpu_check.servers import engine_logprobs
 from archon.rollout.auth import auth_headers
 
 if TYPE_CHECKING:
@@ -135,22 +136,13 @@ def _sync_and_compare(model: str, run_dir: str, mode: Literal["distributed", "di
             payload = [[(r.output_ids, r.output_logprobs, r.weight_version, r.server) for r in results]]
         dist.broadcast_object_list(payload, src=0)
         results = payload[0]
-        rows = [p + out for p, (out, *_) in zip(prompts, results)]
-        width = max(map(len, rows))
-        batch = {
-            "input_ids": torch.zeros(len(rows), width, dtype=torch.long),
-            "attention_mask": torch.zeros(len(rows), width, dtype=torch.long),
-        }
-        for b, row in enumerate(rows):
-            batch["input_ids"][b, : len(row)] = torch.tensor(row)
-            batch["attention_mask"][b, : len(row)] = 1
-        trainer_logprobs = engine.forward(batch)["logprobs"]
+        trainer_logprobs = engine_logprobs(engine, [p + out for p, (out, *_) in zip(prompts, results)])
         sync.close()
         if not rank0:
             return None
         out = []
         for b, (p, (ids, lps, version, server)) in enumerate(zip(prompts, results)):
-            mine = trainer_logprobs[b, len(p) : len(p) + len(ids)].tolist()
+            mine = trainer_logprobs[b][len(p) : len(p) + len(ids)]
             out.append((p + list(ids), lps, mine, version, server))
         return out, stats
     finally:
