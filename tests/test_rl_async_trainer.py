@@ -92,7 +92,9 @@ def test_async_runs_are_reproducible_and_do_not_depend_on_the_allocation(rl_setu
         "behav_prox_logprob_diff",
     ):
         a, b = [r[key] for r in d1], [r[key] for r in d2]
-        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4, (key, a, b)
+        # Relative past 1: behav_ratio/max is exp(a logprob gap) ~ 12, where float32 reductions that
+        # differ between allocations move the sixth digit (a logprob difference of 1e-5).
+        assert all(abs(x - y) < 1e-4 * max(1.0, abs(x)) for x, y in zip(a, b)), (key, a, b)
 
 
 def test_staleness_stays_within_k_for_a_slow_trainer_with_critic_reference_and_dynamic_filter(rl_setup):  # noqa: F811 - the fixture imported above

@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import run_distributed
+from dist_utils import run_distributed, wait_until
 from fake_sglang import configure, fake_command, fetch_state, fetch_weights
 from safetensors.torch import save_file
 
+import archon.rollout.weight_sync as weight_sync_module
 from archon.config import load_config
 from archon.rollout.client import RolloutClient
 from archon.rollout.launcher import LaunchSpec, RolloutLauncher, free_ports
@@ -227,7 +228,23 @@ def test_disk_sync_publishes_versioned_folders(servers, tmp_path):
                 assert torch.equal(snap["weights"][name], full_tensor(name, step)), name
 
 
-def _failing_bucket_worker(addrs: list[str]) -> str:
+class _LateThreads:
+    """Stands in for the threading module of archon.rollout.weight_sync: a thread's target runs only
+    once the sync abandoned its group (the interleaving of a server that refuses before the
+    broadcast thread is scheduled)."""
+
+    def __init__(self, sync: DistributedWeightSync):
+        self.sync = sync
+
+    def Thread(self, target, **kw) -> threading.Thread:  # noqa: N802 - the name it replaces
+        def late() -> None:
+            wait_until(lambda: self.sync._pg is None, "the weight-update group to be abandoned", timeout=60)
+            target()
+
+        return threading.Thread(target=late, **kw)
+
+
+def _failing_bucket_worker(addrs: list[str], late_broadcast: bool) -> str:
     client = RolloutClient(addrs, setup_timeout=300, backoff_s=0.01)
     sync = DistributedWeightSync(
         cast("WeightSyncEngine", ShardedEngine()),
@@ -235,9 +252,11 @@ def _failing_bucket_worker(addrs: list[str]) -> str:
         chunk_mb=1,
         backend="gloo",
         master_address="127.0.0.1",
-        group_name="wsync_fail_bucket",
+        group_name=f"wsync_fail_bucket_{late_broadcast}",
     )
     sync.setup()
+    if late_broadcast and dist.get_rank() == 0:
+        weight_sync_module.threading = _LateThreads(sync)  # type: ignore[assignment] - this forked rank only
     if dist.get_rank() == 0:
         configure(addrs[1], fail_weight_update="out of GPU memory")
     try:
@@ -247,8 +266,11 @@ def _failing_bucket_worker(addrs: list[str]) -> str:
     return "no error"
 
 
-def test_a_server_refusing_a_bucket_fails_every_rank(servers):
-    msgs = run_distributed(_failing_bucket_worker, 2, servers, timeout=300)
+@pytest.mark.parametrize("late_broadcast", [False, True])
+def test_a_server_refusing_a_bucket_fails_every_rank(servers, late_broadcast):
+    # late_broadcast: the broadcasts are issued after the refusal abandoned the group; they must not
+    # fall back to the trainer's default group (group=None), where rank 1 waits in an all_gather.
+    msgs = run_distributed(_failing_bucket_worker, 2, servers, late_broadcast, timeout=120)
     assert servers[1] in msgs[0] and "out of GPU memory" in msgs[0]
     assert msgs[1].startswith("weight sync failed on trainer rank 0:") and "out of GPU memory" in msgs[1]
 

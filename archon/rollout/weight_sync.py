@@ -478,13 +478,17 @@ class DistributedWeightSync:
         its call returns at once.  A thread stuck connecting is left behind with the abandoned group.
         """
         issued: Future[list[dist.Work]] = Future()
+        # Bound now: a server refusing fast makes _abandon_group set self._pg to None before this
+        # thread runs, and group=None would broadcast on the trainer's default group instead.
+        group = self._pg
+        assert group is not None, "_send_bucket without a weight-update group"
 
         def issue() -> None:
             try:
                 if self.device.type == "cuda":
                     torch.cuda.set_device(self.device)  # a new thread starts on device 0
                 # async_op=True: each returns its Work.
-                works = [dist.broadcast(t, src=0, group=self._pg, async_op=True) for t in tensors]
+                works = [dist.broadcast(t, src=0, group=group, async_op=True) for t in tensors]
                 issued.set_result(cast("list[dist.Work]", works))
             except BaseException as exc:  # noqa: BLE001 - handed to the polling thread
                 issued.set_exception(exc)
