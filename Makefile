@@ -18,17 +18,17 @@ install: $(VENV)/.installed
 
 # The CPU demo: local assets (no downloads), GRPO under torchrun with a built-in rollout server, the plot.
 run: $(VENV)/.installed
-	$(PY) -m archon.demo make-assets outputs/demo/assets
+	$(PY) -m archon.demos.first_letter make-assets outputs/demo/assets
 	rm -rf outputs/demo/grpo
 	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node=2 scripts/train_rl.py --config configs/cpu_demo.toml
-	$(PY) -m archon.plot outputs/demo/grpo
+	$(PY) -m archon.tools.plot outputs/demo/grpo
 
 # The multi-token demo, asynchronous RL: repeat a 3-digit number and stop; 1 training rank + 1 server.
 run-async: $(VENV)/.installed
-	$(PY) -m archon.demo_digits make-assets outputs/demo_digits/assets
+	$(PY) -m archon.demos.digits make-assets outputs/demo_digits/assets
 	rm -rf outputs/demo_digits/async
 	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node=1 scripts/train_rl.py --config configs/cpu_demo_digits.toml
-	$(PY) -m archon.plot outputs/demo_digits/async
+	$(PY) -m archon.tools.plot outputs/demo_digits/async
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -37,7 +37,7 @@ INDEX_FILE = "model.safetensors.index.json"
 class HFCheckpointError(ValueError):
     """A Hugging Face model folder (config.json, safetensors) is missing, damaged, or does not match the model.
 
-    Archon's own resumable checkpoints have their own error, ``archon.engine.checkpoint.CheckpointError``.
+    Archon's own resumable checkpoints have their own error, ``archon.checkpoint.dcp.CheckpointError``.
     """
 
 

@@ -6,7 +6,7 @@
 writes ``models/<name>/`` (spec, args, model, state-dict adapter, parallelize) and
 ``tests/models/test_<name>_parity.py``, registers the package, and prints what differs from
 Archon's shared blocks (also written at the top of the generated ``model.py``).  The logic
-lives in ``models/scaffold``.
+lives in ``scaffold``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models.scaffold import ScaffoldError, scaffold_model  # noqa: E402
+from scaffold import ScaffoldError, scaffold_model  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,7 +4,7 @@
 
 Builds a random Qwen3 (hidden 256, 4 layers by default; nothing is downloaded) and, for each
 batch size, generates ``--new-tokens`` greedy tokens after the same ``--prompt-len``-token
-prompts with (a) ``archon.rollout.generator.Generator`` (the engine behind the built-in
+prompts with (a) ``archon.server.generator.Generator`` (the engine behind the built-in
 server, without HTTP; it also returns every token's logprob, as RL needs) and (b)
 ``AutoModelForCausalLM.generate`` with its KV cache (``DynamicCache``).  The two alternate
 repetition by repetition; the table gives median new tokens/s and the median of the
@@ -59,8 +59,8 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from archon.rollout.generator import GenerationRequest, Generator
-    from archon.rollout.sampling import SamplingParams
+    from archon.server.generator import GenerationRequest, Generator
+    from archon.server.sampling import SamplingParams
 
     rows = []
     all_same = True

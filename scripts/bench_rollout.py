@@ -45,8 +45,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weight dtype")
     args = parser.parse_args()
 
-    from archon.rollout.generator import GenerationRequest, Generator
-    from archon.rollout.sampling import SamplingParams
+    from archon.server.generator import GenerationRequest, Generator
+    from archon.server.sampling import SamplingParams
 
     g = torch.Generator().manual_seed(1)
     prompts = [

@@ -51,8 +51,8 @@ def _make_model(folder: str, args: argparse.Namespace) -> None:
 
 
 def _rollout(folder: str, args: argparse.Namespace):
-    from archon.rollout.generator import GenerationRequest, Generator
-    from archon.rollout.sampling import SamplingParams
+    from archon.server.generator import GenerationRequest, Generator
+    from archon.server.sampling import SamplingParams
 
     g = torch.Generator().manual_seed(args.seed)
     prompts = [

@@ -20,7 +20,7 @@ from its source) wherever a difference would break or bias a run:
 - Every weight update that carries a ``weight_version`` sets it, bucket by bucket.
 
 Weight updates are real: ``/init_weights_update_group`` joins the group with
-``archon.rollout.weight_group`` and ``/update_weights_from_distributed`` receives the broadcast
+``archon.wire.weight_group`` and ``/update_weights_from_distributed`` receives the broadcast
 tensors; ``/update_weights_from_disk`` reads the safetensors of the folder.  Tests read what
 arrived from ``.weights`` (in-process) or ``GET /fake/weights`` (a subprocess).
 
@@ -300,7 +300,7 @@ class FakeSGLang:
         if failed is not None:
             return failed
         if self.join_group:
-            from archon.rollout.weight_group import init_weight_update_group
+            from archon.wire.weight_group import init_weight_update_group
 
             self._groups[body["group_name"]] = await asyncio.get_running_loop().run_in_executor(
                 None,
@@ -330,7 +330,7 @@ class FakeSGLang:
             return web.json_response({"success": False, "message": f"no group {body['group_name']}"}, status=400)
         import torch
 
-        from archon.rollout.weight_group import broadcast_tensor
+        from archon.wire.weight_group import broadcast_tensor
 
         def receive() -> dict[str, Any]:
             empty = [

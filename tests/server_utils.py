@@ -1,4 +1,4 @@
-"""The built-in rollout server as a real subprocess (``python -m archon.rollout.server``), for tests."""
+"""The built-in rollout server as a real subprocess (``python -m archon.server.app``), for tests."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ class ServerProcess:
 def launch_server(folder: Path, *extra: str) -> ServerProcess:
     """Start a server for ``folder`` on a free port (not yet healthy: see ``wait_healthy``)."""
     port = find_free_port()
-    cmd = [sys.executable, "-m", "archon.rollout.server", "--model-path", str(folder), "--host", "127.0.0.1"]
+    cmd = [sys.executable, "-m", "archon.server.app", "--model-path", str(folder), "--host", "127.0.0.1"]
     cmd += ["--port", str(port), "--random-seed", "0", "--log-level", "warning", "--dtype", "float32", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     env.pop("ARCHON_API_KEY", None)

@@ -198,7 +198,7 @@ EXPECTED = {
 
 @pytest.mark.parametrize("model_type", sorted(EXPECTED))
 def test_report_names_each_difference_and_the_parity_test_fails_on_exactly_those(tmp_path, model_type):
-    from models.scaffold import scaffold_model
+    from scaffold import scaffold_model
 
     expected = EXPECTED[model_type]
     models_dir, tests_dir = tmp_path / "models", tmp_path / "tests"
@@ -234,7 +234,7 @@ def test_report_names_each_difference_and_the_parity_test_fails_on_exactly_those
 
 
 def test_refusals(tmp_path):
-    from models.scaffold import ScaffoldError, scaffold_model
+    from scaffold import ScaffoldError, scaffold_model
 
     out = _script("llamma")  # the script itself: one clear line and exit status 2
     assert out.returncode == 2 and out.stderr.startswith("error: unknown model type 'llamma'")

@@ -28,8 +28,8 @@ from archon.alloc import AllocationMode, ModelAllocation
 from archon.config import load_config
 from archon.data.rl_dataset import RLPromptDataset
 from archon.errors import user_error_types
-from archon.rollout.generator import Generator
-from archon.rollout.server import serve_in_thread
+from archon.server.app import serve_in_thread
+from archon.server.generator import Generator
 
 
 def assert_one_sentence(exc: BaseException, needles: tuple[str, ...]) -> None:

@@ -51,7 +51,7 @@ class _Warnings(logging.Handler):
 
 def _train_and_save(path: str, run_dir: str, keep_last: int = 2) -> list[float]:
     """Steps 1..STEPS+1 uninterrupted; checkpoints after steps 1..STEPS (step STEPS+1 is the reference)."""
-    from archon.engine.checkpoint_manager import CheckpointManager
+    from archon.checkpoint.manager import CheckpointManager
 
     engine = _engine(path)
     ckpt = CheckpointManager(run_dir, keep_last)
@@ -67,7 +67,7 @@ def _resume(path: str, run_dir: str) -> dict | None:
     """Resume like a rerun does; rank 0 reports where from, the warnings, and the next step's loss."""
     import torch.distributed as dist
 
-    from archon.engine.checkpoint_manager import CheckpointManager
+    from archon.checkpoint.manager import CheckpointManager
 
     warnings = _Warnings()
     engine = _engine(path)
@@ -194,9 +194,9 @@ def _disk_full_during_save(path: str, run_dir: str, where: str) -> dict:
     import torch.distributed as dist
     import torch.distributed.checkpoint.filesystem as dcp_fs
 
-    import archon.engine.checkpoint as checkpoint
-    from archon.engine.checkpoint import CheckpointWriteError
-    from archon.engine.checkpoint_manager import CheckpointManager
+    import archon.checkpoint.dcp as checkpoint
+    from archon.checkpoint.dcp import CheckpointWriteError
+    from archon.checkpoint.manager import CheckpointManager
 
     engine = _engine(path)
     ckpt = CheckpointManager(run_dir, keep_last=2)
@@ -254,8 +254,8 @@ def test_disk_full_mid_save_leaves_the_previous_checkpoint(model_path, tmp_path,
 def _preflight(path: str, run_dir: str, free_bytes: int | None) -> str:
     import shutil as shutil_module
 
+    from archon.checkpoint.manager import CheckpointManager, estimate_checkpoint_bytes
     from archon.config import ConfigError
-    from archon.engine.checkpoint_manager import CheckpointManager, estimate_checkpoint_bytes
 
     ckpt = CheckpointManager(run_dir)
     try:
@@ -300,8 +300,8 @@ def _pipelined(path: str, run_dir: str, phase: str) -> list[float] | None:
     """Under archon:p2 each rank's optimizer holds its own stage's parameters: save on one, resume on the other."""
     import torch.distributed as dist
 
+    from archon.checkpoint.manager import CheckpointManager
     from archon.config import ArchonEngineConfig
-    from archon.engine.checkpoint_manager import CheckpointManager
     from archon.engine.engine import ArchonEngine
 
     cfg = engine_config(path, "archon:p2", archon={"pp_schedule": "1F1B"})
@@ -364,7 +364,7 @@ def test_rl_and_sft_check_output_dir_before_anything_else(tmp_path, kind):
 
 
 def test_pruning_keeps_the_newest_intact_and_leaves_later_steps_for_the_run_to_replace(tmp_path, caplog):
-    from archon.engine.checkpoint_manager import COMPLETE, CheckpointManager, manifest
+    from archon.checkpoint.manager import COMPLETE, CheckpointManager, manifest
 
     root = tmp_path / "checkpoints"
 

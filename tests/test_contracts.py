@@ -103,7 +103,7 @@ def test_layout_errors_are_their_own_class_and_user_errors():
 
 
 def test_train_state_restores_step_and_every_generator():
-    from archon.engine.state import TrainState
+    from archon.checkpoint.state import TrainState
 
     state = TrainState(step=7)
     saved = state.state_dict()
@@ -120,8 +120,8 @@ def _round_trip_plain_states(folder: str) -> dict:
     """A checkpoint of Stateful parts around a plain module: no engine, no model spec."""
     from pathlib import Path
 
-    from archon.engine.checkpoint import load_checkpoint, save_checkpoint
-    from archon.engine.state import TrainState, engine_states
+    from archon.checkpoint.dcp import load_checkpoint, save_checkpoint
+    from archon.checkpoint.state import TrainState, engine_states
 
     def parts(seed: int):
         torch.manual_seed(seed)
@@ -171,7 +171,7 @@ def test_the_moe_routing_bias_is_part_of_the_model_state(tmp_path):
     from hf_fixtures import block_of, save_tiny_hf
 
     import models
-    from archon.engine.state import ModelState
+    from archon.checkpoint.state import ModelState
 
     save_tiny_hf(tmp_path / "moe", "qwen3_moe", seed=3)
     model = models.load_hf_model(tmp_path / "moe")
@@ -199,9 +199,9 @@ def test_checkpoint_code_does_not_import_the_engine():
 
 def test_request_sampling_derives_from_the_generation_config():
     from archon.config import SGLANG_DEFAULT_MAX_NEW_TOKENS, GenerationConfig
-    from archon.rollout.protocol import parse_sampling_params
-    from archon.rollout.sampling import SamplingParams
     from archon.rollout.server_api import sampling_params
+    from archon.server.protocol import parse_sampling_params
+    from archon.server.sampling import SamplingParams
 
     g = GenerationConfig()
     # What the trainer sends is the config, field by field; the server's defaults never apply.
@@ -236,13 +236,13 @@ def test_plan_cli_keeps_the_traceback_of_a_bug(monkeypatch, capsys):
 
 
 def test_plot_cli_keeps_the_traceback_of_a_bug(tmp_path, monkeypatch):
-    import archon.plot
+    import archon.tools.plot
 
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "reward_mean": 0.5}\n')
 
     def bug(*args, **kwargs):
         raise ValueError("an internal bug")
 
-    monkeypatch.setattr(archon.plot, "plot_run", bug)
+    monkeypatch.setattr(archon.tools.plot, "plot_run", bug)
     with pytest.raises(ValueError, match="an internal bug"):
-        archon.plot.main([str(tmp_path)])
+        archon.tools.plot.main([str(tmp_path)])

@@ -14,9 +14,9 @@ from hf_fixtures import save_tiny_hf
 from server_utils import start_server
 
 from archon.config import load_config
+from archon.launch.servers import build_launch_specs
 from archon.plan import cpu_cores
 from archon.plan.cpu_cores import parse_core_list, slot_cores
-from archon.rollout.launcher import build_launch_specs
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -140,15 +140,7 @@ def test_a_server_pinned_to_a_core_it_may_not_use_says_so(tmp_path):
     save_tiny_hf(tmp_path / "model", "qwen3", seed=3)
     bad = os.cpu_count() or 1  # one past the last core
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "archon.rollout.server",
-            "--model-path",
-            str(tmp_path / "model"),
-            "--cpu-cores",
-            str(bad),
-        ],
+        [sys.executable, "-m", "archon.server.app", "--model-path", str(tmp_path / "model"), "--cpu-cores", str(bad)],
         env={**os.environ, "PYTHONPATH": str(REPO)},
         cwd=REPO,
         capture_output=True,

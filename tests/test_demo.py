@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import models
 from archon.data import RLPromptDataset, SFTDataset, has_chat_template, load_jsonl
-from archon.demo import (
+from archon.demos.first_letter import (
     EOS_TOKEN,
     PAD_TOKEN,
     REWARD_FN,

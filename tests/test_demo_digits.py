@@ -10,8 +10,17 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import models
 from archon.data import RLPromptDataset, load_jsonl
-from archon.demo import EOS_TOKEN, PAD_TOKEN, UNK_TOKEN
-from archon.demo_digits import REWARD_FN, DigitsTask, answer_of, digits_reward, main, make_assets, make_rows, vocabulary
+from archon.demos.digits import (
+    REWARD_FN,
+    DigitsTask,
+    answer_of,
+    digits_reward,
+    main,
+    make_assets,
+    make_rows,
+    vocabulary,
+)
+from archon.demos.first_letter import EOS_TOKEN, PAD_TOKEN, UNK_TOKEN
 from archon.rl.rewards import get_reward_fn
 
 TASK = DigitsTask(n_train=64, n_test=16)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 
-from archon.gc_freeze import freeze_startup_objects, thaw_startup_objects
+from archon.runtime.gc_freeze import freeze_startup_objects, thaw_startup_objects
 
 
 def _collected_ids() -> set[int]:

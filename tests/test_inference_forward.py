@@ -8,7 +8,7 @@ import torch.nn as nn
 from hf_fixtures import MODEL_TYPES, block_of, decoder, save_tiny_hf
 
 import models
-from archon.rollout.kv_cache import BatchedKVCache
+from archon.server.kv_cache import BatchedKVCache
 from models.common.inference import InferenceForward
 
 

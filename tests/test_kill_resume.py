@@ -4,7 +4,7 @@ A drill runs ``scripts/train_rl.py --config configs/cpu_demo.toml`` (tiny step c
 torchrun and SIGKILLs the launcher's whole process group, as an impatient user, a scheduler or
 the OOM killer would, then reruns the same command.  The kill lands in a chosen phase (rollout
 requests in flight, between gradients and the optimizer step, mid weight broadcast, mid
-checkpoint) through the test-only ``ARCHON_DRILL_PAUSE`` hook (``archon/drill.py``: the process
+checkpoint) through the test-only ``ARCHON_DRILL_PAUSE`` hook (``archon/runtime/drill.py``: the process
 stops there and tells the test), or at a random moment.  After every kill no trainer rank and
 no rollout server may be left; every rerun resumes from a complete checkpoint, never a
 half-written one; and the run that finishes has per-step metrics equal to an uninterrupted run
@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 from dist_utils import pid_alive, pids_mentioning, wait_until
 
-from archon.drill import FILE_ENV, PAUSE_ENV
+from archon.runtime.drill import FILE_ENV, PAUSE_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "cpu_demo.toml"
@@ -97,7 +97,7 @@ def test_training_ranks_exit_when_the_launcher_is_killed(tmp_path):
 
 @pytest.fixture(scope="module")
 def demo_assets(tmp_path_factory):
-    from archon.demo import DemoTask, TinyQwen3, make_assets
+    from archon.demos.first_letter import DemoTask, TinyQwen3, make_assets
 
     # Untied embeddings: pipeline parallel puts the embeddings and the LM head on different stages.
     return make_assets(

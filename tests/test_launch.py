@@ -22,9 +22,7 @@ from dist_utils import find_free_port, pid_alive, pids_mentioning
 
 from archon.config import load_config
 from archon.launch.cli import main
-from archon.launch.slurm import build_job, check_torchrun_layout, render_script
-from archon.plan import plan_for_config
-from archon.rollout.discovery import (
+from archon.launch.discovery import (
     LAUNCH_ID_ENV,
     REGISTRY_ENV,
     FileRegistry,
@@ -33,7 +31,9 @@ from archon.rollout.discovery import (
     registry_from_env,
     server_source,
 )
-from archon.rollout.launcher import RolloutLauncher, RolloutLaunchError
+from archon.launch.servers import RolloutLauncher, RolloutLaunchError
+from archon.launch.slurm import build_job, check_torchrun_layout, render_script
+from archon.plan import plan_for_config
 
 REPO = Path(__file__).resolve().parents[1]
 DENSE = REPO / "configs" / "qwen3_8b_dense.toml"
@@ -256,7 +256,7 @@ def test_serve_node_without_the_shared_run_directory_is_one_sentence(tmp_path, m
 # ---------------------------------------------------------------------- end to end
 @pytest.fixture(scope="module")
 def demo_assets(tmp_path_factory):
-    from archon.demo import make_assets
+    from archon.demos.first_letter import make_assets
 
     return make_assets(tmp_path_factory.mktemp("demo") / "assets")
 

@@ -42,7 +42,7 @@ def slurm():
 
 @pytest.fixture(scope="module")
 def demo_assets(tmp_path_factory):
-    from archon.demo import make_assets
+    from archon.demos.first_letter import make_assets
 
     return make_assets(tmp_path_factory.mktemp("demo") / "assets")
 
@@ -105,7 +105,7 @@ keys = ("CUDA_VISIBLE_DEVICES", "GPU_DEVICE_ORDINAL", "SLURM_JOB_GPUS", "SLURM_S
 rec = {k: os.environ.get(k) for k in keys}
 if role == "servers":
     from archon.config import load_config
-    from archon.rollout.launcher import build_launch_specs
+    from archon.launch.servers import build_launch_specs
     cfg = load_config(args[1], args[2:])
     specs = build_launch_specs(cfg, cfg.run_dir, node=0, api_key="k")
     rec["servers"] = {s.index: s.env.get("CUDA_VISIBLE_DEVICES") for s in specs}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,8 +22,9 @@ LAYERS: dict[str, set[str]] = {
     "parallel": {"torch"},
     "pipeline": {"torch", "parallel"},
     "models": {"torch", "safetensors", "transformers", "parallel", "pipeline"},
+    "scaffold": {"torch", "models", THIRD_PARTY},
     "archon": {"parallel", "pipeline", "models", THIRD_PARTY},
-    "scripts": {"archon", THIRD_PARTY},
+    "scripts": {"archon", "scaffold", THIRD_PARTY},
 }
 """Each top-level folder and what it may import besides the standard library and itself."""
 
@@ -30,10 +32,16 @@ MODEL_CODE_MAY_IMPORT = {"torch", "models"}
 """What single-device model code (``models/common/`` but its ``infra/``, ``models/*/model/``) may import."""
 
 FORBIDDEN_INSIDE_ARCHON: dict[str, tuple[str, ...]] = {
-    "archon.engine": ("archon.rl",),
-    "archon.rollout": ("archon.rl", "archon.engine"),
+    "archon.engine": ("archon.rl", "archon.rollout", "archon.server", "archon.launch"),
+    "archon.checkpoint": ("archon.rl", "archon.engine", "archon.rollout", "archon.server", "archon.launch"),
+    "archon.rollout": ("archon.rl", "archon.engine", "archon.server", "archon.launch"),
+    "archon.server": ("archon.rl", "archon.engine", "archon.rollout", "archon.launch"),
+    "archon.wire": ("archon.rl", "archon.engine", "archon.rollout", "archon.server", "archon.launch"),
 }
-"""Packages of ``archon`` and the ones they never import; besides, nothing outside ``archon.launch`` imports it."""
+"""Packages of ``archon`` and the ones they never import (the client and the built-in server share ``archon.wire``)."""
+
+CLUSTER_ENTRY_POINTS = ("archon.launch.cli", "archon.launch.slurm", "archon.launch.ray_cluster", "archon.launch.serve")
+"""``python -m archon.launch``'s modules: nothing outside ``archon.launch`` imports them."""
 
 ALLOWED_BY_DESIGN: dict[str, set[str]] = {
     # DESIGN.md: "add_model.py (its logic lives in models/, next to the packages it writes)".
@@ -44,13 +52,13 @@ ALLOWED_BY_DESIGN: dict[str, set[str]] = {
 PENDING: dict[str, str] = {}
 """Known violations, each with its fix; the test fails when one is gone, so this list only shrinks."""
 
-LIBRARY = ("parallel", "pipeline", "models", "archon", "scripts")
-MAX_LINES = 600
-"""Longest library file (parallel, pipeline, models, archon, scripts)."""
+LIBRARY = ("parallel", "pipeline", "models", "scaffold", "archon", "scripts")
+LONG_FILE_LINES = 600
+"""A library file past this is reported as a warning: a hint to look for a second job in it, not a rule."""
+MAX_LINES = 1000
+"""Longest library file (any top-level package, scripts): past this it surely holds several jobs."""
 MAX_TEST_LINES = 800
 """Longest file under tests/ (test files hold many small cases; splitting them duplicates fixtures)."""
-OVERSIZED_PENDING: dict[str, str] = {}
-"""Library files known to be over ``MAX_LINES``; the test fails when one is back under it, so this list only shrinks."""
 
 
 @dataclass(frozen=True)
@@ -126,7 +134,9 @@ def _violation(imp: Import) -> str | None:
     if layer == "archon":
         module = _module_name(imp.source)
         for name in imp.targets:
-            if name.startswith("archon.launch") and not module.startswith("archon.launch"):
+            if not module.startswith("archon.launch") and any(
+                name == e or name.startswith(e + ".") for e in CLUSTER_ENTRY_POINTS
+            ):
                 return f"{imp.source} -> archon.launch"
             for package, forbidden in FORBIDDEN_INSIDE_ARCHON.items():
                 for f in forbidden:
@@ -191,11 +201,12 @@ def _line_count(path: Path) -> int:
 
 
 def test_no_library_file_grows_past_the_limit():
-    over = {p.relative_to(REPO).as_posix(): _line_count(p) for p in _library_files() if _line_count(p) > MAX_LINES}
-    unexpected = {f: n for f, n in over.items() if f not in OVERSIZED_PENDING}
-    assert not unexpected, f"library files over {MAX_LINES} lines (split them by job): {unexpected}"
-    back_under = sorted(set(OVERSIZED_PENDING) - set(over))
-    assert not back_under, f"no longer over {MAX_LINES} lines, remove from OVERSIZED_PENDING: {back_under}"
+    lengths = {p.relative_to(REPO).as_posix(): _line_count(p) for p in _library_files()}
+    over = {f: n for f, n in lengths.items() if n > MAX_LINES}
+    assert not over, f"library files over {MAX_LINES} lines (split them by job): {over}"
+    long = {f: n for f, n in lengths.items() if n > LONG_FILE_LINES}
+    if long:
+        warnings.warn(f"library files over {LONG_FILE_LINES} lines (do they hold two jobs?): {long}", stacklevel=1)
 
 
 def test_no_test_file_grows_past_its_limit():

@@ -23,8 +23,8 @@ from engine_utils import make_batch, sft_loss, sft_weight
 from hf_fixtures import decoder, make_tiny_tokenizer, random_tokens, save_tiny_hf
 
 import models
-from archon.rollout.generator import GenerationRequest, Generator
-from archon.rollout.sampling import SamplingParams
+from archon.server.generator import GenerationRequest, Generator
+from archon.server.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from models.common.decoder import TransformerBlock
@@ -78,7 +78,7 @@ def test_generator_reports_the_experts_of_every_token_it_ran(moe_path):
 
 def test_server_returns_routed_experts_as_sglang_does(moe_path):
     from archon.rollout.client import RolloutClient
-    from archon.rollout.server import serve_in_thread
+    from archon.server.app import serve_in_thread
 
     model = models.load_hf_model(moe_path)
     server = serve_in_thread(Generator(model, random_seed=0), model_path=moe_path)
@@ -305,7 +305,7 @@ def test_rl_with_aux_free_balancing_keeps_server_and_trainer_equal(tmp_path, rep
 
 
 def test_protocol_checks_the_routed_experts_fields():
-    from archon.rollout.protocol import ProtocolError, parse_generate
+    from archon.server.protocol import ProtocolError, parse_generate
 
     def parse(**extra):
         return parse_generate({"input_ids": [[1, 2, 3], [4, 5]], **extra}, lambda r: None).requests

@@ -278,7 +278,7 @@ def test_selection_errors_are_one_sentence():
 
 
 def test_launcher_starts_servers_on_the_plan_gpus_and_training_takes_the_rest(tmp_path):
-    from archon.rollout.launcher import build_launch_specs
+    from archon.launch.servers import build_launch_specs
 
     cfg = load_config(None, ["rollout.backend=sglang:d2t2", "actor.backend=archon:d4", "actor.path=/models/x"])
     specs = build_launch_specs(cfg, tmp_path, ports=[30000, 30001])

@@ -1,4 +1,4 @@
-"""``python -m archon.plot``: curves from metrics.jsonl, absent metrics skipped, clear errors."""
+"""``python -m archon.tools.plot``: curves from metrics.jsonl, absent metrics skipped, clear errors."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from archon.plot import PANELS, load_metrics, main, panels_for, plot_metrics, plot_run
+from archon.tools.plot import PANELS, load_metrics, main, panels_for, plot_metrics, plot_run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -23,8 +23,8 @@ from archon.data.rl_dataset import PromptLoader, RLPromptDataset
 from archon.rl.async_rollout import RolloutWorker, parse_version
 from archon.rl.trainer import rollout_seed
 from archon.rollout.client import GenerateResult, RolloutClient
-from archon.rollout.generator import Generator
-from archon.rollout.server import serve_in_thread
+from archon.server.app import serve_in_thread
+from archon.server.generator import Generator
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

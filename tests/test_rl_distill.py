@@ -137,7 +137,7 @@ def test_on_policy_distillation_moves_the_student_toward_the_teacher(tmp_path):
     answers toward a differently initialised teacher's: the KL on sampled answers falls."""
     from transformers import AutoModelForCausalLM
 
-    from archon.demo import TinyQwen3, make_assets
+    from archon.demos.first_letter import TinyQwen3, make_assets
 
     student = make_assets(tmp_path / "student")
     teacher = make_assets(tmp_path / "teacher", spec=TinyQwen3(seed=7))

@@ -20,7 +20,7 @@ STEPS = 20
 
 @pytest.fixture(scope="module")
 def demo_assets(tmp_path_factory):
-    from archon.demo import make_assets
+    from archon.demos.first_letter import make_assets
 
     return make_assets(tmp_path_factory.mktemp("demo") / "assets")
 

@@ -27,9 +27,9 @@ from hf_fixtures import random_tokens, save_tiny_hf
 
 import models
 from archon.config import load_config
-from archon.rollout.auth import API_KEY_ENV, check_bind, is_loopback
+from archon.launch.servers import RolloutLauncher, build_launch_specs
 from archon.rollout.client import RolloutClient, RolloutRequestError
-from archon.rollout.launcher import RolloutLauncher, build_launch_specs
+from archon.wire.auth import API_KEY_ENV, check_bind, is_loopback
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -141,7 +141,7 @@ def test_routable_addresses_need_a_key(folders, tmp_path):
         [
             sys.executable,
             "-m",
-            "archon.rollout.server",
+            "archon.server.app",
             "--model-path",
             str(folders / "served"),
             "--host",

@@ -18,10 +18,10 @@ from hf_fixtures import save_tiny_hf
 
 import models
 from archon.rollout.batching import RequestBatcher
-from archon.rollout.client import RolloutClient, RolloutRequestError
-from archon.rollout.generator import Generator
-from archon.rollout.server import serve_in_thread
-from archon.rollout.server_api import BuiltinServerAPI, RolloutError, ServerAPI, api_for_backend
+from archon.rollout.client import RolloutClient, RolloutRequestError, api_for_backend
+from archon.rollout.server_api import BuiltinServerAPI, RolloutError, ServerAPI
+from archon.server.app import serve_in_thread
+from archon.server.generator import Generator
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -1,4 +1,4 @@
-"""The rollout generation engine (``archon.rollout.generator``) against independent references.
+"""The rollout generation engine (``archon.server.generator``) against independent references.
 
 References never use the KV cache or the engine: greedy tokens come from re-running the whole
 sequence through the model at every step, logprobs from one full forward over
@@ -17,10 +17,10 @@ import torch.nn as nn
 from hf_fixtures import random_tokens, save_tiny_hf
 
 import models
-from archon.rollout.generator import GenerationRequest, Generator
-from archon.rollout.kv_cache import BatchedKVCache
-from archon.rollout.sampling import SamplingParams
-from archon.rollout.weight_update import read_eos_token_ids
+from archon.server.generator import GenerationRequest, Generator
+from archon.server.kv_cache import BatchedKVCache
+from archon.server.sampling import SamplingParams
+from archon.server.weight_update import read_eos_token_ids
 
 ATOL = 1e-5
 

@@ -22,7 +22,7 @@ from engine_utils import engine_config, make_batch, sft_loss, sft_weight
 from hf_fixtures import save_tiny_hf
 
 from archon.gpu_check.servers import engine_logprobs
-from archon.rollout.auth import auth_headers
+from archon.wire.auth import auth_headers
 
 if TYPE_CHECKING:
     from archon.rollout.weight_sync import WeightSyncEngine
@@ -66,8 +66,8 @@ def _prompts(n: int) -> list[list[int]]:
 
 
 def test_client_spreads_load_and_survives_a_killed_server(model_dir, tmp_path):
+    from archon.launch.servers import RolloutLauncher
     from archon.rollout.client import RolloutClient, RolloutError
-    from archon.rollout.launcher import RolloutLauncher
 
     cfg = _config(model_dir, tmp_path, servers=2)
     with RolloutLauncher.from_config(cfg, tmp_path) as launcher:  # starts the servers
@@ -108,8 +108,8 @@ def _sync_and_compare(model: str, run_dir: str, mode: Literal["distributed", "di
     import torch.distributed as dist
 
     from archon.engine.engine import ArchonEngine
+    from archon.launch.servers import RolloutLauncher
     from archon.rollout.client import RolloutClient
-    from archon.rollout.launcher import RolloutLauncher
     from archon.rollout.weight_sync import build_weight_sync
 
     cfg = _config(Path(model), Path(run_dir), servers=2)

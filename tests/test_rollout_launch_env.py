@@ -11,7 +11,7 @@ import pytest
 from dist_utils import find_free_port
 
 from archon.config import ConfigError, load_config
-from archon.rollout.launcher import build_launch_specs, server_environment, visible_devices
+from archon.launch.servers import build_launch_specs, server_environment, visible_devices
 
 # What a server's own torch.distributed does at start (SGLang's TP group, vLLM's workers): rank 0 of its
 # own group, rendezvous over tcp://.  Under torchrun's environment the store becomes a client of a server

@@ -17,14 +17,9 @@ from fake_sglang import fake_command, fake_completion
 
 from archon.alloc import ModelAllocation
 from archon.config import Config, ConfigError, load_config
+from archon.launch.servers import LaunchSpec, RolloutLauncher, RolloutLaunchError, build_launch_specs
 from archon.rollout.client import RolloutClient
-from archon.rollout.launcher import (
-    LaunchSpec,
-    RolloutLauncher,
-    RolloutLaunchError,
-    build_launch_specs,
-    ranks_per_server,
-)
+from archon.wire.weight_group import ranks_per_server
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -169,7 +164,7 @@ def test_local_d2_specs(tmp_path):
         [
             sys.executable,
             "-m",
-            "archon.rollout.server",
+            "archon.server.app",
             "--model-path",
             "/models/tiny",
             "--host",
@@ -300,7 +295,7 @@ _SELF_SIGNAL_SCRIPT = textwrap.dedent("""
     import json, os, signal, sys, time
     from pathlib import Path
     sys.path[:0] = [{tests!r}, {repo!r}]
-    from archon.rollout.launcher import LaunchSpec, RolloutLauncher, free_ports
+    from archon.launch.servers import LaunchSpec, RolloutLauncher, free_ports
     from fake_sglang import fake_command
     # As in a terminal: a shell's background job (a CI runner, a soak loop) inherits SIGINT ignored.
     signal.signal(signal.SIGINT, signal.default_int_handler)

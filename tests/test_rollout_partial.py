@@ -16,10 +16,10 @@ from hf_fixtures import random_tokens, save_tiny_hf
 from test_rollout_generator import _Triggered, greedy_reference, logprob_reference
 
 import models
-from archon.rollout.generator import GenerationRequest, Generator
-from archon.rollout.protocol import generate_response
-from archon.rollout.sampling import SamplingParams
 from archon.rollout.server_api import token_versions
+from archon.server.generator import GenerationRequest, Generator
+from archon.server.protocol import generate_response
+from archon.server.sampling import SamplingParams
 
 ATOL = 1e-5
 

@@ -72,8 +72,8 @@ def _overrides(model: Path, data: Path, out: Path, backend: str, servers: int, *
 
 def _install_killer(kills: dict[int, list[int]]) -> None:
     """In this (forked) rank: at the start of rollout call k, SIGKILL servers ``kills[k]`` and wait for their death."""
+    from archon.launch.servers import RolloutLauncher
     from archon.rollout.client import RolloutClient
-    from archon.rollout.launcher import RolloutLauncher
 
     launchers: list[RolloutLauncher] = []
     start = RolloutLauncher.start
@@ -182,8 +182,8 @@ def test_last_server_is_restarted_with_the_current_policy_then_the_run_stops_cle
 def test_servers_archon_did_not_start_are_dropped_and_named_when_none_is_left():
     from fake_sglang import FakeSGLang
 
+    from archon.launch.recovery import ServerSupervisor
     from archon.rollout.client import RolloutClient, RolloutError
-    from archon.rollout.recovery import ServerSupervisor
 
     servers = [FakeSGLang().start() for _ in range(2)]
     try:

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from archon.rollout.sampling import SamplingParams, sample_tokens, suppress_tokens, token_logprobs
+from archon.server.sampling import SamplingParams, sample_tokens, suppress_tokens, token_logprobs
 
 V = 50
 

@@ -3,7 +3,7 @@ endpoints and weight updates (from disk and from a gloo group).
 
 Expected tokens and logprobs always come from an independent model (loaded from the same or
 the new folder) run without KV cache, never from the server itself.  The gloo weight-update
-tests run the server as a real subprocess (``python -m archon.rollout.server``), because the
+tests run the server as a real subprocess (``python -m archon.server.app``), because the
 test process is the trainer's rank 0 of the same group.
 """
 
@@ -30,9 +30,9 @@ from safetensors.torch import load_file
 from server_utils import launch_server, wait_healthy
 
 import models
-from archon.rollout.generator import Generator
-from archon.rollout.server import RunningServer, serve_in_thread
-from archon.rollout.weight_group import (
+from archon.server.app import RunningServer, serve_in_thread
+from archon.server.generator import Generator
+from archon.wire.weight_group import (
     broadcast_tensor,
     destroy_weight_update_group,
     flatten_bucket,

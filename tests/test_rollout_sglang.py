@@ -17,10 +17,10 @@ import torch
 from fake_sglang import VOCAB, FakeSGLang, as_fake, fake_completion, fake_logits, fetch_state, sglang_sample
 
 from archon.config import ConfigError, load_config
+from archon.launch.servers import RolloutLauncher, RolloutLaunchError, build_launch_specs
 from archon.rl.trainer import policy_temperature
 from archon.rollout.client import RolloutClient, RolloutRequestError
-from archon.rollout.launcher import RolloutLauncher, RolloutLaunchError, build_launch_specs
-from archon.rollout.sampling import sample_tokens, token_logprobs
+from archon.server.sampling import sample_tokens, token_logprobs
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0.0}
 

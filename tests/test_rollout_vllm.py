@@ -21,11 +21,13 @@ from fake_vllm import FakeVLLM, InProcess, as_fake_vllm
 from safetensors.torch import save_file
 
 from archon.config import ConfigError, GenerationConfig, load_config
+from archon.config.vllm_checks import vllm_logprobs_mode
+from archon.launch.servers import RolloutLauncher, RolloutLaunchError, build_launch_specs
 from archon.rl.trainer import policy_temperature
 from archon.rollout.client import RolloutClient, RolloutError, RolloutRequestError
-from archon.rollout.launcher import RolloutLauncher, RolloutLaunchError, build_launch_specs, ranks_per_server
-from archon.rollout.vllm import VLLMAPI, vllm_logprobs_mode
+from archon.rollout.vllm import VLLMAPI
 from archon.rollout.weight_sync import DiskWeightSync, WeightSyncEngine, WeightSyncError
+from archon.wire.weight_group import ranks_per_server
 
 EOS = 7
 

@@ -18,9 +18,8 @@ from safetensors.torch import save_file
 
 import archon.rollout.weight_sync as weight_sync_module
 from archon.config import load_config
+from archon.launch.servers import LaunchSpec, RolloutLauncher, free_ports
 from archon.rollout.client import RolloutClient
-from archon.rollout.launcher import LaunchSpec, RolloutLauncher, free_ports
-from archon.rollout.weight_group import bucket_nbytes, flatten_bucket, unflatten_bucket
 from archon.rollout.weight_sync import (
     DiskWeightSync,
     DistributedWeightSync,
@@ -30,6 +29,7 @@ from archon.rollout.weight_sync import (
     weight_group_backend,
     weight_sync_for,
 )
+from archon.wire.weight_group import bucket_nbytes, flatten_bucket, unflatten_bucket
 
 if TYPE_CHECKING:
     # The test doubles duck-type it (their methods take no ``**kw``): cast at each use.

@@ -40,11 +40,11 @@ OBJECT_COLLECTIVES = {
     "send_object_list",
 }
 SERVER_FACING = {
-    "archon/rollout/weight_group.py",
-    "archon/rollout/weight_update.py",
-    "archon/rollout/server.py",
-    "archon/rollout/generator.py",
-    "archon/rollout/protocol.py",
+    "archon/wire/weight_group.py",
+    "archon/server/weight_update.py",
+    "archon/server/app.py",
+    "archon/server/generator.py",
+    "archon/server/protocol.py",
 }
 
 
@@ -134,7 +134,7 @@ def test_the_rule_catches_each_unsafe_call_and_ignores_comments_and_strings():
     for source, what in bad.items():
         found = unsafe_calls(source)
         assert any(what in p for p in found), (source, found)
-    assert any("unpickles" in p for p in unsafe_calls("dist.broadcast_object_list(x)", "archon/rollout/server.py"))
+    assert any("unpickles" in p for p in unsafe_calls("dist.broadcast_object_list(x)", "archon/server/app.py"))
     fine = """
 import pickle
 import torch
@@ -180,7 +180,7 @@ def _plant_and_load(model: str, folder: str, where: str) -> str:
     import torch.distributed.checkpoint as dcp
     from engine_utils import engine_config
 
-    from archon.engine.checkpoint import CheckpointError, dcp_state_dict
+    from archon.checkpoint.dcp import CheckpointError, dcp_state_dict
     from archon.engine.engine import ArchonEngine
 
     engine = ArchonEngine(engine_config(model, "archon:d1"), total_steps=2).initialize()
@@ -254,7 +254,7 @@ def _listeners(port: int) -> list[str]:
 
 
 def test_weight_update_group_store_listens_on_the_given_address_only():
-    from archon.rollout.weight_group import destroy_weight_update_group, init_weight_update_group
+    from archon.wire.weight_group import destroy_weight_update_group, init_weight_update_group
 
     port = find_free_port()
     pg = init_weight_update_group("127.0.0.1", port, 0, 1, "security_probe", "gloo", timeout_s=60)

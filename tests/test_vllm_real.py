@@ -30,10 +30,10 @@ from hf_fixtures import make_tiny_tokenizer, save_tiny_hf
 from real_vllm import vllm_python
 
 from archon.config import Config, load_config
+from archon.launch.servers import RolloutLauncher, build_launch_specs
 from archon.rl.rollout_batch import Completion, build_rollout_batch
 from archon.rl.weight_check import FLOAT32_TOL, ServerWeightCheck, WeightCheckError
 from archon.rollout.client import RolloutClient
-from archon.rollout.launcher import RolloutLauncher, build_launch_specs
 from archon.rollout.vllm import VLLMAPI
 from archon.rollout.weight_sync import DiskWeightSync
 
@@ -297,7 +297,9 @@ def _demo_run(out: Path, assets: Path, *extra: str, timeout: int = 1200) -> list
 
 
 def test_the_rl_demo_learns_with_vllm_as_with_the_built_in_server(vllm_py, tmp_path):
-    subprocess.run([sys.executable, "-m", "archon.demo", "make-assets", str(tmp_path / "assets")], check=True)
+    subprocess.run(
+        [sys.executable, "-m", "archon.demos.first_letter", "make-assets", str(tmp_path / "assets")], check=True
+    )
     vllm = _demo_run(
         tmp_path / "vllm",
         tmp_path / "assets",

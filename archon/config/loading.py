@@ -29,6 +29,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 from archon.alloc import AllocationError, ModelAllocation, megatron_refusal
 from archon.config.ranges import check_ranges
 from archon.config.schema import INHERITED_ENGINE_FIELDS, Config, ConfigError, default_norms
+from archon.config.vllm_checks import check_vllm_config
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -464,6 +465,4 @@ def _check_rollout_backend(cfg: Config, rollout: ModelAllocation) -> None:
             "SGLang's seeded sampler; set gconfig.min_p = 0 or turn deterministic inference off"
         )
     if rollout.backend == "vllm":
-        from archon.rollout.vllm import check_vllm_config
-
         check_vllm_config(cfg)

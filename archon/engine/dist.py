@@ -12,7 +12,7 @@ The GPU rule (one for every launcher).  The cluster plan (``archon.plan``) gives
    names differently (Ray gives each bundle its own GPU);
 4. entry ``g`` of a longer list that does not name ``g``: the job's GPUs renumbered from 0 (a
    container or a job holding part of a node, ``CUDA_VISIBLE_DEVICES=4,5,6,7``), as the rollout
-   servers' GPUs are mapped (``archon.rollout.launcher.visible_devices``);
+   servers' GPUs are mapped (``archon.launch.servers.visible_devices``);
 5. otherwise an error that names the rank, ``g`` and the list.
 
 Without a plan (an engine used on its own under torchrun) the rank uses visible device

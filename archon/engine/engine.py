@@ -29,9 +29,9 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
 from archon.alloc import ModelAllocation
+from archon.checkpoint.dcp import load_checkpoint, save_checkpoint
+from archon.checkpoint.state import TrainState, engine_states
 from archon.config import ConfigError, TrainEngineConfig
-from archon.drill import drill_point
-from archon.engine.checkpoint import load_checkpoint, save_checkpoint
 from archon.engine.dist import current_device, init_distributed, resolve_device_type
 from archon.engine.microbatch import (
     ROUTED_EXPERTS,
@@ -47,7 +47,6 @@ from archon.engine.microbatch import (
 )
 from archon.engine.optimizer import build_lr_scheduler, build_optimizer
 from archon.engine.options import parallelize_options, parameter_device, pipeline_options
-from archon.engine.state import TrainState, engine_states
 from archon.engine.step_loss import (
     LossFn,
     LossWeightFn,
@@ -60,6 +59,7 @@ from archon.engine.token_outputs import CollectedRows, loss_positions, output_ke
 from archon.engine.torch_floor import check_torch_version
 from archon.engine.weights import hf_full_tensors, init_from_seed, init_unloaded, load_hf_config, write_hf_folder
 from archon.errors import ArchonError
+from archon.runtime.drill import drill_point
 from parallel.context_parallel import shard_sequence
 from parallel.dims import ParallelDims
 from parallel.dtypes import to_dtype

@@ -27,8 +27,8 @@ from archon.engine import ArchonEngine
 from archon.gpu_check import tiny
 from archon.gpu_check.environment import package_version
 from archon.gpu_check.table import Context, Outcome, judge, skip
+from archon.launch.servers import RolloutLauncher
 from archon.rollout.client import RolloutClient
-from archon.rollout.launcher import RolloutLauncher
 from archon.rollout.weight_sync import weight_sync_for
 
 NEW_TOKENS = 5

@@ -12,7 +12,10 @@ server and training rank gets, and the cluster's own scheduler places them.
   (``archon.launch.ray_cluster``).
 * ``python -m archon.launch serve-node`` and ``prepare``: what those launchers run on the
   nodes (``archon.launch.serve``): a node's rollout servers, published for the trainer
-  (``archon.rollout.discovery``), and a Slurm job's shared run directory.
+  (``archon.launch.discovery``), and a Slurm job's shared run directory.
 
-``launch`` may import everything in ``archon``; nothing imports ``launch``.
+Rollout servers on one node: ``servers`` (start, watch and stop them; ``RolloutLauncher``),
+``server_commands`` (their command lines), ``discovery`` (servers another node published) and
+``recovery`` (servers that die during a run).  The trainer uses those four; the cluster entry
+points (``cli``, ``slurm``, ``ray_cluster``, ``serve``) are imported by nothing else.
 """

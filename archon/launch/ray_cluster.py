@@ -11,7 +11,7 @@ Ray does the placing; Archon only asks for what the plan says:
 
    * a rollout server: ``python -m archon.launch serve-node --node n --server i`` (the node's
      address and the GPU ids passed along), which publishes its address in the launch's
-     ``ServerDirectory`` actor once healthy (``archon.rollout.discovery``);
+     ``ServerDirectory`` actor once healthy (``archon.launch.discovery``);
    * a training rank: ``scripts/train_rl.py`` with the variables torchrun would give it
      (``MASTER_ADDR``/``MASTER_PORT`` on rank 0's node, ``RANK``, ``WORLD_SIZE``,
      ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``), the ranks numbered as in the plan.
@@ -51,9 +51,9 @@ from typing import Any
 from archon.config import Config
 from archon.errors import ClusterError
 from archon.launch.common import LaunchError, entry_point, run_args
+from archon.launch.discovery import DIRECTORY_NAME, LAUNCH_ID_ENV, REGISTRY_ENV, ServerDirectory
 from archon.plan import ClusterPlan, Job, Process
-from archon.rollout.auth import API_KEY_ENV, generate_api_key
-from archon.rollout.discovery import DIRECTORY_NAME, LAUNCH_ID_ENV, REGISTRY_ENV, ServerDirectory
+from archon.wire.auth import API_KEY_ENV, generate_api_key
 
 logger = logging.getLogger("archon.launch")
 
@@ -99,7 +99,7 @@ class ProcessSlot:
         self, name: str, argv: list[str], env: dict[str, str], cwd: str, log_path: str, echo: bool
     ) -> dict[str, Any]:
         """Start ``argv`` (``python`` is this node's interpreter) in its own session; what it got."""
-        from archon.rollout.launcher import _die_with_parent
+        from archon.launch.servers import die_with_parent
 
         argv = [sys.executable if i == 0 and a == "python" else a for i, a in enumerate(argv)]
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
@@ -113,7 +113,7 @@ class ProcessSlot:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         threading.Thread(target=self._copy_output, args=(name, log_path, echo), daemon=True).start()
         return {"pid": self._proc.pid, "CUDA_VISIBLE_DEVICES": self._environ().get("CUDA_VISIBLE_DEVICES")}

@@ -8,7 +8,7 @@ API key to ``<run_dir>/rollout/api_key`` (owner-only), both on the shared filesy
 ``python -m archon.launch serve-node --config x.toml --node N [--server I] [overrides]``
 starts the rollout servers the plan puts on node N (``build_launch_specs(cfg, node=N)``,
 each with ``CUDA_VISIBLE_DEVICES`` = its GPUs), waits until they answer ``/health``,
-publishes their addresses (``archon.rollout.discovery``) and stays up, watching them, until
+publishes their addresses (``archon.launch.discovery``) and stays up, watching them, until
 it is stopped (SIGTERM or SIGINT), which stops its servers.  A server that fails to start is
 published as failed, with the last lines of its log, so the trainer stops at once with the
 reason; a server that dies later is reported the same way in this process's log, and the
@@ -26,8 +26,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from archon.config import Config, ConfigError
-from archon.rollout.auth import generate_api_key, write_api_key
-from archon.rollout.discovery import (
+from archon.launch.discovery import (
     LAUNCH_ID_ENV,
     REGISTRY_ENV,
     FileRegistry,
@@ -35,7 +34,8 @@ from archon.rollout.discovery import (
     registry_from_env,
     run_api_key,
 )
-from archon.rollout.launcher import RolloutLauncher, RolloutLaunchError, build_launch_specs
+from archon.launch.servers import RolloutLauncher, RolloutLaunchError, build_launch_specs
+from archon.wire.auth import generate_api_key, write_api_key
 
 logger = logging.getLogger("archon.launch")
 

@@ -35,8 +35,8 @@ from pathlib import Path
 from archon.config import Config
 from archon.errors import ClusterError
 from archon.launch.common import describe_gpus, entry_point, python_executable, run_args
+from archon.launch.discovery import LAUNCH_ID_ENV, REGISTRY_ENV
 from archon.plan import ClusterPlan, Job
-from archon.rollout.discovery import LAUNCH_ID_ENV, REGISTRY_ENV
 
 DEFAULT_RDZV_PORT = 29500
 STOP_GRACE_S = 60
@@ -248,7 +248,7 @@ def _display(tokens: Sequence[str]) -> str:
 
 def dry_run_text(job: SlurmJob, cfg: Config) -> str:
     """Each node's commands and environment, as the script would run them."""
-    from archon.rollout.launcher import build_launch_specs
+    from archon.launch.servers import build_launch_specs
 
     plan = job.plan
     out = [

@@ -37,7 +37,7 @@ class MismatchMonitor:
         self.warned = False
 
     def bounds(self) -> dict[str, float]:
-        """The bounds that are on, as metrics (``python -m archon.plot`` draws them beside the mismatch)."""
+        """The bounds that are on, as metrics (``python -m archon.tools.plot`` draws them beside the mismatch)."""
         out = {}
         if self.warn:
             out["mismatch/warn_bound"] = self.warn

@@ -1,4 +1,4 @@
-"""Keeping an RL run going when rollout servers die: the trainer's side of ``archon.rollout.recovery``.
+"""Keeping an RL run going when rollout servers die: the trainer's side of ``archon.launch.recovery``.
 
 Rank 0 owns the client, the launcher and the ``ServerSupervisor``; every rank takes part in
 the weight sync.  So recovery is collective: rank 0 restarts or drops the lost servers and

@@ -21,9 +21,7 @@ import torch.distributed as dist
 
 from archon.config import Config, ConfigError
 from archon.data.rl_dataset import COMPLETION_IDS
-from archon.drill import drill_point
 from archon.engine import ArchonEngine, build_engine
-from archon.gc_freeze import freeze_startup_objects, thaw_startup_objects
 from archon.rl.actor import PPOActor, ReferenceModel
 from archon.rl.advantages import check_advantage_options, compute_advantages
 from archon.rl.critic import PPOCritic
@@ -36,13 +34,15 @@ from archon.rl.rank0 import RankZeroError, run_on_rank0  # noqa: F401 - RankZero
 from archon.rl.rollout_batch import FRESH_MASK, Completion, build_rollout_batch, routed_experts_array
 from archon.rl.server_recovery import generate_or_recover, recover_servers, sync_with_recovery
 from archon.rl.weight_check import ServerWeightCheck, default_tolerance, weight_check_freq
+from archon.runtime.drill import drill_point
+from archon.runtime.gc_freeze import freeze_startup_objects, thaw_startup_objects
 
 if TYPE_CHECKING:
+    from archon.launch.discovery import PublishedServers
+    from archon.launch.recovery import ServerSupervisor
+    from archon.launch.servers import RolloutLauncher
     from archon.rl.rewards import RewardComputer
     from archon.rollout.client import RolloutClient
-    from archon.rollout.discovery import PublishedServers
-    from archon.rollout.launcher import RolloutLauncher
-    from archon.rollout.recovery import ServerSupervisor
     from archon.rollout.weight_sync import WeightSync
 
 logger = logging.getLogger("archon.rl")
@@ -170,9 +170,9 @@ class RLTrainer:
 
     def _build_rollout(self) -> None:
         """Rank 0 gets the servers (``server_source``: launched, published, given); every rank joins the weight sync."""
+        from archon.launch.discovery import server_source
+        from archon.launch.recovery import ServerSupervisor
         from archon.rollout.client import RolloutClient
-        from archon.rollout.discovery import server_source
-        from archon.rollout.recovery import ServerSupervisor
         from archon.rollout.weight_sync import server_dtype, weight_sync_for
 
         cfg = self.cfg
@@ -425,8 +425,8 @@ class RLTrainer:
     def setup(self) -> int:
         """Build data, engines, rollout servers, rewards and the weight sync; resume from the
         latest complete checkpoint.  Returns the first RL step to run; ``close()`` releases everything."""
+        from archon.checkpoint.manager import CheckpointManager
         from archon.cli import init_run
-        from archon.engine.checkpoint_manager import CheckpointManager
 
         cfg = self.cfg
         init_run(cfg, "rl")

@@ -13,7 +13,7 @@ has not failed on yet; a 4xx is the caller's mistake and is raised at once with 
 server's message.  A server that refuses connections, or fails ``down_after`` times in a
 row, is marked down: it would miss weight updates, so it never silently comes back with
 stale weights; only ``revive(url)`` takes it back, once the caller restarted it and is about
-to give it the current weights (``archon.rollout.recovery``).
+to give it the current weights (``archon.launch.recovery``).
 
 Control calls (pause, flush, weight updates) fan out to every server that is up, and any
 server that fails or answers ``success: false`` is an error that names it.
@@ -44,21 +44,22 @@ import aiohttp
 from archon.alloc import ModelAllocation
 from archon.config import ConfigError, RolloutConfig
 from archon.rollout import json_codec
-from archon.rollout.auth import api_key_from_env, auth_headers
 from archon.rollout.batching import RequestBatcher
 from archon.rollout.control import ServerControl, ServerState, ServerStateFailure, cancel_on_first_error  # noqa: F401 - ServerStateFailure is public here too
 from archon.rollout.generate_requests import GenerateRequests
 from archon.rollout.server_api import (  # noqa: F401 - errors, results and helpers are public here too
     HEALTH_PROBE_TIMEOUT_S,
+    BuiltinServerAPI,
     Call,
     GenerateResult,
     RolloutError,
     RolloutRequestError,
     ServerAPI,
-    api_for_backend,
     error_message,
     normalize_addr,
 )
+from archon.rollout.vllm import VLLMAPI
+from archon.wire.auth import api_key_from_env, auth_headers
 
 logger = logging.getLogger("archon.rollout.client")
 
@@ -66,6 +67,15 @@ T = TypeVar("T")
 
 _MAX_BACKOFF_S = 30.0
 _KEEPALIVE_S = 2.0
+
+
+def api_for_backend(backend: str) -> ServerAPI:
+    """The ServerAPI of an inference backend of the allocation grammar (sglang, vllm, local)."""
+    if backend == "vllm":
+        return VLLMAPI()
+    if backend == "local":
+        return BuiltinServerAPI()
+    return ServerAPI()
 
 
 class RolloutClient(GenerateRequests, ServerControl):

@@ -260,14 +260,3 @@ class BuiltinServerAPI(ServerAPI):
 
     batch_generate = True
     priority_field = True
-
-
-def api_for_backend(backend: str) -> ServerAPI:
-    """The ServerAPI of an inference backend of the allocation grammar (sglang, vllm, local)."""
-    if backend == "vllm":
-        from archon.rollout.vllm import VLLMAPI
-
-        return VLLMAPI()
-    if backend == "local":
-        return BuiltinServerAPI()
-    return ServerAPI()

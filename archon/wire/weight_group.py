@@ -25,6 +25,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import GroupName, PrefixStore, _new_process_group_helper, _world
 
+from archon.alloc import ModelAllocation
+
+
+def ranks_per_server(rollout: ModelAllocation) -> int:
+    """Processes one server contributes to a weight-update group (SGLang: its tp size; built-in: 1)."""
+    return rollout.parallel.tp_size * rollout.parallel.pp_size if rollout.backend != "local" else 1
+
 
 def init_weight_update_group(
     master_address: str,

@@ -1,8 +1,8 @@
 """Requests, results and the per-request state of the built-in server's generation engine.
 
 ``GenerationRequest`` and ``GenerationResult`` are the engine's public contract (the HTTP layer
-in ``archon.rollout.protocol`` translates SGLang's JSON to and from them); ``ActiveSequence`` is
-what the engine (``archon.rollout.generator``) keeps for each request it serves.
+in ``archon.server.protocol`` translates SGLang's JSON to and from them); ``ActiveSequence`` is
+what the engine (``archon.server.generator``) keeps for each request it serves.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from archon.rollout.sampling import SamplingParams
+from archon.server.sampling import SamplingParams
 
 # ---- requests and results -----------------------------------------------------------------
 

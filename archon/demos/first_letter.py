@@ -6,7 +6,7 @@ The task, "first letter": a prompt is six distinct letters from ``a``-``j`` and 
 up from reward alone in a few dozen GRPO steps; before that a randomly initialised model
 answers with a roughly uniform token, so the reward starts near chance (about 1/14).
 
-    python -m archon.demo make-assets outputs/demo/assets
+    python -m archon.demos.first_letter make-assets outputs/demo/assets
 
 writes everything the demo needs without downloading anything:
 
@@ -283,7 +283,9 @@ def make_assets(out_dir: str | Path, task: DemoTask = DemoTask(), spec: TinyQwen
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m archon.demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m archon.demos.first_letter",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True)
     make = sub.add_parser("make-assets", help="write the demo's tokenizer, tiny model and data into OUT_DIR")

@@ -7,8 +7,8 @@ import textwrap
 from pathlib import Path
 
 from models.model_args import RefusedSetting
-from models.scaffold.analysis import Analysis
-from models.scaffold.probe import Point
+from scaffold.analysis import Analysis
+from scaffold.probe import Point
 
 ON_EXAMPLES = {
     "sliding_window": 8,
@@ -260,8 +260,8 @@ from __future__ import annotations
 
 import pytest
 
-from models.scaffold.parity import ParityCase
-{"from models.scaffold.probe import Point" + chr(10) if a.points else ""}
+from scaffold.parity import ParityCase
+{"from scaffold.probe import Point" + chr(10) if a.points else ""}
 MODEL_TYPE = "{a.source.model_type}"
 TINY_CONFIG = {_py(a.tiny_kwargs)}
 """transformers config of the probe checkpoint: small sizes, settings the package refuses switched off."""

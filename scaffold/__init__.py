@@ -1,6 +1,6 @@
 """``scripts/add_model.py``'s logic: read an architecture from transformers, write an Archon model package.
 
-    from models.scaffold import scaffold_model
+    from scaffold import scaffold_model
     result = scaffold_model("llama")       # or an HF folder; writes models/llama/ and its parity test
     print(result.report)
 
@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from models.scaffold.source import ScaffoldError
+from scaffold.source import ScaffoldError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -48,9 +48,9 @@ def scaffold_model(
     ``models_dir`` other than ``models/`` must be on ``$ARCHON_MODELS_PATH`` for other processes.
     """
     from models import get_model_spec, import_model_packages, supported_model_types
-    from models.scaffold.analysis import analyze
-    from models.scaffold.render import render_package, render_test, report_lines, write_files
-    from models.scaffold.source import resolve_source
+    from scaffold.analysis import analyze
+    from scaffold.render import render_package, render_test, report_lines, write_files
+    from scaffold.source import resolve_source
 
     models_dir = Path(models_dir) if models_dir is not None else REPO / "models"
     tests_dir = Path(tests_dir) if tests_dir is not None else REPO / "tests" / "models"

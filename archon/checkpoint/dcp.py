@@ -1,6 +1,6 @@
 """One engine's resumable state with torch.distributed.checkpoint (DCP), read without running code.
 
-The checkpoint code works on a dict of ``Stateful`` parts (``archon.engine.state``: the
+The checkpoint code works on a dict of ``Stateful`` parts (``archon.checkpoint.state``: the
 model, the optimizer, the LR scheduler and the train state), never on the engine itself.
 Model and optimizer tensors are saved as DTensors under their plain parameter names, so DCP
 can load them under a different allocation (saved with ``archon:d2t2``, resumed with
@@ -14,7 +14,7 @@ pickle that DCP writes) is read with an unpickler that only builds DCP's own met
 classes, and a checkpoint whose index describes a non-tensor item is refused instead of
 being handed to ``torch.load(weights_only=False)``.  So a file planted in a checkpoint folder
 cannot run code on resume.  Folders, completeness and fallbacks are the business of
-``archon.engine.checkpoint_manager``.
+``archon.checkpoint.manager``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.stateful import Stateful
 
-from archon.engine.state import LR_SCHEDULER, MODEL, OPTIMIZER, TRAIN_STATE
+from archon.checkpoint.state import LR_SCHEDULER, MODEL, OPTIMIZER, TRAIN_STATE
 from archon.errors import ArchonError, JobError
 
 ENGINE_STATE = "engine_state.json"

@@ -3,18 +3,18 @@
 SGLang does not run on CPU; this server does, and speaks the same protocol, so one rollout
 client drives either (inference backend ``local``)::
 
-    python -m archon.rollout.server --model-path /path/to/hf_folder --host 127.0.0.1 --port 30000
+    python -m archon.server.app --model-path /path/to/hf_folder --host 127.0.0.1 --port 30000
 
 Endpoints: ``/generate``, ``/health``, ``/health_generate``, ``/get_model_info``,
 ``/get_server_info``, ``/flush_cache``, ``/pause_generation``, ``/continue_generation``,
 ``/abort_request``, ``/update_weights_from_disk``, ``/init_weights_update_group``,
 ``/update_weights_from_distributed``, ``/destroy_weights_update_group``.  Generation runs in
-the ``Generator`` thread (see ``archon.rollout.generator`` for the exact semantics of pause,
+the ``Generator`` thread (see ``archon.server.generator`` for the exact semantics of pause,
 abort and weight updates); handlers only parse, enqueue and await, so the event loop stays
 free.  ``serve_in_thread`` runs the whole server inside the calling process (tests, notebooks).
 
 It listens on 127.0.0.1 unless told otherwise, and refuses to listen anywhere else without an
-API key (``ARCHON_API_KEY`` or ``--api-key``; see ``archon.rollout.auth``).  A bad request gets
+API key (``ARCHON_API_KEY`` or ``--api-key``; see ``archon.wire.auth``).  A bad request gets
 one sentence in SGLang's error shape: 400 for a bad body, 401 without the key, 404/405 for an
 unknown endpoint or method, 413 for a body over ``--max-request-mb``.
 """
@@ -37,15 +37,15 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from archon.gc_freeze import freeze_startup_objects
 from archon.plan.cpu_cores import parse_core_list, pin_process
-from archon.rollout import protocol
-from archon.rollout.auth import APIKeyMiddleware, api_key_from_env, check_bind
-from archon.rollout.generator import PAUSE_MODES, GenerationRequest, Generator
-from archon.rollout.http_limits import BodyLimitMiddleware, add_error_handlers
-from archon.rollout.protocol import ProtocolError
-from archon.rollout.sampling import SamplingParams
-from archon.rollout.weight_group import destroy_weight_update_group, init_weight_update_group
+from archon.runtime.gc_freeze import freeze_startup_objects
+from archon.server import protocol
+from archon.server.generator import PAUSE_MODES, GenerationRequest, Generator
+from archon.server.http_limits import BodyLimitMiddleware, add_error_handlers
+from archon.server.protocol import ProtocolError
+from archon.server.sampling import SamplingParams
+from archon.wire.auth import APIKeyMiddleware, api_key_from_env, check_bind
+from archon.wire.weight_group import destroy_weight_update_group, init_weight_update_group
 from parallel.dtypes import DTYPE_NAMES, to_dtype
 
 logger = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
     """``ServerArgs`` from the command line."""
     from archon.config import field_docs
 
-    p = argparse.ArgumentParser(prog="python -m archon.rollout.server", description=(__doc__ or "").split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m archon.server.app", description=(__doc__ or "").split("\n\n")[0])
     docs = field_docs(ServerArgs)
     defaults = ServerArgs(model_path="")
 
@@ -433,21 +433,21 @@ def serve_in_thread(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Entry point of ``python -m archon.rollout.server``."""
+    """Entry point of ``python -m archon.server.app``."""
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args.api_key = args.api_key or api_key_from_env()
     try:
         check_bind(args.host, args.api_key)
     except ValueError as e:
-        raise SystemExit(f"archon.rollout.server: {e}") from None
+        raise SystemExit(f"archon.server.app: {e}") from None
     try:
         if args.cpu_cores:
             # Before the generation thread starts: it inherits them.
             pin_process(parse_core_list(args.cpu_cores), "the rollout server")
         generator = build_generator(args)
     except ValueError as e:  # a bad folder, config or option: one line, not a traceback
-        raise SystemExit(f"archon.rollout.server: cannot serve {args.model_path}: {e}") from None
+        raise SystemExit(f"archon.server.app: cannot serve {args.model_path}: {e}") from None
     state = RolloutServer(generator, args)
     freeze_startup_objects()
     try:

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from models.model_args import HFConfigError, allow_unimplemented
-from models.scaffold import probe
-from models.scaffold.analysis import perturb_
+from scaffold import probe
+from scaffold.analysis import perturb_
 
 
 class ParityCase:

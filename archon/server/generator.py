@@ -6,7 +6,7 @@ Between two decode steps the engine thread admits queued requests (one batched, 
 prefill), then runs one decode forward over every running row, samples, and retires the rows
 that finished; the KV cache (``kv_cache.BatchedKVCache``) keeps one row per running request.
 
-Logprobs follow the contract in ``archon.rollout.sampling``: ``log_softmax(logits / T)`` of
+Logprobs follow the contract in ``archon.server.sampling``: ``log_softmax(logits / T)`` of
 the sampled token, in float32, from the raw logits (before stop-token suppression and before
 top-k / top-p / min-p), with T = 1 for greedy requests (temperature 0, or top_k = 1 as in SGLang).
 A stop token (EOS or ``stop_token_ids``) finishes a request with reason ``stop`` even when it
@@ -47,7 +47,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import models
-from archon.rollout.generation_types import (  # noqa: F401 - GenerationResult is public here
+from archon.server.generation_types import (  # noqa: F401 - GenerationResult is public here
     PAUSE_MODES,
     ActiveSequence,
     ExclusiveOp,
@@ -57,9 +57,9 @@ from archon.rollout.generation_types import (  # noqa: F401 - GenerationResult i
     keep_routing,
     resolve_future,
 )
-from archon.rollout.kv_cache import BatchedKVCache
-from archon.rollout.sampling import sample_tokens, suppress_tokens, token_logprobs
-from archon.rollout.weight_update import load_weights_from_disk, read_eos_token_ids, receive_weights
+from archon.server.kv_cache import BatchedKVCache
+from archon.server.sampling import sample_tokens, suppress_tokens, token_logprobs
+from archon.server.weight_update import load_weights_from_disk, read_eos_token_ids, receive_weights
 from models.common.inference import InferenceForward
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""Training curves of a run: ``python -m archon.plot OUTPUT_DIR [--out file.png]``.
+"""Training curves of a run: ``python -m archon.tools.plot OUTPUT_DIR [--out file.png]``.
 
 Reads ``OUTPUT_DIR/metrics.jsonl`` (one JSON object per step, as RL and SFT runs write it)
 and draws one panel per group of metrics it finds: reward (mean with a +-std band), response
@@ -268,7 +268,7 @@ def plot_run(run: str | Path, out: str | Path | None = None) -> tuple[Path, list
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m archon.plot", description="Plot the training curves of a run's metrics.jsonl."
+        prog="python -m archon.tools.plot", description="Plot the training curves of a run's metrics.jsonl."
     )
     parser.add_argument("output_dir", metavar="OUTPUT_DIR", help="run directory holding metrics.jsonl")
     parser.add_argument("--out", help=f"image file to write (default: OUTPUT_DIR/{DEFAULT_IMAGE})")

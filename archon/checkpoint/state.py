@@ -1,6 +1,6 @@
 """The parts of an engine a checkpoint holds, each a ``Stateful`` (``state_dict`` / ``load_state_dict``).
 
-An engine hands ``archon.engine.checkpoint`` a dict of these (``model``, ``optimizer``,
+An engine hands ``archon.checkpoint.dcp`` a dict of these (``model``, ``optimizer``,
 ``lr_scheduler``, ``train_state``), as torchtitan's ``CheckpointManager`` gets its states;
 the checkpoint code never looks at the engine itself.  The model's state includes its
 persistent buffers, so the MoE routing bias (``expert_bias``, which aux-free load balancing

@@ -4,7 +4,7 @@
 environment per server: ``sglang:dNtM`` gives N ``python -m sglang.launch_server`` processes of
 M GPUs each, ``vllm:dNtMpK`` N ``vllm serve`` processes of M*K GPUs each (``archon.rollout.vllm``),
 with ``CUDA_VISIBLE_DEVICES`` = the GPUs the cluster plan (``archon.plan``) gives each server;
-``local:dN`` gives N built-in CPU servers (``python -m archon.rollout.server``).
+``local:dN`` gives N built-in CPU servers (``python -m archon.server.app``).
 The ``[sglang]`` options only shape a server's internals (DP attention, expert parallel, ...);
 they never change how many GPUs a server gets, so they are checked against its tp size.
 A context length is passed only when the user sets one (``sglang.context_length``,
@@ -21,11 +21,11 @@ cluster launcher starts there).  Without ``node`` the trainer launches them itse
 of training rank 0; a server the plan puts on another node is then an error asking for a
 cluster launcher or ``rollout.server_addrs``.
 
-Every launched server gets the run's API key (``archon.rollout.auth``): the built-in one in
+Every launched server gets the run's API key (``archon.wire.auth``): the built-in one in
 its environment, SGLang as ``--api-key`` (redacted in the log), vLLM as ``VLLM_API_KEY``;
 ``RolloutLauncher.api_key`` hands it to the client, and ``<run_dir>/rollout/api_key`` holds it
 while the servers run (a cluster launcher writes that file once for the whole run, and its
-serve-node steps pass ``write_key_file=False``; ``archon.rollout.discovery``).
+serve-node steps pass ``write_key_file=False``; ``archon.launch.discovery``).
 """
 
 from __future__ import annotations
@@ -50,16 +50,24 @@ from typing import Any
 
 from archon.alloc import AllocationError, ModelAllocation
 from archon.config import Config, ConfigError
+from archon.config.vllm_checks import check_vllm_config
 from archon.errors import ArchonError
+from archon.launch.server_commands import (
+    check_sglang_options,
+    local_command,
+    resolve_context_length,
+    sglang_command,
+    vllm_command,
+    vllm_env,
+    vllm_model_view,
+)
 from archon.plan import ClusterPlan, Process, plan_for_config
 from archon.plan.cpu_cores import share_of_slots
-from archon.rollout.auth import API_KEY_ENV, generate_api_key, write_api_key
 from archon.rollout.server_api import HEALTH_PROBE_TIMEOUT_S
-from archon.rollout.server_commands import check_sglang_options, local_command, resolve_context_length, sglang_command
 from archon.rollout.tied_embeddings import untied_view
-from archon.rollout.vllm import check_vllm_config, vllm_command, vllm_env, vllm_model_view
+from archon.wire.auth import API_KEY_ENV, generate_api_key, write_api_key
 
-logger = logging.getLogger("archon.rollout.launcher")
+logger = logging.getLogger("archon.launch.servers")
 
 _LOG_TAIL_LINES = 40
 _PORT_CLASH_RETRIES = 3
@@ -157,11 +165,6 @@ def visible_devices(gpus: Sequence[int], who: str, inherited: str | None = None)
             "the job the GPUs the plan needs (`python -m archon.plan` shows the layout)"
         )
     return ",".join(listed[g] for g in gpus)
-
-
-def ranks_per_server(rollout: ModelAllocation) -> int:
-    """Processes one server contributes to a weight-update group (SGLang: its tp size; built-in: 1)."""
-    return rollout.parallel.tp_size * rollout.parallel.pp_size if rollout.backend != "local" else 1
 
 
 def _server_model_path(cfg: Config, backend: str) -> str:
@@ -314,7 +317,7 @@ class _Running:
     log: Any = field(repr=False)
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child before exec: get SIGTERM when the launching thread dies, even by SIGKILL.
 
     atexit and signal handlers cannot run when the trainer is killed hard (OOM killer,
@@ -451,7 +454,7 @@ class RolloutLauncher:
                 stdin=subprocess.DEVNULL,
                 env=env,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
         except OSError as exc:
             log.close()

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import models
-from archon.rollout.weight_group import broadcast_tensor, bucket_nbytes, unflatten_bucket
+from archon.wire.weight_group import broadcast_tensor, bucket_nbytes, unflatten_bucket
 from models.state_dict_adapter import UnknownKeyError
 
 

@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from archon.rollout.auth import ASGIApp, Receive, Scope, Send
+from archon.wire.auth import ASGIApp, Receive, Scope, Send
 
 
 def _error_response(message: str, status: int) -> JSONResponse:

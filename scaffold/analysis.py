@@ -22,9 +22,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from models.model_args import RefusedSetting, allow_unimplemented
-from models.scaffold import probe
-from models.scaffold.probe import Point, same
-from models.scaffold.source import ScaffoldError, Source, make_tiny_config, refused_settings_of, tiny_config_kwargs
+from scaffold import probe
+from scaffold.probe import Point, same
+from scaffold.source import ScaffoldError, Source, make_tiny_config, refused_settings_of, tiny_config_kwargs
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

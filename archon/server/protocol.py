@@ -20,9 +20,9 @@ from typing import Any
 import torch
 
 from archon.errors import ArchonError
-from archon.rollout.generator import GenerationRequest, GenerationResult
-from archon.rollout.sampling import SamplingParams
-from archon.rollout.weight_group import FLATTENED_BUCKET
+from archon.server.generator import GenerationRequest, GenerationResult
+from archon.server.sampling import SamplingParams
+from archon.wire.weight_group import FLATTENED_BUCKET
 
 DEFAULT_GROUP_NAME = "weight_update_group"
 

@@ -40,12 +40,12 @@ from typing import Any
 from archon.alloc import AllocationError
 from archon.config import Config, ConfigError
 from archon.errors import ClusterError
+from archon.launch.servers import RolloutLauncher, RolloutLaunchError
 from archon.plan import Process, plan_for_config
-from archon.rollout.auth import read_api_key
 from archon.rollout.client import normalize_addr
-from archon.rollout.launcher import RolloutLauncher, RolloutLaunchError
+from archon.wire.auth import read_api_key
 
-logger = logging.getLogger("archon.rollout.discovery")
+logger = logging.getLogger("archon.launch.discovery")
 
 REGISTRY_ENV = "ARCHON_SERVER_REGISTRY"
 """Where serve-node publishes and the trainer finds servers: ``file:<folder>`` or ``ray:<namespace>``."""

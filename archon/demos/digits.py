@@ -6,13 +6,13 @@ randomly initialised model answers with random characters and rarely stops in th
 GRPO teaches it from reward alone, every digit and the stop.  Each rollout is several decoding
 steps, so generation costs about as much as training and asynchronous RL
 (``rollout.max_head_offpolicyness``) has something to overlap; the one-token demo
-(``archon.demo``) has not.
+(``archon.demos.first_letter``) has not.
 
 Why not arithmetic: multi-digit sums (two digits, no carries) and increments (``"472+1="``) were
 tried first; from a random 2-layer model they stayed below 0.55 of the reward after 100-150
 steps, where this task reaches 0.9 in about 70 (``README.md``, asynchronous RL).
 
-    python -m archon.demo_digits make-assets outputs/demo_digits/assets
+    python -m archon.demos.digits make-assets outputs/demo_digits/assets
 
 writes, without downloading anything:
 
@@ -36,12 +36,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from archon.demo import EOS_TOKEN, PAD_TOKEN, UNK_TOKEN, TinyQwen3, build_model, write_jsonl
+from archon.demos.first_letter import EOS_TOKEN, PAD_TOKEN, UNK_TOKEN, TinyQwen3, build_model, write_jsonl
 
 SEPARATOR = "="
 CHARACTERS = "0123456789+="
 """Every non-special token: one per character."""
-REWARD_FN = "archon.demo_digits:digits_reward"
+REWARD_FN = "archon.demos.digits:digits_reward"
 """The reward the demo config uses."""
 
 
@@ -163,7 +163,7 @@ def make_assets(out_dir: str | Path, task: DigitsTask = DigitsTask(), spec: Tiny
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m archon.demo_digits", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m archon.demos.digits", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True)
     make = sub.add_parser("make-assets", help="write the demo's tokenizer, tiny model and data into OUT_DIR")

@@ -1,0 +1,1 @@
+"""Tools a user runs on a run's outputs: ``python -m archon.tools.plot OUTPUT_DIR``."""

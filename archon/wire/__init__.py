@@ -1,0 +1,6 @@
+"""What the trainer side (``archon.rollout``) and the built-in server (``archon.server``) share.
+
+``auth``: the shared secret of SGLang's ``--api-key`` scheme; ``weight_group``: the extra
+process group the trainer's rank 0 and every server process join for weight broadcasts.
+Both sides import this package and nothing of each other.
+"""
