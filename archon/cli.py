@@ -8,16 +8,15 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.distributed as dist
 
 from archon.config import Config, load_config
-from archon.engine.dist import init_distributed, resolve_device_type, shutdown_distributed
+from archon.engine.dist import init_distributed, plan_gpu, resolve_device_type, shutdown_distributed
 from archon.errors import JobError, user_error_types  # noqa: F401 - JobError is public here
-
-if TYPE_CHECKING:
-    from archon.plan.layout import Job
+from archon.plan import Job, plan_for_config
+from archon.runtime.cpu_pinning import pin_to_slot
 
 
 def run_job(
@@ -55,15 +54,10 @@ def init_run(cfg: Config, job: Job) -> str:
     """Start a training process of a run of ``cfg`` (job 'rl' or 'sft'): its GPU from the cluster plan,
     then the process group.  Returns the device type.  The RL trainer and SFT call this before any engine.
     """
-    from archon.plan import plan_for_config
-
     device_type = resolve_device_type(cfg.device)
     pin = device_type == "cpu" and cfg.cluster.pin_cpu_cores
     plan = plan_for_config(cfg, job) if device_type == "cuda" or pin else None
     if pin and plan is not None:
-        from archon.engine.dist import plan_gpu
-        from archon.plan.cpu_cores import pin_to_slot
-
         # Before the process group and the engines start their threads: those inherit the cores.
         pin_to_slot(plan_gpu(plan), cfg.cluster.n_gpus_per_node, f"training rank {os.environ.get('RANK', '0')}")
     init_distributed(device_type, plan=plan if device_type == "cuda" else None)

@@ -13,7 +13,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from archon.checkpoint.manager import CheckpointManager
+from archon.cli import init_run
 from archon.config import Config, ConfigError
+from archon.data.collate import collate
+from archon.data.encoding import load_tokenizer
+from archon.data.sampler import EpochSampler
+from archon.data.sft_dataset import SFTDataset
+from archon.engine import build_engine
+from archon.metrics import MetricsLogger, peak_memory_gb
+from archon.runtime.gc_freeze import freeze_startup_objects, thaw_startup_objects
 
 logger = logging.getLogger("archon.sft")
 
@@ -32,15 +41,6 @@ def loss_token_count(mb: dict[str, torch.Tensor]) -> float:
 
 def run_sft(cfg: Config) -> list[dict[str, Any]]:
     """Train ``cfg.actor`` on ``cfg.train_dataset`` for ``cfg.total_train_steps``; returns the metrics."""
-    from archon.checkpoint.manager import CheckpointManager
-    from archon.cli import init_run
-    from archon.data.collate import collate
-    from archon.data.encoding import load_tokenizer
-    from archon.data.sampler import EpochSampler
-    from archon.data.sft_dataset import SFTDataset
-    from archon.engine import build_engine
-    from archon.metrics import MetricsLogger, peak_memory_gb
-    from archon.runtime.gc_freeze import freeze_startup_objects, thaw_startup_objects
 
     if not cfg.actor.path:
         raise ConfigError("actor.path is empty; SFT needs a Hugging Face model folder with a tokenizer")

@@ -23,6 +23,7 @@ import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from models.registry import spec_for_model
 from models.state_dict_adapter import BaseStateDictAdapter, HFKeyTarget, UnknownKeyError
 from parallel.fqn import clean_fqn
 
@@ -282,8 +283,6 @@ class _TensorReader:
 
 def adapter_for(model: nn.Module) -> BaseStateDictAdapter:
     """The state-dict adapter of the registered spec that built ``model``."""
-    from models.registry import spec_for_model
-
     if not hasattr(model, "args"):
         raise HFCheckpointError(f"{type(model).__name__} has no .args; pass a state-dict adapter explicitly.")
     return spec_for_model(model).state_dict_adapter_class(model.args)

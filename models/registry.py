@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,8 +113,8 @@ MODELS_PATH_ENV = "ARCHON_MODELS_PATH"
 def import_model_packages(*folders: str | os.PathLike) -> list[str]:
     """Import (and so register) every model package: a folder with ``spec.py`` inside ``models/``, ``folders``
     or the folders of ``$ARCHON_MODELS_PATH``; they become ``models.<name>``.  Returns the package names."""
-    import models
-
+    # This module's own package, whose search path the extra folders join (``models/__init__`` calls this).
+    models = sys.modules[__name__.rpartition(".")[0]]
     extra = [str(f) for f in folders] + [p for p in os.environ.get(MODELS_PATH_ENV, "").split(os.pathsep) if p]
     for folder in extra:
         folder = str(Path(folder).resolve())

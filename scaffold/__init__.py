@@ -16,7 +16,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from scaffold.source import ScaffoldError
+from models import get_model_spec, import_model_packages, supported_model_types
+from scaffold.analysis import analyze
+from scaffold.render import render_package, render_test, report_lines, write_files
+from scaffold.source import ScaffoldError, resolve_source
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -47,10 +50,6 @@ def scaffold_model(
     ``source`` is a transformers model_type or an HF folder; ``name`` defaults to the model type.
     ``models_dir`` other than ``models/`` must be on ``$ARCHON_MODELS_PATH`` for other processes.
     """
-    from models import get_model_spec, import_model_packages, supported_model_types
-    from scaffold.analysis import analyze
-    from scaffold.render import render_package, render_test, report_lines, write_files
-    from scaffold.source import resolve_source
 
     models_dir = Path(models_dir) if models_dir is not None else REPO / "models"
     tests_dir = Path(tests_dir) if tests_dir is not None else REPO / "tests" / "models"

@@ -21,7 +21,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from models.common.args import DecoderArgs
+from models.common.decoder import Decoder
+from models.common.state_dict_adapter import TableStateDictAdapter
 from models.model_args import RefusedSetting, allow_unimplemented
+from models.state_dict_adapter import UnknownKeyError
 from scaffold import probe
 from scaffold.probe import Point, same
 from scaffold.source import ScaffoldError, Source, make_tiny_config, refused_settings_of, tiny_config_kwargs
@@ -353,8 +357,6 @@ def _key_aliases(config: Any, cfg: dict[str, Any]) -> dict[str, str]:
 
 def args_class(analysis: Analysis, unimplemented: tuple[str, ...] = ()) -> type:
     """A ``DecoderArgs`` subclass with the analysed fields (what the generated args.py writes)."""
-    from models.common.args import DecoderArgs
-
     fields = dict(analysis.model_fields)
     bias_key = analysis.bias_key
 
@@ -381,8 +383,6 @@ def args_class(analysis: Analysis, unimplemented: tuple[str, ...] = ()) -> type:
 
 
 def adapter_class(analysis: Analysis) -> type:
-    from models.common.state_dict_adapter import TableStateDictAdapter
-
     return type(
         "ScaffoldAdapter",
         (TableStateDictAdapter,),
@@ -393,8 +393,6 @@ def adapter_class(analysis: Analysis) -> type:
 @torch.no_grad()
 def _shared_decoder(analysis: Analysis, hf: nn.Module, config: Any, kwargs: dict[str, Any]) -> nn.Module:
     """``models.common.Decoder`` built from the tiny config and filled through the derived tables."""
-    from models.common.decoder import Decoder
-    from models.state_dict_adapter import UnknownKeyError
 
     with allow_unimplemented():
         args = args_class(analysis, unimplemented=("mlp",)).from_hf_config(config.to_dict())

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from models import get_model_spec, load_hf_weights, read_hf_config, save_hf
 from models.model_args import HFConfigError, allow_unimplemented
 from scaffold import probe
 from scaffold.analysis import perturb_
@@ -26,8 +27,6 @@ class ParityCase:
     def __init__(self, model_type: str, tiny_config: dict[str, Any], folder: str | Path, seed: int = 0):
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        from models import get_model_spec
-
         self.model_type = model_type
         self.folder = Path(folder)
         config = AutoConfig.for_model(model_type, **tiny_config)
@@ -38,15 +37,11 @@ class ParityCase:
         self.trace = probe.trace(self.hf, probe.probe_ids(config.vocab_size))
 
     def _args(self, is_critic: bool = False):
-        from models import read_hf_config
-
         with allow_unimplemented():
             return self.spec.model_args_class.from_hf_config(read_hf_config(self.folder), is_critic=is_critic)
 
     def load(self, strict: bool = True) -> torch.nn.Module:
         """The Archon model filled from the tiny checkpoint (``strict``: every tensor used, every parameter filled)."""
-        from models import load_hf_weights
-
         args = self._args()
         with torch.device("meta"):
             model = self.spec.model_class(args)
@@ -85,8 +80,6 @@ class ParityCase:
     def check_save(self) -> None:
         from transformers import AutoModelForCausalLM
 
-        from models import save_hf
-
         model = self.load()
         with tempfile.TemporaryDirectory() as out:
             save_hf(model, out)
@@ -98,8 +91,6 @@ class ParityCase:
         )
 
     def check_refuses(self, key: str, value: Any, mention: str = "") -> None:
-        from models import read_hf_config
-
         cfg = read_hf_config(self.folder)
         cfg[key] = value
         try:

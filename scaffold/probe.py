@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from models.state_dict_adapter import UnknownKeyError
+
 TOKENS = 12
 """Length of the probe row."""
 
@@ -207,8 +209,6 @@ def _check_logits(point: Point, hf_model, archon_model, hf_trace: Trace, adapter
 
 
 def _check_hf_param(point: Point, hf_model, archon_model, hf_trace: Trace, adapter) -> str | None:
-    from models.state_dict_adapter import UnknownKeyError
-
     try:
         targets = adapter.hf_key_targets(point.hf)
     except UnknownKeyError:
@@ -219,8 +219,6 @@ def _check_hf_param(point: Point, hf_model, archon_model, hf_trace: Trace, adapt
 
 
 def _check_archon_param(point: Point, hf_model, archon_model, hf_trace: Trace, adapter) -> str | None:
-    from models.state_dict_adapter import UnknownKeyError
-
     if point.archon not in dict(archon_model.named_parameters()):
         return None  # the implementation dropped it
     for hf_name in hf_model.state_dict():

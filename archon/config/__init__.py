@@ -18,10 +18,9 @@ overrides, inheritance, validation) and ``show`` (printing and the CLI); everyth
 is importable from ``archon.config``.
 """
 
-from archon.config.loading import field_docs, load_config, parse_override, read_toml, validate_config
+from archon.config.loading import load_config, parse_override, read_toml, validate_config
 from archon.config.schema import (
     INHERITED_ENGINE_FIELDS,
-    SGLANG_DEFAULT_MAX_NEW_TOKENS,
     ActorConfig,
     ArchonEngineConfig,
     ClusterConfig,
@@ -45,6 +44,8 @@ from archon.config.schema import (
     default_norms,
 )
 from archon.config.show import allocation_table, describe_section, main, to_dict, to_toml
+from archon.field_docs import field_docs
+from archon.wire.sglang import SGLANG_DEFAULT_MAX_NEW_TOKENS
 
 __all__ = [
     "ActorConfig",

@@ -11,12 +11,9 @@ closest valid key.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import difflib
-import inspect
 import sys
-import textwrap
 import typing
 from pathlib import Path
 from typing import Any, Literal
@@ -30,29 +27,7 @@ from archon.alloc import AllocationError, ModelAllocation, megatron_refusal
 from archon.config.ranges import check_ranges
 from archon.config.schema import INHERITED_ENGINE_FIELDS, Config, ConfigError, default_norms
 from archon.config.vllm_checks import check_vllm_config
-
-
-def field_docs(cls: type) -> dict[str, str]:
-    """The docstring written under each field of a dataclass (and its dataclass bases)."""
-    docs: dict[str, str] = {}
-    for klass in reversed(cls.__mro__):
-        if not dataclasses.is_dataclass(klass):
-            continue
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
-        except (OSError, TypeError):
-            continue
-        body = tree.body[0].body  # type: ignore[attr-defined]
-        for node, nxt in zip(body, body[1:]):
-            if (
-                isinstance(node, ast.AnnAssign)
-                and isinstance(node.target, ast.Name)
-                and isinstance(nxt, ast.Expr)
-                and isinstance(nxt.value, ast.Constant)
-                and isinstance(nxt.value.value, str)
-            ):
-                docs[node.target.id] = " ".join(nxt.value.value.split())
-    return docs
+from archon.placement import plan_cluster
 
 
 def _type_name(tp: Any) -> str:
@@ -295,8 +270,6 @@ def validate_config(cfg: Config, sources: dict[str, str] | None = None, job: str
 
     ``job`` 'sft' leaves the rollout servers out of the cluster check (SFT starts none).
     """
-    from archon.plan import plan_cluster
-
     sources = sources or {}
     allocs = cfg.allocations(sources)
     for engine, alloc in allocs.items():
@@ -434,6 +407,12 @@ def _validate_rl_options(cfg: Config, sources: dict[str, str]) -> None:
             "actor.moe_routing_replay is not supported with asynchronous rollouts "
             f"(rollout.max_head_offpolicyness = {cfg.rollout.max_head_offpolicyness}): a trajectory "
             "generated across a weight update has no single routing to replay; set one of them off"
+        )
+    if cfg.actor.moe_routing_replay and cfg.actor.backend.startswith("fsdp:"):
+        raise ConfigError(
+            f"actor.moe_routing_replay replays the experts of Archon's MoE models, but actor.backend = "
+            f"'{cfg.actor.backend}' runs a transformers model; use an archon: backend or set "
+            "actor.moe_routing_replay = false"
         )
     dyn = cfg.dynamic_filter
     if dyn.max_num_gen_batches < 0:

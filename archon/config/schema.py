@@ -14,6 +14,7 @@ from typing import Literal
 
 from archon.alloc import AllocationError, ModelAllocation
 from archon.errors import ArchonError
+from archon.wire.sglang import SGLangSampling
 
 
 class ConfigError(ArchonError, ValueError):
@@ -36,7 +37,8 @@ class ClusterConfig:
     gpu_memory_gb: float = 80.0
     """Memory of one GPU in GiB (an 80 GB H100 or A100: 80), for the memory-fit check of `python -m archon.plan`."""
     pin_cpu_cores: bool = False
-    """Give each CPU training rank and built-in rollout server its own share of the cores (archon.plan.cpu_cores)."""
+    """Give each CPU training rank and built-in rollout server its own share of the cores
+    (archon.runtime.cpu_pinning)."""
 
 
 @dataclass
@@ -320,34 +322,16 @@ class CriticConfig(TrainEngineConfig):
     """Give zero loss weight to responses cut off without EOS."""
 
 
-SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
-"""What SGLang generates for a request without ``max_new_tokens``; Archon's built-in server and its vLLM adapter
-follow it.  Archon's own requests never rely on it: they carry ``gconfig.max_new_tokens``."""
-
-
 @dataclass
-class GenerationConfig:
+class GenerationConfig(SGLangSampling):
     """The run's sampling.  Every field but ``n_samples`` is sent with each request under SGLang's name
-    (``archon.rollout.client.sampling_params``), so a server's own defaults never apply to Archon's requests."""
+    (``archon.rollout.server_api.sampling_params``), so a server's own defaults never apply to Archon's requests.
+    The sampling fields, their docs and defaults are SGLang's (``archon.wire.sglang``), but ``max_new_tokens``."""
 
-    n_samples: int = 1
-    """Completions sampled per prompt."""
     max_new_tokens: int = 512
     """Maximum completion length (sent with every request; a request without one gets SGLang's 128)."""
-    min_new_tokens: int = 0
-    """Minimum completion length (EOS is suppressed before it)."""
-    temperature: float = 1.0
-    """Sampling temperature; 0 is greedy."""
-    top_p: float = 1.0
-    """Nucleus sampling threshold."""
-    top_k: int = -1
-    """Top-k sampling; -1 disables it."""
-    min_p: float = 0.0
-    """Min-p sampling threshold; 0 disables it."""
-    stop_token_ids: list[int] = field(default_factory=list)
-    """Extra token ids that end a completion (EOS always does unless ignore_eos)."""
-    ignore_eos: bool = False
-    """Keep generating after EOS (benchmarks only)."""
+    n_samples: int = 1
+    """Completions sampled per prompt."""
 
 
 @dataclass

@@ -12,8 +12,9 @@ import sys
 import typing
 from typing import Any
 
-from archon.config.loading import did_you_mean, field_docs, load_config
+from archon.config.loading import did_you_mean, load_config
 from archon.config.schema import Config, ConfigError
+from archon.field_docs import field_docs
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

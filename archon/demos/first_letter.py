@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from archon.rl.rewards import get_reward_fn
+
 PAD_TOKEN = "<pad>"
 EOS_TOKEN = "<eos>"
 UNK_TOKEN = "<unk>"
@@ -178,8 +180,6 @@ def uniform_policy_reward(
     With ``candidates`` = the decoded vocabulary this is the chance level of a randomly
     initialised model (whose next-token distribution is close to uniform).
     """
-    from archon.rl.rewards import get_reward_fn
-
     if not rows or not candidates:
         raise ValueError("uniform_policy_reward needs at least one row and one candidate answer")
     fn = get_reward_fn(reward_fn)

@@ -29,9 +29,8 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from datetime import timedelta
-from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
 import torch
@@ -41,7 +40,7 @@ from archon.config import ConfigError
 from archon.errors import ArchonError
 
 if TYPE_CHECKING:
-    from archon.plan import ClusterPlan
+    from archon.placement import ClusterPlan
 
 
 logger = logging.getLogger("archon.engine")
@@ -188,44 +187,6 @@ def init_distributed(device_type: str, timeout_s: float = 1800.0, plan: ClusterP
         # An in-process store: a picked TCP port could be taken by another process before we bind it.
         store = dist.HashStore()  # pyright: ignore[reportPrivateImportUsage]
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
-
-
-def init_forked_group(
-    backend: str,
-    rank: int,
-    world_size: int,
-    timeout: timedelta,
-    send_port: Callable[[int], None],
-    receive_port: Callable[[], int],
-) -> None:
-    """Join a group of processes that one parent forked (the laptop rehearsal, the tests' ranks).
-
-    Rank 0 hosts the group's store on a port the kernel chooses and ``send_port`` hands it to the
-    parent, which passes it on to the other ranks' ``receive_port``.  A port the parent picked for
-    rank 0 to bind later could be taken by another process in between (it was, under load).  The
-    parent itself holds no store: its server thread, alive at fork time, could leave a lock held
-    in every child.
-    """
-    if rank == 0:
-        store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
-            "127.0.0.1", 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False
-        )
-        send_port(store.port)
-    else:
-        store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
-            "127.0.0.1", receive_port(), world_size, is_master=False, timeout=timeout
-        )
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port))
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-
-
-def relay_store_port(port: int, receivers: Sequence[Connection]) -> None:
-    """The parent's side of ``init_forked_group``: pass rank 0's store port to every other rank."""
-    for conn in receivers:
-        try:
-            conn.send(port)
-        except OSError:
-            pass  # that rank died already; its own report says so
 
 
 def current_device(device_type: str) -> torch.device:

@@ -1,52 +1,49 @@
-"""ArchonEngine: one model laid over the ranks by its allocation string, and how it trains.
+"""ArchonEngine: one of Archon's own models laid over the ranks by an ``archon:`` allocation string.
 
-Every rank calls every method with the same global batch (a dict of right-padded ``[B, S]``
-tensors with ``attention_mask``).  The engine cuts it into data-parallel shares and packed
-microbatches the same way on every rank, and normalises the loss by the global batch, so a
-step's loss and gradients do not depend on the allocation or on microbatching.  Under context
-parallel, the ``cp`` ranks of one data-parallel share get the same microbatches: each runs the
-model on one chunk of every packed row, and the loss sees the full rows.  Under pipeline
-parallel a step's microbatches are padded to one length and run through this rank's stages by
-the schedule (``pipeline/``); what the last stage computes reaches every rank.
+All five parallel dims: FSDP2 (``d``), tensor (``t``), pipeline (``p``), context (``c``) and
+expert (``e``) parallel, applied by the model's ``ModelSpec`` (``models/``).  The engine cuts the
+global batch into data-parallel shares and packed microbatches the same way on every rank, and
+normalises the loss by the global batch, so a step's loss and gradients do not depend on the
+allocation or on microbatching.  Under context parallel, the ``cp`` ranks of one data-parallel
+share get the same microbatches: each runs the model on one chunk of every packed row, and the
+loss sees the full rows.  Under pipeline parallel a step's microbatches are padded to one length
+and run through this rank's stages by the schedule (``pipeline/``); what the last stage computes
+reaches every rank.  MoE models keep router statistics (``moe_balance``) and can replay the
+experts the rollout servers chose.
 
-Per-token outputs are token-aligned: ``logprobs[b, i] = log p(input_ids[b, i] | input_ids[b, :i])``
-(0 at each sequence's first token); a critic's ``values[b, i]`` is the value of the state
-before token ``i``.
+This module builds the model and runs a step; packing and running microbatches is
+``archon_runner``, the rest is shared with ``FSDPEngine``: the layout (``layout``), the
+microbatch loop (``microbatch_loop``), the optimizer step (``step_runner``) and checkpoints
+(``checkpointing``).
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import time
 from collections.abc import Iterator
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, ClassVar, cast
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
 from archon.alloc import ModelAllocation
-from archon.checkpoint.dcp import load_checkpoint, save_checkpoint
-from archon.checkpoint.state import TrainState, engine_states
-from archon.config import ConfigError, TrainEngineConfig
-from archon.engine.dist import current_device, init_distributed, resolve_device_type
-from archon.engine.microbatch import (
-    ROUTED_EXPERTS,
-    Batch,
-    PackedMicrobatch,
-    on_host,
-    pack,
-    pack_token_values,
-    plan_microbatches,
-    rows_of,
-    seqlens_of,
-    to_device,
+from archon.checkpoint.state import TrainState
+from archon.config import TrainEngineConfig
+from archon.engine.archon_runner import ArchonModelRunner
+from archon.engine.checkpointing import EngineCheckpoint
+from archon.engine.errors import EngineError
+from archon.engine.interface import TrainEngine
+from archon.engine.layout import init_layout, load_model_config
+from archon.engine.microbatch import Batch, on_host, to_device
+from archon.engine.microbatch_loop import (
+    forward_microbatches,
+    microbatch_rows,
+    plan_rank_microbatches,
+    train_microbatches,
 )
-from archon.engine.optimizer import build_lr_scheduler, build_optimizer
-from archon.engine.options import parallelize_options, parameter_device, pipeline_options
+from archon.engine.moe_balance import build_moe_balancer
+from archon.engine.options import parameter_device, pipeline_options
 from archon.engine.step_loss import (
     LossFn,
     LossWeightFn,
@@ -55,29 +52,23 @@ from archon.engine.step_loss import (
     reduce_step_totals,
     token_count_weight,
 )
-from archon.engine.token_outputs import CollectedRows, loss_positions, output_keys, token_outputs
-from archon.engine.torch_floor import check_torch_version
-from archon.engine.weights import hf_full_tensors, init_from_seed, init_unloaded, load_hf_config, write_hf_folder
-from archon.errors import ArchonError
-from archon.runtime.drill import drill_point
-from parallel.context_parallel import shard_sequence
-from parallel.dims import ParallelDims
-from parallel.dtypes import to_dtype
+from archon.engine.step_runner import StepRunner
+from archon.engine.token_outputs import CollectedRows, output_keys
+from archon.engine.weights import hf_full_tensors, init_from_seed, init_unloaded, write_hf_folder
+from models import get_model_spec, load_hf_weights
 from parallel.errors import ParallelConfigError
-from parallel.grad_clip import clip_grad_norm_
-from pipeline import Microbatch, PipelineConfigError, PipelinedModel
+from pipeline import PipelineConfigError, PipelinedModel
+
+# EngineError lives in archon.engine.errors; importers of this module still find it here.
+__all__ = ["ArchonEngine", "EngineError"]
 
 logger = logging.getLogger("archon.engine")
 # FSDP x TP gathers over two mesh dims in sequence; DTensor warns about it on every call.
 logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
-class EngineError(ArchonError, ValueError):
-    """A user-caused problem with an engine's config, allocation or data."""
-
-
-class ArchonEngine:
-    """Builds, trains, evaluates, checkpoints and exports one model (actor, critic or reference)."""
+class ArchonEngine(TrainEngine):
+    """``TrainEngine`` over an Archon model (``archon:`` allocations)."""
 
     backend: ClassVar[str] = "archon"
     """The allocation backend this engine runs."""
@@ -114,6 +105,9 @@ class ArchonEngine:
         self.pipeline: PipelinedModel | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.lr_scheduler = None
+        # Set by initialize(): the optimizer side of a step (trainable engines) and the microbatch runner.
+        self.stepper: StepRunner | None = None
+        self.runner: ArchonModelRunner | None = None
 
     @property
     def step(self) -> int:
@@ -126,11 +120,21 @@ class ArchonEngine:
 
     # ------------------------------------------------------------------ build
     def initialize(self) -> ArchonEngine:
-        from models import get_model_spec
-
         cfg = self.config
-        self._init_parallel()
-        self.hf_config = self._load_hf_config()
+        self.layout = init_layout(
+            cfg,
+            name=self.name,
+            device=self.device_setting,
+            allocation=self._allocation,
+            backend=self.backend,
+            engine_class=type(self).__name__,
+            engine_label=self.engine_label,
+        )
+        self.device_type, self.device = self.layout.device_type, self.layout.device
+        self.allocation, self.parallel_dims = self.layout.allocation, self.layout.parallel_dims
+        self.parallelize_options = self.layout.options
+        self.train_state.device_type = self.device_type
+        self.hf_config = load_model_config(self.name, cfg, check_spec=True)
         self.spec = get_model_spec(self.hf_config.model_type)
         self.model_args = self.spec.model_args_class.from_hf_config(self.hf_config, is_critic=self.is_critic)
         with torch.device("meta"):
@@ -152,8 +156,6 @@ class ArchonEngine:
             part.to_empty(device=parameter_device(self.device, cfg.archon.offload_params, fsdp, where))
         self.model = model
         self._init_weights()
-        from archon.engine.moe_balance import build_moe_balancer
-
         # Router bookkeeping of MoE models (None for dense ones); see archon/engine/moe_balance.py.
         self.moe = build_moe_balancer(self.model, self.model_args, cfg.archon, self.parallel_dims, self.device)
         # The actor replays the experts the rollout servers chose when the batch carries them.
@@ -163,52 +165,21 @@ class ArchonEngine:
                 f"{self.name}.moe_routing_replay = true, but model type '{self.hf_config.model_type}' "
                 "has no MoE layers to replay; turn it off"
             )
+        self.runner = ArchonModelRunner(
+            self.model,
+            self.layout,
+            cfg,
+            moe=self.moe,
+            routing_replay=self.routing_replay,
+            is_critic=self.is_critic,
+            temperature=self.temperature,
+        )
         if not self.trainable:
             self.model.requires_grad_(False)
         else:
-            self.optimizer = build_optimizer(self.model.parameters(), cfg.optimizer)
-            self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.optimizer, self.total_steps)
+            self.stepper = StepRunner.for_model(self.model, cfg, self.name, self.train_state, self.total_steps)
+            self.optimizer, self.lr_scheduler = self.stepper.optimizer, self.stepper.lr_scheduler
         return self
-
-    def _init_parallel(self) -> None:
-        """Device, process group, allocation and device meshes: what every engine sets up first."""
-        cfg = self.config
-        check_torch_version()
-        self.device_type = resolve_device_type(self.device_setting)
-        if cfg.archon.use_deterministic_algorithms:
-            from parallel.determinism import apply_determinism
-
-            # Environment variables must be set before the first kernel/communicator exists.
-            apply_determinism(self.device_type)
-        # The entry points already joined with the GPU the cluster plan gives this rank (init_run).
-        init_distributed(self.device_type)
-        self.device = current_device(self.device_type)
-        self.train_state.device_type = self.device_type
-        self.allocation = self._allocation or ModelAllocation.from_str(cfg.backend)
-        # What parallel/ and pipeline/ are told besides the sizes (dtypes, AC, compile, offload).
-        self.parallelize_options = parallelize_options(cfg)
-        if self.allocation.backend != self.backend:
-            raise EngineError(
-                f"{self.name}.backend = '{cfg.backend}' is a '{self.allocation.backend}:' allocation, "
-                f"but {type(self).__name__} runs '{self.backend}:' ones; build engines with "
-                "archon.engine.build_engine(config, ...), which picks the engine by backend"
-            )
-        world = dist.get_world_size()
-        if self.allocation.world_size != world:
-            raise EngineError(
-                f"{self.name}.backend = '{cfg.backend}' needs {self.allocation.world_size} ranks but "
-                f"the job has {world}; launch with --nproc_per_node={self.allocation.world_size} "
-                f"or change the allocation"
-            )
-        try:
-            self.parallel_dims = ParallelDims.from_allocation(self.allocation, dp_replicate=cfg.archon.dp_replicate)
-        except ParallelConfigError as exc:  # parallel/ cannot raise Archon's errors
-            raise EngineError(f"{self.name}.backend = '{cfg.backend}': {exc}") from None
-        self.parallel_dims.build_meshes(self.device_type)
-        if dist.get_rank() == 0:
-            logger.info(
-                "Initialized %s engine with parallel dims: %s", self.engine_label, self.parallel_dims.describe()
-            )
 
     def _split_into_stages(self, model: torch.nn.Module) -> PipelinedModel:
         """This rank's pipeline stages of the meta-device ``model``, each parallelized."""
@@ -230,16 +201,8 @@ class ArchonEngine:
         except (PipelineConfigError, ParallelConfigError) as exc:  # what the layout cannot do to this model
             raise EngineError(f"{self.name}.backend = '{self.config.backend}': {exc}") from None
 
-    def _load_hf_config(self):
-        try:
-            return load_hf_config(self.name, self.config.path or self.config.model_config, self.backend == "archon")
-        except ConfigError as exc:
-            raise EngineError(str(exc)) from None
-
     @torch.no_grad()
     def _init_weights(self) -> None:
-        from models import load_hf_weights
-
         assert self.model is not None
         # Buffers (RoPE tables) and anything a checkpoint lacks (a critic's value head).
         cast(Any, self.model).init_weights(buffer_device=self.device)  # an Archon model (models/)
@@ -256,144 +219,11 @@ class ArchonEngine:
         init_from_seed(self.model, lambda: self.spec.model_class(self.model_args), self.seed)
 
     # ------------------------------------------------------------------ helpers
-    @property
-    def dp_size(self) -> int:
-        pd = self.parallel_dims
-        return pd.dp_replicate * pd.dp_shard
-
-    @property
-    def dp_rank(self) -> int:
-        if self.dp_size == 1:
-            return 0
-        return self.parallel_dims.get_mesh("dp").get_local_rank()
-
-    def _dp_group(self):
-        return self.parallel_dims.get_mesh("dp").get_group() if self.dp_size > 1 else None
-
-    def _rows(self, batch: Batch, indices: list[int], weight_fn: LossWeightFn) -> tuple[Batch | None, float]:
-        """A microbatch's rows of the host ``batch`` on the device (None without samples), and their loss weight."""
-        if not indices:
-            return None, 0.0
-        rows = rows_of(batch, indices)
-        rows.pop(ROUTED_EXPERTS, None)  # replayed routing reaches the model packed, never the loss
-        return to_device(rows, self.device), float(weight_fn(rows))
-
-    def _pack(self, batch: Batch, indices: list[int], pad_to: int = 0) -> PackedMicrobatch:
-        """Pack ``indices`` into one row: to ``max_tokens_per_mb`` under pad_to_maximum, else to ``pad_to``."""
-        if self._pad_to_maximum():
-            pad_to = self.config.mb_spec.max_tokens_per_mb
-        packed = pack(batch, indices, multiple_of=self.parallel_dims.seq_len_divisor, pad_to=pad_to)
-        if self.routing_replay and ROUTED_EXPERTS in batch:
-            # Positions without a server choice (padding, a completion's last token) route freely.
-            packed.routed_experts = pack_token_values(batch[ROUTED_EXPERTS], packed, fill=-1)
-        return packed
-
-    def _pad_to_maximum(self) -> bool:
-        cfg = self.config
-        if (cfg.pad_to_maximum or cfg.archon.enable_compile) and cfg.mb_spec.max_tokens_per_mb <= 0:
-            return False
-        return cfg.pad_to_maximum or cfg.archon.enable_compile
-
-    def _set_gradient_sync(self, enabled: bool) -> None:
-        from torch.distributed.fsdp import FSDPModule
-
-        if isinstance(self.model, FSDPModule):
-            self.model.set_requires_gradient_sync(enabled)
-
-    def _autocast(self):
-        """Mixed precision where FSDP's policy does not apply (one data-parallel rank, TP only).
-
-        FSDP casts parameters to ``dtype`` for compute; without FSDP the same ``dtype`` setting
-        must still mean low-precision matmuls, so autocast provides them (as torchtitan does).
-        """
-        dtype = to_dtype(self.config.dtype)
-        if dtype == torch.float32 or self.parallel_dims.fsdp_enabled:
-            return nullcontext()
-        return torch.autocast(self.device_type, dtype=dtype)
-
-    def _run_model(self, mb: PackedMicrobatch, keep: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        """Packed forward; token-aligned per-token outputs, unpacked to ``[b, s]`` rows.
-
-        Under context parallel the model sees this rank's chunk of the row (``cu_seqlens``
-        stays global); ``_token_outputs`` gathers the outputs back to full rows.  With
-        ``keep`` (packed positions) only those positions get logits; the others' outputs are 0.
-        """
-        tokens, kwargs = self._model_inputs(mb)
-        if keep is not None:
-            kwargs["keep"] = keep
-        assert self.model is not None, "initialize() the engine first"
-        with self._autocast():
-            out = self.model(tokens, cu_seqlens=mb.cu_seqlens, **kwargs)
-        return self._token_outputs(out, mb, keep)
-
-    def _loss_positions(self, batch: Batch, mb: PackedMicrobatch) -> torch.Tensor | None:
-        """Packed positions the loss reads (``loss_positions``); None (every position) for a critic
-        or when the layout shards the sequence or the vocabulary (TP, CP, PP)."""
-        pd = self.parallel_dims
-        if self.is_critic or pd.tp_enabled or pd.cp_enabled or pd.pp_enabled:
-            return None
-        return loss_positions(batch, mb)
-
-    def _model_inputs(self, mb: PackedMicrobatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Tokens and the per-token keyword inputs the model (or every pipeline stage) sees: this CP rank's chunk.
-
-        MoE models also get the real-token mask (padding stays out of router statistics) and,
-        under routing replay, the packed expert choices.
-        """
-        kwargs = {"positions": mb.positions}
-        if self.moe is not None:
-            kwargs["token_mask"] = (torch.arange(mb.total_len, device=self.device) < mb.n_real_tokens)[None]
-            if mb.routed_experts is not None:
-                kwargs["routed_experts"] = mb.routed_experts.to(self.device, torch.int64)
-        cp_mesh = self.parallel_dims.get_optional_mesh("cp")
-        if cp_mesh is None:
-            return mb.tokens, kwargs
-        return shard_sequence(mb.tokens, cp_mesh), {k: shard_sequence(v, cp_mesh) for k, v in kwargs.items()}
-
-    def _token_outputs(
-        self, out: torch.Tensor, mb: PackedMicrobatch, keep: torch.Tensor | None = None
-    ) -> dict[str, torch.Tensor]:
-        """The model's output for packed ``mb`` as token-aligned per-token rows (``token_outputs``)."""
-        cp_mesh = self.parallel_dims.get_optional_mesh("cp")
-        return token_outputs(out, mb, keep, is_critic=self.is_critic, temperature=self.temperature, cp_mesh=cp_mesh)
-
-    def _plan(self, batch: Batch):
-        mb_spec = self.config.mb_spec
-        lens = seqlens_of(batch)
-        n_mbs = mb_spec.n_mbs if self.pipeline is None else self.pipeline.microbatch_count(mb_spec.n_mbs)
-        try:
-            plan = plan_microbatches(lens, self.dp_size, n_mbs, mb_spec.max_tokens_per_mb)
-            runnable = (
-                plan.n_microbatches if self.pipeline is None else self.pipeline.microbatch_count(plan.n_microbatches)
-            )
-            if runnable != plan.n_microbatches:
-                # max_tokens_per_mb asked for a count the schedule cannot run: take the next one it can.
-                plan = plan_microbatches(lens, self.dp_size, runnable, mb_spec.max_tokens_per_mb)
-        except ConfigError as exc:  # a sample longer than mb_spec.max_tokens_per_mb
-            raise EngineError(f"{self.name}: {exc}") from None
-        return plan.per_rank[self.dp_rank]
-
-    def _pipeline_microbatches(
-        self, batch: Batch, mbs: list[list[int]]
-    ) -> tuple[list[PackedMicrobatch], list[Microbatch]]:
-        """Packed microbatches of one shape (pipeline stages exchange fixed-size buffers) and their stage inputs.
-
-        Every row is padded to the step's longest (a multiple of tp*cp); ``cu_seqlens`` are
-        padded to one length with empty trailing sequences, so they split like the rest.  Under
-        context parallel the stage inputs are this rank's chunk (``_token_outputs`` gathers).
-        """
-        from models.common.packing import pad_cu_seqlens
-
-        lens = seqlens_of(batch)
-        longest = max(1, max(sum(lens[i] for i in indices) for indices in mbs))
-        packs = [to_device(self._pack(batch, indices, pad_to=longest), self.device) for indices in mbs]
-        n_bounds = max(p.cu_seqlens.numel() for p in packs)
-        inputs = []
-        for p in packs:
-            # Every stage gets the positions (and MoE inputs) of this rank's chunk; the boundaries stay global.
-            tokens, kwargs = self._model_inputs(p)
-            inputs.append((tokens, {**kwargs, "cu_seqlens": pad_cu_seqlens(p.cu_seqlens, n_bounds)}))
-        return packs, inputs
+    def _plan(self, batch: Batch) -> list[list[int]]:
+        """This rank's microbatches; under pipeline parallel a count the schedule can run."""
+        layout = self.layout
+        runnable = self.pipeline.microbatch_count if self.pipeline is not None else None
+        return plan_rank_microbatches(batch, self.config.mb_spec, layout.dp_size, layout.dp_rank, self.name, runnable)
 
     # ------------------------------------------------------------------ train
     def train_batch(
@@ -404,21 +234,13 @@ class ArchonEngine:
         The host waits for the device once: losses and stats stay tensors until the gradient norm
         is read to decide the step, and they come back with it (``StepTotals.read``).
         """
-        assert self.model is not None and self.optimizer is not None and self.lr_scheduler is not None, (
+        assert self.model is not None and self.runner is not None and self.stepper is not None, (
             "initialize() a trainable engine first"
         )
-        t0 = time.perf_counter()
-        self.model.train()
-        # Planned, packed and weighed on the host; microbatches go to the device one by one.
-        batch = on_host(batch)
-        total_weight = float(loss_weight_fn(batch))
-        if total_weight <= 0:
-            raise EngineError(
-                f"{self.name}: the batch has no loss weight (e.g. every loss_mask is 0); nothing to train on"
-            )
+        batch, total_weight, started = self.stepper.begin(self.model, batch, loss_weight_fn)
         my_mbs = self._plan(batch)
         grad_scale = float(self.parallel_dims.fsdp_gradient_divide_factor)
-        self.optimizer.zero_grad(set_to_none=True)
+        self.stepper.zero_grad()
         totals = StepTotals()
         if self.moe is not None:
             self.moe.begin_step()
@@ -428,59 +250,32 @@ class ArchonEngine:
                 self._route_without_grad(batch, my_mbs)
                 self.moe.use_prepass_counts()
         if self.pipeline is not None:
-            packs, inputs = self._pipeline_microbatches(batch, my_mbs)
-            rows = [self._rows(batch, indices, loss_weight_fn) for indices in my_mbs]
-
-            def last_stage_loss(out: torch.Tensor, i: int) -> torch.Tensor:
-                outputs = self._token_outputs(out, packs[i])
-                return microbatch_loss(outputs, *rows[i], loss_fn, total_weight, totals) * grad_scale
-
-            with self._autocast():
-                self.pipeline.train_step(inputs, last_stage_loss)
-            totals.tokens = sum(p.n_real_tokens for p in packs)
+            self._train_pipelined(
+                self.pipeline, batch, my_mbs, loss_fn, loss_weight_fn, total_weight, grad_scale, totals
+            )
         else:
-            for i, indices in enumerate(my_mbs):
-                self._set_gradient_sync(i == len(my_mbs) - 1)
-                packed = self._pack(batch, indices)
-                keep = to_device(self._loss_positions(batch, packed), self.device)
-                outputs = self._run_model(to_device(packed, self.device), keep=keep)
-                scaled = microbatch_loss(
-                    outputs, *self._rows(batch, indices, loss_weight_fn), loss_fn, total_weight, totals
-                )
-                (scaled * grad_scale).backward()
-                totals.tokens += packed.n_real_tokens
+            train_microbatches(
+                self.runner,
+                self.model,
+                batch,
+                my_mbs,
+                loss_fn=loss_fn,
+                loss_weight_fn=loss_weight_fn,
+                total_weight=total_weight,
+                grad_scale=grad_scale,
+                totals=totals,
+                device=self.device,
+            )
 
         pp_group = self.parallel_dims.get_mesh("pp").get_group() if self.parallel_dims.pp_enabled else None
-        grad_norm = clip_grad_norm_(self.model.parameters(), self.config.optimizer.max_grad_norm, pp_group=pp_group)
-        # The step's one host read: the norm decides the step, and the losses and stats come along.
-        (norm,) = totals.read(grad_norm)
-        finite = math.isfinite(norm)
-        lr = self.optimizer.param_groups[0]["lr"]
-        drill_point("optimizer_step")
-        if finite:
-            self.optimizer.step()
-        else:
-            logger.warning(
-                "%s: non-finite gradient norm at step %d; the optimizer step is skipped", self.name, self.step
-            )
-        self.optimizer.zero_grad(set_to_none=True)
-        self.lr_scheduler.step()
-        self.step += 1
-        moe_stats = self.moe.end_step(optimizer_stepped=finite) if self.moe is not None else {}
+        outcome = self.stepper.finish(self.model.parameters(), totals, started, pp_group=pp_group)
+        moe_stats = self.moe.end_step(optimizer_stepped=outcome.stepped) if self.moe is not None else {}
 
-        keys, reduced = reduce_step_totals(totals, self._dp_group() if self.dp_size > 1 else None)
+        keys, reduced = reduce_step_totals(totals, self.layout.dp_group())
         if self.pipeline is not None:
             # The loss and its stats exist on the last stage only; every rank reports them.
             keys, reduced = self.pipeline.broadcast_from_last_stage((keys, reduced))
-        result = {
-            "loss": float(reduced[0]),
-            "grad_norm": norm,
-            "lr": lr,
-            "tokens": float(reduced[1]),
-            "update_skipped": float(not finite),
-            "train_time_s": time.perf_counter() - t0,
-        }
-        result.update({k: float(v) for k, v in zip(keys, reduced[2:].tolist())})
+        result = outcome.stats(keys, reduced)
         if moe_stats:
             # The load-balancing loss is part of what was minimised (it reached the gradients
             # through the MoE layers, see models/common/moe.py).
@@ -488,40 +283,62 @@ class ArchonEngine:
             result.update(moe_stats)
         return result
 
+    def _train_pipelined(
+        self,
+        pipeline: PipelinedModel,
+        batch: Batch,
+        my_mbs: list[list[int]],
+        loss_fn: LossFn,
+        loss_weight_fn: LossWeightFn,
+        total_weight: float,
+        grad_scale: float,
+        totals: StepTotals,
+    ) -> None:
+        """This rank's stages through the schedule's forward and backward; the last stage computes the loss."""
+        assert self.runner is not None
+        runner = self.runner
+        packs, inputs = runner.pipeline_microbatches(batch, my_mbs)
+        rows = [microbatch_rows(batch, indices, loss_weight_fn, self.device) for indices in my_mbs]
+
+        def last_stage_loss(out: torch.Tensor, i: int) -> torch.Tensor:
+            outputs = runner.token_outputs(out, packs[i])
+            return microbatch_loss(outputs, *rows[i], loss_fn, total_weight, totals) * grad_scale
+
+        with self.layout.autocast(self.config.dtype):
+            pipeline.train_step(inputs, last_stage_loss)
+        totals.tokens = sum(p.n_real_tokens for p in packs)
+
     @torch.no_grad()
     def _route_without_grad(self, batch: Batch, my_mbs: list[list[int]]) -> None:
         """A forward of this rank's microbatches that only feeds the MoE routers' counters."""
+        assert self.runner is not None, "initialize() the engine first"
         if self.pipeline is not None:
-            _, inputs = self._pipeline_microbatches(batch, my_mbs)
-            with self._autocast():
+            _, inputs = self.runner.pipeline_microbatches(batch, my_mbs)
+            with self.layout.autocast(self.config.dtype):
                 self.pipeline.forward_step(inputs, lambda out, i: None)
             return
-        assert self.model is not None, "initialize() the engine first"
         for indices in my_mbs:
-            packed = to_device(self._pack(batch, indices), self.device)
-            tokens, kwargs = self._model_inputs(packed)
-            with self._autocast():
-                self.model(tokens, cu_seqlens=packed.cu_seqlens, **kwargs)
+            self.runner.route(to_device(self.runner.pack(batch, indices), self.device))
 
     # ------------------------------------------------------------------ forward
     @torch.no_grad()
     def forward(self, batch: Batch) -> dict[str, torch.Tensor]:
         """Per-token ``logprobs`` and ``entropy`` (or ``values`` for a critic), ``[B, S]``, global batch order."""
-        assert self.model is not None, "initialize() first"
+        assert self.model is not None and self.runner is not None, "initialize() first"
+        runner = self.runner
         self.model.eval()
         batch = on_host(batch)
         rows = CollectedRows(output_keys(self.is_critic))
         my_mbs = self._plan(batch)
         if self.pipeline is not None:
-            packs, inputs = self._pipeline_microbatches(batch, my_mbs)
-            with self._autocast():
+            packs, inputs = runner.pipeline_microbatches(batch, my_mbs)
+            with self.layout.autocast(self.config.dtype):
                 self.pipeline.forward_step(
-                    inputs, lambda out, i: rows.add(self._token_outputs(out, packs[i]), my_mbs[i])
+                    inputs, lambda out, i: rows.add(runner.token_outputs(out, packs[i]), my_mbs[i])
                 )
         else:
-            for indices in my_mbs:
-                rows.add(self._run_model(to_device(self._pack(batch, indices), self.device)), indices)
-        result = rows.assemble(tuple(batch["input_ids"].shape), self._dp_group())
+            forward_microbatches(runner, batch, my_mbs, rows, self.device)
+        result = rows.assemble(tuple(batch["input_ids"].shape), self.layout.dp_group())
         if self.pipeline is not None:
             # The last stage computed the outputs; every rank returns them.
             result = self.pipeline.broadcast_from_last_stage(result)
@@ -555,41 +372,32 @@ class ArchonEngine:
         """
         write_hf_folder(
             self.named_full_tensors(dtype, extras=extras),
-            self._export_hf_config(),
+            self.hf_config.to_dict(),
             path,
             source=self.config.path,
             max_shard_size=max_shard_size,
         )
 
-    def _export_hf_config(self) -> dict[str, Any]:
-        """The config.json ``export_hf`` writes."""
-        return self.hf_config.to_dict()
-
     # ------------------------------------------------------------------ checkpoints
+    def _checkpoint(self) -> EngineCheckpoint:
+        assert self.model is not None, "initialize() first"
+        return EngineCheckpoint(
+            self.name, self.allocation, self.model, self.optimizer, self.lr_scheduler, self.train_state
+        )
+
     def checkpoint_states(self) -> dict[str, Stateful]:
         """What a checkpoint of this engine holds: the model, the optimizer and LR scheduler (when trainable),
         and the train state (step, random generators)."""
-        assert self.model is not None, "initialize() first"
-        return engine_states(self.model, self.optimizer, self.lr_scheduler, self.train_state)
+        return self._checkpoint().states()
 
     def save(self, path: str | Path, extra_state: dict[str, Any] | None = None) -> None:
         """Write a resumable checkpoint to ``path`` (collective); ``extra_state`` is the caller's JSON data."""
-        save_checkpoint(
-            self.checkpoint_states(), Path(path), extra_state or {}, name=self.name, allocation=str(self.allocation)
-        )
+        self._checkpoint().save(path, extra_state)
 
     def load(self, path: str | Path) -> dict[str, Any]:
         """Resume from a checkpoint written by ``save`` (any allocation; collective); returns its extra state."""
-        return load_checkpoint(self.checkpoint_states(), Path(path), name=self.name)
+        return self._checkpoint().load(path)
 
     def checkpoint_nbytes(self) -> float:
-        """This rank's share of one checkpoint's bytes: parameters, and AdamW's two moments with an optimizer.
-
-        A parameter's global size counts once however it is sharded: each rank of a pipeline stage
-        counts its stage's global sizes divided by the ranks that hold that stage.
-        """
-        ranks_per_stage = dist.get_world_size() / self.allocation.parallel.pp_size
-        assert self.model is not None, "initialize() the engine first"
-        per_param = 3 if self.optimizer is not None else 1
-        stage = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        return per_param * stage / ranks_per_stage
+        """This rank's share of one checkpoint's bytes: parameters, and AdamW's two moments with an optimizer."""
+        return self._checkpoint().nbytes()

@@ -1,10 +1,13 @@
 """FSDPEngine: any transformers causal LM, laid over ``fsdp:dN[tM][cK]`` with FSDP2, TP and Ulysses CP.
 
 The model is transformers' own ``AutoModelForCausalLM`` (a critic: ``...ForTokenClassification``
-with one output); no Archon model code is involved.  Everything else is ``ArchonEngine``'s:
-the same microbatch plan, loss normalisation over the global batch, per-token outputs,
-checkpoints (DCP, resharding across allocations), HF export and weight sync, so actor,
-critic, reference, teacher, SFT and RL run on it unchanged.
+with one output); no Archon model code is involved.  It is a ``TrainEngine`` beside
+``ArchonEngine`` and shares with it, by composition, the layout (``layout``), the microbatch
+plan and loop with loss normalisation over the global batch (``microbatch_loop``), the
+optimizer step (``step_runner``), per-token outputs (``token_outputs``) and checkpoints (DCP,
+resharding across allocations; ``checkpointing``), so actor, critic, reference, teacher, SFT
+and RL run on it unchanged.  This module builds the model; running it on microbatches is
+``fsdp_runner``.
 
 Parallel dims, applied in torchtitan's order:
 
@@ -33,18 +36,30 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from archon.engine.engine import ArchonEngine, EngineError
-from archon.engine.microbatch import Batch, pack, rows_of
-from archon.engine.optimizer import build_lr_scheduler, build_optimizer
+from archon.alloc import ModelAllocation
+from archon.checkpoint.state import TrainState
+from archon.config import TrainEngineConfig
+from archon.engine.checkpointing import EngineCheckpoint
+from archon.engine.errors import EngineError
+from archon.engine.fsdp_runner import TransformersRunner
+from archon.engine.interface import TrainEngine
+from archon.engine.layout import init_layout, load_model_config
+from archon.engine.microbatch import Batch, on_host
+from archon.engine.microbatch_loop import forward_microbatches, plan_rank_microbatches, train_microbatches
 from archon.engine.options import parameter_device
-from archon.engine.token_outputs import output_keys
+from archon.engine.step_loss import LossFn, LossWeightFn, StepTotals, reduce_step_totals, token_count_weight
+from archon.engine.step_runner import StepRunner
+from archon.engine.token_outputs import CollectedRows, output_keys
 from archon.engine.transformers_model import (
     TransformersModelError,
     apply_tp_plan,
@@ -59,49 +74,87 @@ from archon.engine.transformers_model import (
     wrap_blocks,
     zero_dropout,
 )
-from archon.engine.weights import named_state
+from archon.engine.weights import named_state, write_hf_folder
 from parallel.activation_checkpoint import apply_ac
 from parallel.context_parallel import check_heads_divisible
 from parallel.errors import ParallelConfigError
 from parallel.fsdp import apply_fsdp
-from parallel.loss_parallel import vocab_parallel_logprobs_entropy
 
 logger = logging.getLogger("archon.engine")
 
 
-@dataclass
-class PaddedMicrobatch:
-    """Right-padded rows (for models whose attention cannot take packed rows)."""
+class FSDPEngine(TrainEngine):
+    """``TrainEngine`` over a transformers model (``fsdp:`` allocations).
 
-    indices: list[int]
-    """Sample indices (into the global batch), one row each."""
-    seqlens: list[int]
-    """Length of each row's sequence."""
-    tokens: torch.Tensor
-    """[rows, width] token ids (one padding row when ``indices`` is empty)."""
-    attention_mask: torch.Tensor
-    """[rows, width] 1 on real tokens."""
-    n_real_tokens: int
-    """Tokens that belong to real sequences."""
-
-
-class FSDPEngine(ArchonEngine):
-    """``ArchonEngine``'s interface over a transformers model (``fsdp:`` allocations)."""
+    No MoE router bookkeeping or routing replay: those hook into Archon's own MoE layers.
+    """
 
     backend: ClassVar[str] = "fsdp"
+    """The allocation backend this engine runs."""
     engine_label: ClassVar[str] = "FSDP"
+    """How the initialization log names the engine."""
+
+    def __init__(
+        self,
+        config: TrainEngineConfig,
+        *,
+        name: str = "actor",
+        is_critic: bool = False,
+        seed: int = 1,
+        device: str = "auto",
+        temperature: float = 1.0,
+        total_steps: int = 1,
+        trainable: bool = True,
+        allocation: ModelAllocation | None = None,
+    ):
+        self.config = config
+        # ``build_engine`` parsed ``config.backend`` to pick this class and hands the result on.
+        self._allocation = allocation
+        self.name = name
+        self.is_critic = is_critic
+        self.seed = seed
+        self.device_setting = device
+        self.temperature = temperature
+        self.total_steps = max(1, total_steps)
+        self.trainable = trainable
+        # Optimizer steps taken and the random generators: what a checkpoint resumes besides the tensors.
+        self.train_state = TrainState()
+        self.model: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.lr_scheduler = None
+        # Set by initialize(): the optimizer side of a step (trainable engines) and the microbatch runner.
+        self.stepper: StepRunner | None = None
+        self.runner: TransformersRunner | None = None
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken (restored by ``load``)."""
+        return self.train_state.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.train_state.step = value
 
     # ------------------------------------------------------------------ build
     def initialize(self) -> FSDPEngine:
         cfg = self.config
-        self._init_parallel()
-        # No MoE router bookkeeping or routing replay: those hook into Archon's own MoE layers.
-        self.moe = None
-        self.routing_replay = False
+        self.layout = init_layout(
+            cfg,
+            name=self.name,
+            device=self.device_setting,
+            allocation=self._allocation,
+            backend=self.backend,
+            engine_class=type(self).__name__,
+            engine_label=self.engine_label,
+        )
+        self.device_type, self.device = self.layout.device_type, self.layout.device
+        self.allocation, self.parallel_dims = self.layout.allocation, self.layout.parallel_dims
+        self.parallelize_options = self.layout.options
+        self.train_state.device_type = self.device_type
         pd = self.parallel_dims
         # The grammar refuses p and e for fsdp:, so these hold by construction.
         assert not pd.pp_enabled and not pd.ep_enabled
-        self.hf_config = self._load_hf_config()
+        self.hf_config = load_model_config(self.name, cfg, check_spec=False)
         build_config = copy.deepcopy(self.hf_config)
         dropped = zero_dropout(build_config)
         if dropped and dist.get_rank() == 0:
@@ -142,11 +195,14 @@ class FSDPEngine(ArchonEngine):
                 if self.packed
                 else "right-padded rows: this model's attention does not take packed sequences",
             )
+        self.runner = TransformersRunner(
+            self.model, self.layout, cfg, packed=self.packed, is_critic=self.is_critic, temperature=self.temperature
+        )
         if not self.trainable:
             self.model.requires_grad_(False)
         else:
-            self.optimizer = build_optimizer(self.model.parameters(), cfg.optimizer)
-            self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.optimizer, self.total_steps)
+            self.stepper = StepRunner.for_model(self.model, cfg, self.name, self.train_state, self.total_steps)
+            self.optimizer, self.lr_scheduler = self.stepper.optimizer, self.stepper.lr_scheduler
         return self
 
     def _parallelize(self, model: torch.nn.Module) -> None:
@@ -203,8 +259,6 @@ class FSDPEngine(ArchonEngine):
     @torch.no_grad()
     def _load_weights(self, build_config) -> None:
         """Rank 0 reads (or seeds) the full weights on the CPU; every rank receives its shards."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
         assert self.model is not None  # initialize() built it
         full: dict[str, Any] = {}
         if dist.get_rank() == 0:
@@ -264,8 +318,6 @@ class FSDPEngine(ArchonEngine):
     def _reshard(self) -> None:
         """Put FSDP's root back in sharded form: its parameters stay unsharded after a forward
         (``reshard_after_forward=False``), and the optimizer must see the sharded ones."""
-        from torch.distributed.fsdp import FSDPModule
-
         if isinstance(self.model, FSDPModule):
             self.model.reshard()
 
@@ -274,64 +326,52 @@ class FSDPEngine(ArchonEngine):
         logits = out.logits
         return (logits.full_tensor() if isinstance(logits, DTensor) else logits).float()
 
-    def _pack(self, batch: Batch, indices: list[int], pad_to: int = 0):
-        if not self.packed:
-            return _pad_rows(batch, indices)
-        if self._pad_to_maximum():
-            pad_to = self.config.mb_spec.max_tokens_per_mb
-        # Sequence parallel is not used, so only Ulysses needs lengths divisible by c.
-        return pack(batch, indices, multiple_of=self.parallel_dims.cp, pad_to=pad_to)
+    # ------------------------------------------------------------------ train
+    def _plan(self, batch: Batch) -> list[list[int]]:
+        return plan_rank_microbatches(batch, self.config.mb_spec, self.layout.dp_size, self.layout.dp_rank, self.name)
 
-    # ------------------------------------------------------------------ running the model
-    def _loss_positions(self, batch, mb) -> None:
-        """Every position: transformers models compute their head over the whole sequence."""
-        return None
+    def train_batch(
+        self, batch: Batch, loss_fn: LossFn, loss_weight_fn: LossWeightFn = token_count_weight
+    ) -> dict[str, float]:
+        """Forward+backward over every microbatch, then one optimizer step; returns global stats.
 
-    def _run_model(self, mb, keep: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        assert keep is None, "the fsdp engine computes every position"
-        if isinstance(mb, PaddedMicrobatch):
-            return self._run_padded(mb)
-        tokens, inputs = self._model_inputs(mb)
-        positions = inputs["positions"]
-        kwargs = {}
-        cp_mesh = self.parallel_dims.get_optional_mesh("cp")
-        if cp_mesh is not None:
-            kwargs = dict(
-                archon_cp_group=cp_mesh.get_group(), archon_cp_size=cp_mesh.size(), archon_cu_seqlens=mb.cu_seqlens
-            )
-        assert self.model is not None, "initialize() the engine first"
-        with self._autocast():
-            out = self.model(input_ids=tokens, position_ids=positions, use_cache=False, **kwargs)
-        return self._token_outputs(self._head_output(out), mb)
+        The host waits for the device once: losses and stats stay tensors until the gradient norm
+        is read to decide the step, and they come back with it (``StepTotals.read``).
+        """
+        assert self.model is not None and self.runner is not None and self.stepper is not None, (
+            "initialize() a trainable engine first"
+        )
+        batch, total_weight, started = self.stepper.begin(self.model, batch, loss_weight_fn)
+        my_mbs = self._plan(batch)
+        grad_scale = float(self.parallel_dims.fsdp_gradient_divide_factor)
+        self.stepper.zero_grad()
+        totals = StepTotals()
+        train_microbatches(
+            self.runner,
+            self.model,
+            batch,
+            my_mbs,
+            loss_fn=loss_fn,
+            loss_weight_fn=loss_weight_fn,
+            total_weight=total_weight,
+            grad_scale=grad_scale,
+            totals=totals,
+            device=self.device,
+        )
+        outcome = self.stepper.finish(self.model.parameters(), totals, started)
+        keys, reduced = reduce_step_totals(totals, self.layout.dp_group())
+        return outcome.stats(keys, reduced)
 
-    def _head_output(self, out) -> torch.Tensor:
-        """Logits ``[b, s, V]`` (maybe a vocab-sharded DTensor), or a critic's values ``[b, s]``."""
-        logits = out.logits
-        if self.is_critic:
-            values = logits.full_tensor() if isinstance(logits, DTensor) else logits
-            return values.squeeze(-1)
-        return logits
-
-    def _run_padded(self, mb: PaddedMicrobatch) -> dict[str, torch.Tensor]:
-        """Right-padded rows through the model; the same token-aligned outputs as the packed path."""
-        assert self.model is not None, "initialize() the engine first"
-        with self._autocast():
-            out = self.model(input_ids=mb.tokens, attention_mask=mb.attention_mask, use_cache=False)
-        head = self._head_output(out)
-        if self.is_critic:
-            per_token = head.float().unsqueeze(0)
-        else:
-            targets = torch.roll(mb.tokens, -1, dims=1)
-            per_token = torch.stack(vocab_parallel_logprobs_entropy(head, targets, self.temperature))
-        anchor = per_token.sum() * 0.0
-        # Output i is about token i: shift right; each row's first token (and its padding) get 0.
-        aligned = torch.roll(per_token, 1, dims=2)
-        aligned[:, :, 0] = 0.0
-        aligned = aligned * mb.attention_mask.to(aligned.dtype)
-        width = max(mb.seqlens, default=0)
-        result = {key: rows[: len(mb.indices), :width] for key, rows in zip(output_keys(self.is_critic), aligned)}
-        result["_anchor"] = anchor
-        return result
+    # ------------------------------------------------------------------ forward
+    @torch.no_grad()
+    def forward(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """Per-token ``logprobs`` and ``entropy`` (or ``values`` for a critic), ``[B, S]``, global batch order."""
+        assert self.model is not None and self.runner is not None, "initialize() first"
+        self.model.eval()
+        batch = on_host(batch)
+        rows = CollectedRows(output_keys(self.is_critic))
+        forward_microbatches(self.runner, batch, self._plan(batch), rows, self.device)
+        return rows.assemble(tuple(batch["input_ids"].shape), self.layout.dp_group())
 
     # ------------------------------------------------------------------ weights out
     def named_full_tensors(
@@ -346,16 +386,45 @@ class FSDPEngine(ArchonEngine):
             full = (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
             yield name, full.to(dtype) if dtype is not None else full
 
-    def _export_hf_config(self) -> dict:
-        return self.export_config.to_dict()
+    def export_hf(
+        self,
+        path: str | Path,
+        dtype: torch.dtype | None = None,
+        max_shard_size: str | int = "5GB",
+        extras: bool = False,
+    ) -> None:
+        """Write an HF folder (config.json + sharded safetensors) from the sharded model; rank 0 writes.
 
+        The config is the source's with this model's class as architecture (``_export_config``).
+        """
+        write_hf_folder(
+            self.named_full_tensors(dtype, extras=extras),
+            self.export_config.to_dict(),
+            path,
+            source=self.config.path,
+            max_shard_size=max_shard_size,
+        )
 
-def _pad_rows(batch: Batch, indices: list[int]) -> PaddedMicrobatch:
-    """Rows ``indices`` right-padded to their longest; an empty microbatch is one padding token."""
-    if not indices:
-        tokens = batch["input_ids"].new_zeros(1, 1)
-        return PaddedMicrobatch([], [], tokens, torch.ones_like(tokens), 0)
-    rows = rows_of(batch, indices)
-    mask = rows["attention_mask"]
-    seqlens = [int(n) for n in mask.sum(dim=1)]
-    return PaddedMicrobatch(list(indices), seqlens, rows["input_ids"], mask, sum(seqlens))
+    # ------------------------------------------------------------------ checkpoints
+    def _checkpoint(self) -> EngineCheckpoint:
+        assert self.model is not None, "initialize() first"
+        return EngineCheckpoint(
+            self.name, self.allocation, self.model, self.optimizer, self.lr_scheduler, self.train_state
+        )
+
+    def checkpoint_states(self) -> dict[str, Stateful]:
+        """What a checkpoint of this engine holds: the model, the optimizer and LR scheduler (when trainable),
+        and the train state (step, random generators)."""
+        return self._checkpoint().states()
+
+    def save(self, path: str | Path, extra_state: dict[str, Any] | None = None) -> None:
+        """Write a resumable checkpoint to ``path`` (collective); ``extra_state`` is the caller's JSON data."""
+        self._checkpoint().save(path, extra_state)
+
+    def load(self, path: str | Path) -> dict[str, Any]:
+        """Resume from a checkpoint written by ``save`` (any allocation; collective); returns its extra state."""
+        return self._checkpoint().load(path)
+
+    def checkpoint_nbytes(self) -> float:
+        """This rank's share of one checkpoint's bytes: parameters, and AdamW's two moments with an optimizer."""
+        return self._checkpoint().nbytes()

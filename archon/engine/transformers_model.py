@@ -30,6 +30,11 @@ import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
+from models.common.attention import CoreAttention
+from models.common.packing import packed_causal_mask
+from parallel.context_parallel import heads_to_sequence, kv_repeats_for_cp, sequence_to_heads
+from parallel.fqn import clean_fqn
+
 logger = logging.getLogger("archon.engine")
 
 ULYSSES_ATTENTION = "archon_ulysses"
@@ -123,8 +128,6 @@ def restore_buffers(model: nn.Module, buffers: dict[str, torch.Tensor], device: 
     Every buffer ends on the compute ``device``: under CPU offload ``to_empty`` put them on the
     CPU with the parameters, and FSDP moves parameters only.
     """
-    from parallel.fqn import clean_fqn
-
     for name, buf in model.named_buffers():
         saved = buffers.get(clean_fqn(name))
         if saved is not None:
@@ -295,8 +298,6 @@ def ulysses_attention(
     ``archon_cu_seqlens`` through the model's keyword arguments.  Returns ``[batch, seq/cp,
     heads, head_dim]`` as transformers' attention functions do.
     """
-    from parallel.context_parallel import heads_to_sequence, kv_repeats_for_cp, sequence_to_heads
-
     group, cp, cu_seqlens = (kwargs.get(k) for k in ("archon_cp_group", "archon_cp_size", "archon_cu_seqlens"))
     cp = cast(int, cp)  # the engine passes it with the group
     name = type(module).__name__
@@ -345,9 +346,6 @@ def packed_attention(
     The plain case is Archon's ``CoreAttention`` (FlashAttention varlen on CUDA, masked SDPA on
     CPU); a sliding window or logit soft-capping (Gemma-2) takes an explicit masked softmax.
     """
-    from models.common.attention import CoreAttention
-    from models.common.packing import packed_causal_mask
-
     if not sliding_window and not softcap:
         return CoreAttention(scale)(q, k, v, cu_seqlens=cu_seqlens)
     seqlen = q.shape[1]

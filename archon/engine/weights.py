@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from archon.config import ConfigError
+from models import get_model_spec, read_hf_config, save_hf_tensors
 from parallel.fqn import clean_fqn
 from pipeline import PipelinedModel
 
@@ -124,8 +125,6 @@ def write_hf_folder(
 
     ``source``'s ``generation_config.json`` (EOS ids, sampling defaults) is copied along.
     """
-    from models import save_hf_tensors
-
     on_cpu = ((n, t.cpu()) for n, t in tensors)
     if dist.get_rank() == 0:
         save_hf_tensors(on_cpu, hf_config, path, max_shard_size=max_shard_size)
@@ -146,8 +145,6 @@ def load_hf_config(name: str, source: str, check_spec: bool) -> Any:
     for an unsupported model, before transformers' paragraph about it).
     """
     from transformers import AutoConfig
-
-    from models import get_model_spec, read_hf_config
 
     if not source:
         raise ConfigError(

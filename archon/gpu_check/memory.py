@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoConfig
 
 import models
-from archon.engine import ArchonEngine
+from archon.engine import TrainEngine
 from archon.engine.weights import init_from_seed
 from archon.gpu_check import tiny
 from archon.gpu_check.table import Context, Outcome, judge
@@ -178,7 +178,7 @@ def check_offload(ctx: Context) -> Outcome:
     return judge(not problems, measured, tolerance, "; ".join(problems), note=note)
 
 
-def max_weight_gap(a: ArchonEngine, b: ArchonEngine) -> float:
+def max_weight_gap(a: TrainEngine, b: TrainEngine) -> float:
     """Largest absolute difference between two engines' full tensors, routing bias included."""
     ta, tb = dict(a.named_full_tensors(extras=True)), dict(b.named_full_tensors(extras=True))
     assert ta.keys() == tb.keys(), "both engines build the same model"

@@ -23,7 +23,7 @@ import torch
 
 import models
 from archon.config import load_config
-from archon.engine import ArchonEngine
+from archon.engine import TrainEngine
 from archon.gpu_check import tiny
 from archon.gpu_check.environment import package_version
 from archon.gpu_check.table import Context, Outcome, judge, skip
@@ -46,7 +46,7 @@ def prompts(vocab: int, n: int = 4) -> list[list[int]]:
     ]
 
 
-def engine_logprobs(engine: ArchonEngine, rows: list[list[int]]) -> list[list[float]]:
+def engine_logprobs(engine: TrainEngine, rows: list[list[int]]) -> list[list[float]]:
     """``engine.forward`` token logprobs of every row (position i: log p(row[i] | row[:i]))."""
     width = max(map(len, rows))
     batch = {

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from archon.config import ArchonEngineConfig, MicroBatchSpec, OptimizerConfig, TrainEngineConfig
-from archon.engine import ArchonEngine, build_engine
+from archon.engine import TrainEngine, build_engine
 from archon.engine.dist import init_distributed
 from archon.gpu_check.table import Context
 
@@ -130,14 +130,14 @@ def engine_config(folder: str, dtype: str = "float32", **overrides: Any) -> Trai
 
 def new_engine(
     ctx: Context, config: TrainEngineConfig, device: str, total_steps: int = 3, seed: int = 1
-) -> ArchonEngine:
+) -> TrainEngine:
     """An initialised engine on ``device`` ('cpu' or 'cuda'); the process group matches the run's device."""
     # Joined once with the run's device (NCCL next to gloo on a GPU run), so CPU engines work there too.
     init_distributed(ctx.device.type)
     return build_engine(config, device=device, total_steps=total_steps, seed=seed).initialize()
 
 
-def train(engine: ArchonEngine, steps: int, first: int = 0) -> list[dict[str, float]]:
+def train(engine: TrainEngine, steps: int, first: int = 0) -> list[dict[str, float]]:
     """Stats of ``steps`` SFT steps on ``make_batch(first), make_batch(first + 1), ...``."""
     return [engine.train_batch(make_batch(first + s), sft_loss, sft_weight) for s in range(steps)]
 

@@ -21,7 +21,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from archon.config import load_config
 from archon.errors import user_error_types
+from archon.launch.common import load_run
+from archon.launch.ray_cluster import launch_ray
+from archon.launch.serve import prepare_run, serve_node
+from archon.launch.slurm import build_job, default_script_path, dry_run_text, log_path, render_script, submit
 
 COMMANDS = ("slurm", "ray", "serve-node", "prepare")
 
@@ -63,8 +68,6 @@ def _parser(command: str) -> argparse.ArgumentParser:
 
 
 def _slurm(args: argparse.Namespace) -> int:
-    from archon.launch.common import load_run
-    from archon.launch.slurm import build_job, default_script_path, dry_run_text, log_path, render_script, submit
 
     cfg, plan = load_run(args.config, args.overrides, args.job)
     job = build_job(cfg, plan, args.config, args.overrides, args.job, args.rdzv_port, args.sbatch_arg)
@@ -85,8 +88,6 @@ def _slurm(args: argparse.Namespace) -> int:
 
 
 def _ray(args: argparse.Namespace) -> int:
-    from archon.launch.common import load_run
-    from archon.launch.ray_cluster import launch_ray
 
     cfg, plan = load_run(args.config, args.overrides, args.job)
     return launch_ray(
@@ -95,16 +96,12 @@ def _ray(args: argparse.Namespace) -> int:
 
 
 def _serve_node(args: argparse.Namespace) -> int:
-    from archon.config import load_config
-    from archon.launch.serve import serve_node
 
     cfg = load_config(args.config, args.overrides)
     return serve_node(cfg, args.node, args.server, args.gpus, args.host)
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    from archon.config import load_config
-    from archon.launch.serve import prepare_run
 
     prepare_run(load_config(args.config, args.overrides))
     return 0

@@ -52,6 +52,7 @@ from archon.config import Config
 from archon.errors import ClusterError
 from archon.launch.common import LaunchError, entry_point, run_args
 from archon.launch.discovery import DIRECTORY_NAME, LAUNCH_ID_ENV, REGISTRY_ENV, ServerDirectory
+from archon.launch.servers import die_with_parent
 from archon.plan import ClusterPlan, Job, Process
 from archon.wire.auth import API_KEY_ENV, generate_api_key
 
@@ -99,8 +100,6 @@ class ProcessSlot:
         self, name: str, argv: list[str], env: dict[str, str], cwd: str, log_path: str, echo: bool
     ) -> dict[str, Any]:
         """Start ``argv`` (``python`` is this node's interpreter) in its own session; what it got."""
-        from archon.launch.servers import die_with_parent
-
         argv = [sys.executable if i == 0 and a == "python" else a for i, a in enumerate(argv)]
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         self._log_path = log_path

@@ -62,9 +62,9 @@ from archon.launch.server_commands import (
     vllm_model_view,
 )
 from archon.plan import ClusterPlan, Process, plan_for_config
-from archon.plan.cpu_cores import share_of_slots
 from archon.rollout.server_api import HEALTH_PROBE_TIMEOUT_S
 from archon.rollout.tied_embeddings import untied_view
+from archon.runtime.cpu_pinning import share_of_slots
 from archon.wire.auth import API_KEY_ENV, generate_api_key, write_api_key
 
 logger = logging.getLogger("archon.launch.servers")

@@ -36,6 +36,7 @@ from archon.config import Config
 from archon.errors import ClusterError
 from archon.launch.common import describe_gpus, entry_point, python_executable, run_args
 from archon.launch.discovery import LAUNCH_ID_ENV, REGISTRY_ENV
+from archon.launch.servers import build_launch_specs
 from archon.plan import ClusterPlan, Job
 
 DEFAULT_RDZV_PORT = 29500
@@ -248,8 +249,6 @@ def _display(tokens: Sequence[str]) -> str:
 
 def dry_run_text(job: SlurmJob, cfg: Config) -> str:
     """Each node's commands and environment, as the script would run them."""
-    from archon.launch.servers import build_launch_specs
-
     plan = job.plan
     out = [
         f"Slurm job '{job.name}': {plan.n_nodes} node(s); plan node n runs on ${{NODES[n]}}, the n-th host of "

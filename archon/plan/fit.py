@@ -24,6 +24,7 @@ from archon.plan.memory import (
     Workload,
     estimate_training_rank,
     model_args_of,
+    param_groups,
     process_terms,
     read_model_config,
     usable_gpu_bytes,
@@ -226,8 +227,6 @@ def estimate_server_gpu(cfg: Config, hf: dict[str, Any], gpu: int) -> Estimate |
     rollout = cfg.allocations()["rollout"]
     if rollout.backend != "sglang":
         return None
-    from archon.plan.memory import param_groups
-
     spec, args = model_args_of(hf)
     t, p = rollout.parallel.tp_size, rollout.parallel.pp_size
     weight_bytes = _KV_BYTES.get(cfg.sglang.dtype, 2)

@@ -21,19 +21,27 @@ import dataclasses
 import json
 import logging
 import math
-import multiprocessing as mp
-import multiprocessing.connection as mp_connection
 import os
 import tempfile
 import time
-import traceback
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+import torch.distributed as dist
+
 from archon.alloc import ModelAllocation
+from archon.config import load_config
+from archon.engine.engine import ArchonEngine  # loaded before forking, so no rank pays for it
+from archon.errors import user_error_types
+from archon.plan.memory import read_model_config
+from archon.runtime.fork_ranks import RankError, run_ranks
+from archon.sft import loss_token_count, sft_loss_fn
+from models.model_args import read_num_experts
+from pipeline.schedules import microbatch_count, required_stages_per_rank
 
 if TYPE_CHECKING:
     from archon.config import Config, TrainEngineConfig
@@ -88,8 +96,6 @@ def _multiple(value: int, of: int) -> int:
 
 def shrink(hf: dict[str, Any], engine: TrainEngineConfig) -> Rehearsal:
     """The smallest model of ``hf``'s type that ``engine.backend`` still splits, and the CPU engine config."""
-    from models.model_args import read_num_experts
-    from pipeline.schedules import microbatch_count, required_stages_per_rank
 
     alloc = ModelAllocation.from_str(engine.backend)
     p = alloc.parallel
@@ -188,8 +194,6 @@ def shrink(hf: dict[str, Any], engine: TrainEngineConfig) -> Rehearsal:
 
 
 def _batch(step: int, sequences: int, vocab: int) -> dict[str, Any]:
-    import torch
-
     g = torch.Generator().manual_seed(7919 + step)
     lens = torch.randint(8, 25, (sequences,), generator=g).tolist()
     width = max(lens)
@@ -206,11 +210,10 @@ def _batch(step: int, sequences: int, vocab: int) -> dict[str, Any]:
 def _train(
     engine_cfg: Any, model_dir: str, steps: int, sequences: int, vocab: int, seed: int
 ) -> list[dict[str, float]]:
-    import torch.distributed as dist
-
-    from archon.engine.engine import ArchonEngine
-    from archon.sft import loss_token_count, sft_loss_fn
-
+    # torch's pipeline runtime logs the whole schedule of every rank on a failure, and DTensor/FSDP warn
+    # about CPU meshes once per rank; the report says what matters.
+    logging.getLogger("torch.distributed.pipelining").setLevel(logging.CRITICAL)
+    warnings.simplefilter("ignore", UserWarning)
     cfg = dataclasses.replace(engine_cfg, model_config=model_dir)
     engine = ArchonEngine(cfg, seed=seed, device="cpu", total_steps=steps).initialize()
     stats = []
@@ -220,94 +223,12 @@ def _train(
     return stats if dist.get_rank() == 0 else []
 
 
-def _child(conn: Any, port_conn: Any, rank: int, world: int, fn: Callable, args: tuple) -> None:
-    from datetime import timedelta
-
-    import torch
-    import torch.distributed as dist
-
-    from archon.engine.dist import init_forked_group
-
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-    # torch's pipeline runtime logs the whole schedule of every rank on a failure, and DTensor/FSDP warn
-    # about CPU meshes once per rank; the report says what matters.
-    logging.getLogger("torch.distributed.pipelining").setLevel(logging.CRITICAL)
-    warnings.simplefilter("ignore", UserWarning)
-    # One intra-op thread per rank: forked ranks must not open OpenMP regions, and the ranks share the cores.
-    torch.set_num_threads(1)
-    try:
-        init_forked_group(
-            "gloo",
-            rank,
-            world,
-            timedelta(minutes=30),
-            send_port=lambda port: conn.send_bytes(json.dumps(["port", port]).encode()),
-            receive_port=port_conn.recv,
-        )
-        conn.send_bytes(json.dumps(["ok", fn(*args)]).encode())  # per-step floats: JSON, not pickle
-    except BaseException:  # noqa: BLE001 - every failure must reach the parent
-        try:
-            conn.send_bytes(json.dumps(["err", traceback.format_exc()]).encode())
-        finally:
-            os._exit(1)
-    try:
-        dist.barrier()
-        dist.destroy_process_group()
-    finally:
-        # gloo may abort at interpreter exit after all work succeeded; the report is what counts.
-        os._exit(0)
-
-
-def run_ranks(fn: Callable, world: int, *args: Any, timeout_s: float = 3600.0) -> list[Any]:
+def _run_ranks(fn: Callable, world: int, *args: Any) -> list[Any]:
     """``fn(*args)`` on ``world`` forked processes that form a gloo group; their results by rank."""
-    import torch  # noqa: F401  (imported before forking, so no rank pays for it)
-
-    from archon.engine.dist import relay_store_port  # the ranks' init_forked_group too, loaded before forking
-
-    ctx = mp.get_context("fork")
-    procs, conns, port_conns = [], [], []
-    for rank in range(world):
-        parent, child = ctx.Pipe(duplex=False)
-        port_in, port_out = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_child, args=(child, port_in, rank, world, fn, args), daemon=True)
-        proc.start()
-        child.close()
-        port_in.close()
-        procs.append(proc)
-        conns.append(parent)
-        port_conns.append(port_out)
-    results: list[Any] = [None] * world
-    pending = set(range(world))
-    deadline = time.monotonic() + timeout_s
     try:
-        while pending:
-            if time.monotonic() > deadline:
-                raise RehearsalError(f"ranks {sorted(pending)} did not finish within {timeout_s:.0f} s")
-            for conn in mp_connection.wait([conns[r] for r in pending], timeout=1.0):
-                rank = conns.index(conn)
-                try:
-                    status, payload = json.loads(conns[rank].recv_bytes())
-                except EOFError:
-                    raise RehearsalError(
-                        f"rank {rank} died without reporting (exit code {procs[rank].exitcode})"
-                    ) from None
-                if status == "port":  # rank 0 hosts the group's store: tell the others where
-                    relay_store_port(payload, port_conns[1:])
-                    continue
-                if status == "err":
-                    last = payload.strip().splitlines()[-1] if payload.strip() else "unknown error"
-                    raise RehearsalError(f"rank {rank} failed: {last}", payload)
-                results[rank] = payload
-                pending.discard(rank)
-    finally:
-        for proc in procs:
-            proc.join(timeout=10 if not pending else 0.1)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-        for conn in conns + port_conns:
-            conn.close()
-    return results
+        return run_ranks(fn, world, args, timeout_s=3600.0, group_timeout_s=30 * 60.0)
+    except RankError as exc:
+        raise RehearsalError(str(exc), exc.details) from exc
 
 
 def _first_difference(layout: list[dict[str, float]], reference: list[dict[str, float]]) -> str | None:
@@ -323,8 +244,6 @@ def _first_difference(layout: list[dict[str, float]], reference: list[dict[str, 
 
 def rehearse(cfg: Config, steps: int = 3) -> tuple[Rehearsal, RehearsalResult]:
     """Train the shrunken model under the actor's allocation and under archon:d1; compare the steps."""
-    from archon.plan.memory import read_model_config
-
     plan = shrink(read_model_config(cfg.actor), cfg.actor)
     world = ModelAllocation.from_str(plan.engine.backend).world_size
     vocab = int(plan.hf_config["vocab_size"])
@@ -333,18 +252,15 @@ def rehearse(cfg: Config, steps: int = 3) -> tuple[Rehearsal, RehearsalResult]:
         model_dir.mkdir()
         (model_dir / "config.json").write_text(json.dumps(plan.hf_config, indent=1))
         start = time.perf_counter()
-        layout = run_ranks(_train, world, plan.engine, str(model_dir), steps, plan.sequences, vocab, cfg.seed)[0]
+        layout = _run_ranks(_train, world, plan.engine, str(model_dir), steps, plan.sequences, vocab, cfg.seed)[0]
         one = dataclasses.replace(plan.engine, backend="archon:d1")
-        reference = run_ranks(_train, 1, one, str(model_dir), steps, plan.sequences, vocab, cfg.seed)[0]
+        reference = _run_ranks(_train, 1, one, str(model_dir), steps, plan.sequences, vocab, cfg.seed)[0]
         seconds = time.perf_counter() - start
     return plan, RehearsalResult(layout, reference, seconds, _first_difference(layout, reference))
 
 
 def main(argv: Sequence[str]) -> int:
     from rich.console import Console
-
-    from archon.config import load_config
-    from archon.errors import user_error_types
 
     parser = argparse.ArgumentParser(
         prog="python -m archon.plan rehearse",

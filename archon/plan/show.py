@@ -15,13 +15,20 @@ import json
 import sys
 from collections.abc import Sequence
 
-from archon.plan.layout import ClusterPlan, Process
+from rich.console import Console
+from rich.table import Table
+
+from archon.alloc import ModelAllocation
+from archon.config import load_config
+from archon.errors import user_error_types
+from archon.placement import ClusterPlan, Process
+from archon.plan import layout
+from archon.plan.fit import check_fit
+from archon.plan.memory import GiB, MemoryEstimateError
 
 
 def _coordinates(rank: int, alloc: str) -> str:
     """pp/dp/cp/tp coordinates of a training rank (ranks are laid out [pp, dp, cp, tp], tp fastest)."""
-    from archon.alloc import ModelAllocation
-
     p = ModelAllocation.from_str(alloc).parallel
     tp, rest = rank % p.tp_size, rank // p.tp_size
     cp, rest = rest % p.cp_size, rest // p.cp_size
@@ -43,8 +50,6 @@ def _describe(proc: Process, plan: ClusterPlan) -> str:
 
 def plan_table(plan: ClusterPlan):
     """A rich Table: one row per process (node, GPUs, role, process) and one per idle GPU range."""
-    from rich.table import Table
-
     table = Table(title=f"Cluster plan: {plan.n_nodes} node(s) x {plan.n_gpus_per_node} GPUs")
     for col in ("node", "GPUs", "role", "process"):
         table.add_column(col, justify="right" if col == "node" else "left", no_wrap=True)
@@ -60,9 +65,6 @@ def plan_table(plan: ClusterPlan):
 
 
 def _print_memory(console, cfg, job: str, device: str) -> bool:
-    from archon.plan.fit import check_fit
-    from archon.plan.memory import GiB, MemoryEstimateError
-
     try:
         report = check_fit(cfg, job, device)
     except MemoryEstimateError as exc:
@@ -102,12 +104,6 @@ def _print_memory(console, cfg, job: str, device: str) -> bool:
 
 
 def main_plan(argv: Sequence[str]) -> int:
-    from rich.console import Console
-
-    from archon.config import load_config
-    from archon.errors import user_error_types
-    from archon.plan.layout import plan_for_config
-
     parser = argparse.ArgumentParser(
         prog="python -m archon.plan",
         description="Print where every process of a run goes and whether it fits "
@@ -128,7 +124,7 @@ def main_plan(argv: Sequence[str]) -> int:
     console = Console() if sys.stdout.isatty() else Console(width=200)
     try:
         cfg = load_config(args.config, args.overrides, job=args.job)
-        plan = plan_for_config(cfg, args.job)
+        plan = layout.plan_for_config(cfg, args.job)
     except user_error_types() as exc:
         Console(stderr=True).print(f"[bold red]error:[/] {exc}", highlight=False)
         return 2

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from archon.config import ActorConfig
-from archon.engine.engine import ArchonEngine
+from archon.engine import TrainEngine
 from archon.rl.distill import distillation_loss
 from archon.rl.losses import aggregate, loss_weight, make_actor_loss_fn
 from archon.rl.offpolicy import proximal_metrics, proximal_sums
@@ -40,7 +40,7 @@ def mean_stats(per_step: list[dict[str, float]], prefix: str) -> dict[str, float
 class PPOActor:
     """Policy updates with PPO-family losses; ``compute_logprobs`` for old/proximal logprobs."""
 
-    def __init__(self, engine: ArchonEngine, cfg: ActorConfig, *, max_new_tokens: int):
+    def __init__(self, engine: TrainEngine, cfg: ActorConfig, *, max_new_tokens: int):
         self.engine = engine
         self.cfg = cfg
         self.agg_mode = cfg.loss_agg_mode
@@ -165,7 +165,7 @@ class ReferenceModel:
     """A frozen model scoring sampled tokens: the reference for KL terms, or the distillation teacher
     (its own engine and allocation)."""
 
-    def __init__(self, engine: ArchonEngine):
+    def __init__(self, engine: TrainEngine):
         self.engine = engine
 
     @torch.no_grad()

@@ -1,7 +1,8 @@
 """Asynchronous RL: rollout keeps generating while the trainer trains, within a bound on staleness.
 
 With ``rollout.max_head_offpolicyness = k > 0`` the trainer (``archon.rl.trainer``) takes its
-batches from ``AsyncRollout`` instead of generating them itself.  The design follows AReaL's
+batches from ``AsyncRollout``, the asynchronous ``RolloutStrategy`` (``archon.rl.rollout_strategy``
+has the interface and the synchronous one).  The design follows AReaL's
 (workflow executor, staleness manager, interruptible generation); what differs is said below.
 
 Versions.  Version ``v`` is the policy after ``v`` RL steps; the servers hold version ``v`` once
@@ -51,23 +52,25 @@ import concurrent.futures
 import copy
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
+import torch.distributed as dist
+
+from archon.data.rl_dataset import PromptLoader, PromptSample
 from archon.rl.dynamic_filter import collect_mixed_groups
 from archon.rl.offpolicy import staleness_metrics
 from archon.rl.rank0 import run_on_rank0
 from archon.rl.rollout_batch import Completion
-from archon.rollout.control import gather_or_cancel
-
-if TYPE_CHECKING:
-    from archon.data.rl_dataset import PromptLoader, PromptSample
-    from archon.rl.trainer import RLTrainer
+from archon.rl.rollout_strategy import RolloutInputs, RolloutStrategy, StepRollout, rollout_seed
+from archon.rl.scoring import ScoreFn
+from archon.rollout.aio import gather_or_cancel
 
 logger = logging.getLogger("archon.rl")
 
-ScoreFn = Callable[[Sequence["PromptSample"], Sequence[Completion]], list[float]]
+STATE_KEY = "async_rollout"
+"""The checkpoint's extra-state entry of ``AsyncRollout.state_dict``."""
 
 
 def continuation_seed(seed: int, n_tokens: int) -> int:
@@ -252,8 +255,6 @@ class RolloutWorker:
             self._finished[rnd.index] = rnd
 
     async def _generate_round(self, r: int, prompts: list[PromptSample]) -> tuple[list[Completion], float]:
-        from archon.rl.trainer import rollout_seed
-
         t0 = time.perf_counter()
         params = [{**self.sampling, "sampling_seed": rollout_seed(self.seed, r + 1, i)} for i in range(len(prompts))]
         try:
@@ -397,48 +398,54 @@ def fork_loader(loader: PromptLoader) -> PromptLoader:
     return fork
 
 
-class AsyncRollout:
-    """Every training rank's side of asynchronous rollout (built by ``RLTrainer`` when k > 0).
+class AsyncRollout(RolloutStrategy):
+    """Every training rank's side of asynchronous rollout (the strategy when k > 0).
 
     Rank 0 runs the ``RolloutWorker``; each round reaches every rank through a broadcast, and
     every rank advances its own data loader by the rounds its steps take, so the checkpointed
     data position counts exactly the trajectories that were trained.
     """
 
-    def __init__(self, trainer: RLTrainer, *, start_step: int, state: dict[str, Any] | None = None):
-        cfg = trainer.cfg
-        self.trainer = trainer
-        self.k = cfg.rollout.max_head_offpolicyness
-        self.group_size = cfg.gconfig.n_samples
-        self.rounds_taken = int((state or {}).get("rounds_taken", start_step))
+    off_policy = True
+
+    def __init__(
+        self, inputs: RolloutInputs, *, start_step: int, total_steps: int, resumed: Mapping[str, Any], decoupled: bool
+    ):
+        """``start_step``: the last step trained (the version the servers hold); ``resumed``: the checkpoint's
+        extra state (empty for a new run); ``decoupled``: whether the PPO ratio is taken against recomputed
+        proximal logprobs (a warning says what happens without)."""
+        cfg = inputs.rollout
+        self.inputs = inputs
+        self.k = cfg.max_head_offpolicyness
+        state = resumed.get(STATE_KEY) or {}
+        self.rounds_taken = int(state.get("rounds_taken", start_step))
         self.worker: RolloutWorker | None = None
-        partial = cfg.rollout.partial_rollout
-        if hasattr(trainer.weight_sync, "pause_mode"):
+        partial = cfg.partial_rollout
+        if hasattr(inputs.weight_sync, "pause_mode"):
             # The broadcast's own pause must keep requests (retract) rather than end them.
-            cast(Any, trainer.weight_sync).pause_mode = cfg.rollout.pause_generation_mode if partial else None
+            cast(Any, inputs.weight_sync).pause_mode = cfg.pause_generation_mode if partial else None
 
         def start() -> None:
+            assert inputs.score is not None  # rank 0 started the reward workers at setup
             self.worker = RolloutWorker(
-                trainer.client,
-                fork_loader(trainer.loader),
-                sampling=trainer.sampling,
-                seed=cfg.seed,
+                inputs.client,
+                fork_loader(inputs.loader),
+                sampling=inputs.sampling,
+                seed=inputs.seed,
                 max_offpolicyness=self.k,
-                score_fn=trainer._score,
+                score_fn=inputs.score,
                 version=start_step,
                 rounds_taken=self.rounds_taken,
                 steps_started=start_step,
                 partial_rollout=partial,
-                pause_mode=cfg.rollout.pause_generation_mode,
-                max_concurrency=cfg.rollout.max_concurrent_rollouts,
-                max_rounds=None
-                if cfg.dynamic_filter.enable
-                else self.rounds_taken + cfg.total_train_steps - start_step,
+                pause_mode=cfg.pause_generation_mode,
+                max_concurrency=cfg.max_concurrent_rollouts,
+                max_rounds=None if inputs.dynamic_filter.enable else self.rounds_taken + total_steps - start_step,
             )
             self.worker.start()
 
         run_on_rank0(start, "starting asynchronous rollout")
-        if trainer.rank0:
+        if dist.get_rank() == 0:
             logger.info(
                 "asynchronous rollout: up to %d policy versions of staleness, %s",
                 self.k,
@@ -446,7 +453,7 @@ class AsyncRollout:
                 if partial
                 else "each round generated by one version (reproducible)",
             )
-            if not (cfg.actor.use_decoupled_loss or cfg.actor.recompute_logprob):
+            if not decoupled:
                 logger.warning(
                     "rollout.max_head_offpolicyness = %d without actor.use_decoupled_loss: the PPO ratio "
                     "is taken against the behaviour policy, up to %d versions old, and clipped around it; "
@@ -465,7 +472,7 @@ class AsyncRollout:
 
         indices, completions, rewards, timing = run_on_rank0(take, f"rollout of step {step}")
         # Every rank keeps the data position of what was trained; it must be what rank 0 generated.
-        expected = [p.index for p in self.trainer.loader.next_rollout_batch()]
+        expected = [p.index for p in self.inputs.loader.next_rollout_batch()]
         if expected != indices:
             raise RuntimeError(
                 f"asynchronous rollout of step {step} generated prompts {indices[:4]}.. where the "
@@ -474,13 +481,14 @@ class AsyncRollout:
         self.rounds_taken += 1
         return completions, rewards, {**timing, "async/wait_s": time.perf_counter() - t0}
 
-    def collect(self, step: int) -> tuple[list[Completion], list[float], dict[str, float]]:
-        """Step ``step``'s completions, rewards and metrics (rollout timings, staleness)."""
-        dyn = self.trainer.cfg.dynamic_filter
+    def next_batch(self, step: int) -> StepRollout:
+        """Step ``step``'s completions, rewards and metrics (rollout timings, staleness); its tokens of
+        version ``step - 1`` (the one it trains) are the mismatch's."""
+        dyn = self.inputs.dynamic_filter
         if dyn.enable:
             completions, rewards, timing = collect_mixed_groups(
                 lambda round_idx: self._take(step, new_step=round_idx == 0),
-                group_size=self.group_size,
+                group_size=self.inputs.n_samples,
                 max_rounds=dyn.max_num_gen_batches,
             )
         else:
@@ -494,24 +502,23 @@ class AsyncRollout:
             )
         # Where the data loader stands after this step (epoch * prompts + position): equal in a
         # resumed run and an uninterrupted one when no prompt was lost or taken twice.
-        sampler = self.trainer.loader.sampler
+        sampler = self.inputs.loader.sampler
         metrics["async/data_position"] = float(sampler.epoch * sampler.n + sampler.position)
         if self.worker is not None:
             metrics["async/resubmitted"] = float(self.worker.resubmitted)
-        return completions, rewards, {**timing, **metrics}
+        return StepRollout(completions, rewards, {**timing, **metrics}, fresh_version=step - 1)
 
     def _rank0_worker(self) -> RolloutWorker:
         assert self.worker is not None  # rank 0 started it in __init__
         return self.worker
 
     def sync_weights(self, step: int) -> dict[str, float]:
-        """Collective: publish version ``step`` to the servers around the rollout in flight."""
+        """Publish version ``step`` to the servers around the rollout in flight."""
         waited = run_on_rank0(
             lambda: self._rank0_worker().before_update(), f"pausing rollout for the weights of step {step}"
         )
-        assert self.trainer.weight_sync is not None  # built in the trainer's setup
         # The worker holds back every request until after_update, so the sync need not pause the servers.
-        stats = self.trainer.weight_sync.sync(str(step), servers_quiet=True)
+        stats = self.inputs.weight_sync.sync(str(step), servers_quiet=True)
         run_on_rank0(
             # Not waited for (~1 ms of the loop thread's time a step): take() or the next update
             # raises its failure.
@@ -521,7 +528,7 @@ class AsyncRollout:
         return {**stats, "async/update_wait_s": waited}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"rounds_taken": self.rounds_taken}
+        return {STATE_KEY: {"rounds_taken": self.rounds_taken}}
 
     def close(self) -> None:
         if self.worker is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from archon.config import CriticConfig
-from archon.engine.engine import ArchonEngine
+from archon.engine import TrainEngine
 from archon.rl.actor import mean_stats
 from archon.rl.losses import loss_weight, make_critic_loss_fn
 from archon.rl.rollout_batch import ppo_minibatches
@@ -16,7 +16,7 @@ Batch = dict[str, torch.Tensor]
 class PPOCritic:
     """Values before each token (``compute_values``) and value-function updates (``ppo_update``)."""
 
-    def __init__(self, engine: ArchonEngine, cfg: CriticConfig, *, agg_mode: str, max_new_tokens: int):
+    def __init__(self, engine: TrainEngine, cfg: CriticConfig, *, agg_mode: str, max_new_tokens: int):
         self.engine = engine
         self.cfg = cfg
         self.agg_mode = agg_mode

@@ -3,56 +3,53 @@
 Every training rank runs this loop.  Rank 0 talks to the rollout servers and the reward
 workers and broadcasts what it got; then every rank holds the whole rollout batch and each
 engine (actor, critic, reference; each with its own allocation over the same ranks) takes
-its data-parallel share of it.  Sampling seeds depend only on ``seed``, the step and the
-sample's index, so a run does not depend on the allocation and a resumed run repeats an
-uninterrupted one.  With ``rollout.max_head_offpolicyness > 0`` the batches come from
-``archon.rl.async_rollout``, which keeps generating while the ranks train.
+its data-parallel share of it.  The batches come from a rollout strategy built at setup
+(``archon.rl.rollout_strategy``): synchronous, or with ``rollout.max_head_offpolicyness > 0``
+asynchronous (``archon.rl.async_rollout``), which keeps generating while the ranks train.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 
+from archon.checkpoint.manager import CheckpointManager
+from archon.cli import init_run
 from archon.config import Config, ConfigError
-from archon.data.rl_dataset import COMPLETION_IDS
-from archon.engine import ArchonEngine, build_engine
+from archon.data.encoding import load_tokenizer
+from archon.data.rl_dataset import PromptLoader, RLPromptDataset
+from archon.engine import ArchonEngine, TrainEngine, build_engine
+from archon.launch.discovery import server_source
+from archon.launch.recovery import ServerSupervisor
+from archon.metrics import MetricsLogger, peak_memory_gb
 from archon.rl.actor import PPOActor, ReferenceModel
 from archon.rl.advantages import check_advantage_options, compute_advantages
+from archon.rl.async_rollout import AsyncRollout
 from archon.rl.critic import PPOCritic
-from archon.rl.dynamic_filter import collect_mixed_groups
 from archon.rl.kl import KLController, kl_estimate
 from archon.rl.losses import aggregate
 from archon.rl.mismatch import MismatchMonitor
 from archon.rl.offpolicy import MISMATCH, behaviour_ratio_metrics, mismatch
 from archon.rl.rank0 import RankZeroError, run_on_rank0  # noqa: F401 - RankZeroError is public here
-from archon.rl.rollout_batch import FRESH_MASK, Completion, build_rollout_batch, routed_experts_array
-from archon.rl.server_recovery import generate_or_recover, recover_servers, sync_with_recovery
+from archon.rl.rewards import RewardComputer, get_reward_fn
+from archon.rl.rollout_batch import FRESH_MASK, build_rollout_batch
+from archon.rl.rollout_strategy import RolloutInputs, RolloutStrategy, SyncRollout
+from archon.rl.scoring import CompletionScorer
 from archon.rl.weight_check import ServerWeightCheck, default_tolerance, weight_check_freq
-from archon.runtime.drill import drill_point
+from archon.rollout.client import RolloutClient
+from archon.rollout.server_api import sampling_params
+from archon.rollout.weight_sync import WeightSync, server_dtype, weight_sync_for
 from archon.runtime.gc_freeze import freeze_startup_objects, thaw_startup_objects
 
 if TYPE_CHECKING:
     from archon.launch.discovery import PublishedServers
-    from archon.launch.recovery import ServerSupervisor
     from archon.launch.servers import RolloutLauncher
-    from archon.rl.rewards import RewardComputer
-    from archon.rollout.client import RolloutClient
-    from archon.rollout.weight_sync import WeightSync
 
 logger = logging.getLogger("archon.rl")
-
-_SEED_MOD = 2**31 - 1
-
-
-def rollout_seed(seed: int, step: int, index: int) -> int:
-    """The sampling seed of sample ``index`` of RL step ``step``: a function of these only."""
-    return (seed * 1_000_003 + step * 65_537 + index * 7_919 + 12_345) % _SEED_MOD
 
 
 def resolved_group_size(cfg: Config) -> int:
@@ -100,9 +97,7 @@ class RLTrainer:
         self.rewards: RewardComputer | None = None
         self.weight_sync: WeightSync | None = None
         self.supervisor: ServerSupervisor | None = None
-        self.served_version: str | None = None  # weights the servers hold (None: actor.path's)
-        # rollout.max_head_offpolicyness > 0: batches come from archon.rl.async_rollout.
-        self.async_rollout = None
+        self.rollout: RolloutStrategy | None = None  # built by setup(): where each step's batch comes from
         self.weight_check: ServerWeightCheck | None = None  # built with the weight sync
         self.mismatch_monitor = MismatchMonitor(cfg.rollout.mismatch_warn, cfg.rollout.mismatch_stop)
 
@@ -113,7 +108,7 @@ class RLTrainer:
         actor_steps = cfg.total_train_steps * cfg.actor.ppo_n_minibatches * cfg.actor.ppo_epochs
         self.actor_engine = build_engine(cfg.actor, name="actor", total_steps=actor_steps, **common).initialize()
         self.actor = PPOActor(self.actor_engine, cfg.actor, max_new_tokens=cfg.gconfig.max_new_tokens)
-        self.engines: dict[str, ArchonEngine] = {"actor": self.actor_engine}
+        self.engines: dict[str, TrainEngine] = {"actor": self.actor_engine}
         self.ref = None
         if self.use_ref:
             ref_engine = build_engine(cfg.ref, name="ref", trainable=False, **common).initialize()
@@ -134,9 +129,6 @@ class RLTrainer:
             self.engines["critic"] = critic_engine
 
     def _build_data(self) -> None:
-        from archon.data.encoding import load_tokenizer
-        from archon.data.rl_dataset import PromptLoader, RLPromptDataset
-
         cfg = self.cfg
         self.tokenizer = load_tokenizer(cfg.actor.path)
         dataset = RLPromptDataset(
@@ -161,8 +153,6 @@ class RLTrainer:
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
         self.probe_prompt = list(dataset[0].input_ids)  # the weight check's probe
-        from archon.rollout.server_api import sampling_params
-
         # The tokenizer's EOS may differ from config.json's eos_token_id (which the server stops on).
         eos = self.tokenizer.eos_token_id
         stop = sorted(set(cfg.gconfig.stop_token_ids) | ({eos} if eos is not None else set()))
@@ -170,11 +160,6 @@ class RLTrainer:
 
     def _build_rollout(self) -> None:
         """Rank 0 gets the servers (``server_source``: launched, published, given); every rank joins the weight sync."""
-        from archon.launch.discovery import server_source
-        from archon.launch.recovery import ServerSupervisor
-        from archon.rollout.client import RolloutClient
-        from archon.rollout.weight_sync import server_dtype, weight_sync_for
-
         cfg = self.cfg
         rollout_alloc = cfg.allocations()["rollout"]
 
@@ -204,8 +189,6 @@ class RLTrainer:
             )
 
     def _build_rewards(self) -> None:
-        from archon.rl.rewards import RewardComputer, get_reward_fn
-
         r = self.cfg.reward
         get_reward_fn(r.fn)  # a bad name is the same clear error on every rank
 
@@ -216,84 +199,40 @@ class RLTrainer:
 
         run_on_rank0(start, "starting the reward workers")
 
-    # ------------------------------------------------------------------ one step
-    def _collect_rollouts(self, step: int) -> tuple[list[Completion], list[float], dict[str, float]]:
-        """One rollout round, or with ``dynamic_filter`` as many as it takes (``archon.rl.dynamic_filter``)."""
-        if self.async_rollout is not None:
-            return self.async_rollout.collect(step)
-        dyn = self.cfg.dynamic_filter
-        if not dyn.enable:
-            return self._rollout(step)
-        return collect_mixed_groups(
-            lambda round_idx: self._rollout(step, round_idx),
-            group_size=self.cfg.gconfig.n_samples,
-            max_rounds=dyn.max_num_gen_batches,
+    def _build_rollout_strategy(self, start: int, served_version: str | None, resumed: dict[str, Any]) -> None:
+        """Where each step's batch comes from: asynchronous rollout when it runs ahead of training, else synchronous."""
+        cfg = self.cfg
+        assert self.weight_sync is not None  # every rank built it in _build_rollout
+        inputs = RolloutInputs(
+            loader=self.loader,
+            sampling=self.sampling,
+            seed=cfg.seed,
+            n_samples=cfg.gconfig.n_samples,
+            rollout=cfg.rollout,
+            dynamic_filter=cfg.dynamic_filter,
+            weight_sync=self.weight_sync,
+            client=self.client,
+            score=CompletionScorer(self.rewards, self.tokenizer) if self.rewards is not None else None,
+        )
+        if self._asynchronous():
+            self.rollout = AsyncRollout(
+                inputs,
+                start_step=start,
+                total_steps=cfg.total_train_steps,
+                resumed=resumed,
+                decoupled=self._recomputes_proximal(),
+            )
+            return
+        # Routing replay runs on Archon's own MoE layers (ArchonEngine), whose shape the servers' experts take.
+        args = cast(ArchonEngine, self.actor_engine).model_args if cfg.actor.moe_routing_replay else None
+        self.rollout = SyncRollout(
+            inputs,
+            supervisor=self.supervisor,
+            served_version=served_version,
+            routed_experts=(args.n_layers, args.top_k) if args is not None else None,
         )
 
-    def _rollout(self, step: int, round_idx: int = 0) -> tuple[list[Completion], list[float], dict[str, float]]:
-        """Rank 0 generates and scores; every rank gets the same completions and rewards."""
-        prompts = self.loader.next_rollout_batch()
-        first_index = round_idx * len(prompts)  # refill rounds of a step sample with seeds of their own
-
-        def generate_and_score() -> tuple[list[Completion], list[float], dict[str, float]] | None:
-            t0 = time.perf_counter()
-            params = [
-                {**self.sampling, "sampling_seed": rollout_seed(self.cfg.seed, step, first_index + i)}
-                for i in range(len(prompts))
-            ]
-            replay = self.cfg.actor.moe_routing_replay
-
-            def generate() -> list:
-                client = self.client
-                assert client is not None  # rank 0 connected in _build_rollout
-                pending = client.submit(
-                    client.agenerate_many(
-                        [p.input_ids for p in prompts],
-                        params,
-                        max_concurrency=self.cfg.rollout.max_concurrent_rollouts,
-                        return_routed_experts=replay,
-                    )
-                )
-                drill_point("rollout")  # kill-and-resume drills stop here, requests in flight
-                return pending.result()
-
-            results = generate_or_recover(self.supervisor, generate)
-            if results is None:
-                return None  # servers lost: every rank recovers them, then the rollout is repeated
-            args = self.actor_engine.model_args if replay else None
-            completions = [
-                Completion(
-                    p.input_ids,
-                    r.output_ids,
-                    r.output_logprobs,
-                    r.finish_reason,
-                    routed_experts_array(r.routed_experts, args.n_layers, args.top_k) if args is not None else None,
-                )
-                for p, r in zip(prompts, results)
-            ]
-            t1 = time.perf_counter()
-            rewards = self._score(prompts, completions)
-            timing = {"rollout_time_s": t1 - t0, "reward_time_s": time.perf_counter() - t1}
-            return completions, rewards, timing
-
-        while (out := run_on_rank0(generate_and_score, f"rollout of step {step}")) is None:
-            recover_servers(self.supervisor, self.weight_sync, self.served_version)
-        return out
-
-    def _score(self, prompts: Sequence[Any], completions: Sequence[Completion]) -> list[float]:
-        """Rank 0: the reward of each completion of ``prompts`` (one entry per sample).
-
-        Reward functions get the text without special tokens and, as TRL passes them, the
-        ``completion_ids`` (the stop token included when there was one): a text alone cannot tell
-        EOS from padding or unknown-token ids, which a policy can learn to emit instead.
-        """
-        texts = [self.tokenizer.decode(c.output_ids, skip_special_tokens=True) for c in completions]
-        extra_keys = sorted({k for p in prompts for k in p.extra})
-        extra = {k: [p.extra.get(k) for p in prompts] for k in extra_keys}
-        extra[COMPLETION_IDS] = [list(c.output_ids) for c in completions]
-        assert self.rewards is not None  # rank 0 started them in _build_rewards
-        return self.rewards.compute([p.prompt for p in prompts], texts, [p.answer for p in prompts], **extra)
-
+    # ------------------------------------------------------------------ one step
     def _prepare(self, batch: dict[str, torch.Tensor]) -> dict[str, float | None]:
         """Reference/proximal logprobs, values and advantages, added to ``batch``; returns metrics (None: not
         measured this step)."""
@@ -306,7 +245,7 @@ class RLTrainer:
             diff = (batch["old_logprobs"] - batch["logprobs"]).abs()
             metrics["behav_prox_logprob_diff"] = float(aggregate(diff, mask, "token-mean"))
             metrics[MISMATCH] = mismatch(batch["old_logprobs"], batch["logprobs"], mask, batch.get(FRESH_MASK))
-            if self.async_rollout is not None:
+            if self._strategy().off_policy:
                 metrics.update(behaviour_ratio_metrics(batch["old_logprobs"], batch["logprobs"], mask))
         if self.ref is not None:
             policy = batch.get("old_logprobs", batch["logprobs"])
@@ -357,11 +296,13 @@ class RLTrainer:
 
     def _step(self, step: int) -> dict[str, Any]:
         t_start = time.perf_counter()
-        completions, rewards, timing = self._collect_rollouts(step)
+        strategy = self._strategy()
+        rollout = strategy.next_batch(step)
+        completions, rewards = rollout.completions, rollout.rewards
         # The servers' weights checked before the step trains on what they generated (probed after the last update).
         checked = self.weight_check.finish() if self.weight_check is not None else {}
         # Asynchronous batches mark the tokens of the version this step trains (step - 1): the mismatch's tokens.
-        fresh = step - 1 if self.async_rollout is not None else None
+        fresh = rollout.fresh_version
         batch = build_rollout_batch(completions, rewards, pad_token_id=self.pad_token_id, fresh_version=fresh)
         t_train = time.perf_counter()
         record: dict[str, Any] = {
@@ -373,7 +314,7 @@ class RLTrainer:
         record.update(self._prepare(batch))
         fused = self._proximal_from_update()
         actor_stats = self.actor.ppo_update(batch, proximal_from_update=fused)
-        if fused and self.async_rollout is None:
+        if fused and not strategy.off_policy:
             # As with a separate recompute, the ratio statistics are reported for asynchronous runs.
             actor_stats = {k: v for k, v in actor_stats.items() if not k.startswith("behav_ratio/")}
         if record["behav_prox_logprob_diff"] is None:
@@ -387,11 +328,7 @@ class RLTrainer:
         if self.critic is not None:
             record.update(self.critic.ppo_update(batch))
         train_time = time.perf_counter() - t_train
-        if self.async_rollout is not None:
-            sync = self.async_rollout.sync_weights(step)
-        else:
-            sync = sync_with_recovery(self.supervisor, self.weight_sync, str(step))
-        self.served_version = str(step)
+        sync = strategy.sync_weights(step)
         if self.weight_check is not None and self.weight_check.due(step):
             self.weight_check.start(self.client if self.rank0 else None, str(step))
 
@@ -405,15 +342,13 @@ class RLTrainer:
                 "response_len_max": float(lengths.max()),
                 "no_eos_frac": float(batch["seq_no_eos_mask"].float().mean()),
                 "n_samples": len(completions),
-                **timing,
+                **rollout.metrics,
                 "train_time_s": train_time,
                 **sync,
                 **checked,
                 "step_time_s": time.perf_counter() - t_start,
             }
         )
-        from archon.metrics import peak_memory_gb
-
         record["peak_mem_gb"] = peak_memory_gb(self.actor_engine.device_type)
         if self.rank0 and self.rewards is not None:
             record.update(self.rewards.metrics())
@@ -425,9 +360,6 @@ class RLTrainer:
     def setup(self) -> int:
         """Build data, engines, rollout servers, rewards and the weight sync; resume from the
         latest complete checkpoint.  Returns the first RL step to run; ``close()`` releases everything."""
-        from archon.checkpoint.manager import CheckpointManager
-        from archon.cli import init_run
-
         cfg = self.cfg
         init_run(cfg, "rl")
         self.rank0 = dist.get_rank() == 0
@@ -449,16 +381,14 @@ class RLTrainer:
         self._build_rewards()
         assert self.weight_sync is not None  # every rank built it in _build_rollout
         self.weight_sync.setup()
+        served_version = None  # the weights the servers hold (None: actor.path's)
         if start > 0:
             # The servers started from actor.path; give them the resumed policy.
             self.weight_sync.sync(str(start))
-            self.served_version = str(start)
+            served_version = str(start)
         if self.weight_check is not None:  # what the servers start from, checked before the first step trains
-            self.weight_check.start(self.client if self.rank0 else None, self.served_version)
-        if self._asynchronous():
-            from archon.rl.async_rollout import AsyncRollout
-
-            self.async_rollout = AsyncRollout(self, start_step=start, state=(extra or {}).get("async_rollout"))
+            self.weight_check.start(self.client if self.rank0 else None, served_version)
+        self._build_rollout_strategy(start, served_version, extra or {})
         freeze_startup_objects()
         return start + 1
 
@@ -467,8 +397,6 @@ class RLTrainer:
         return self._step(step)
 
     def run(self) -> list[dict[str, Any]]:
-        from archon.metrics import MetricsLogger
-
         cfg = self.cfg
         history: list[dict[str, Any]] = []
         try:
@@ -495,7 +423,7 @@ class RLTrainer:
                                 "loader": self.loader.state_dict(),
                                 "step": step,
                                 "kl_ctl": self.kl_ctl.state_dict(),
-                                **self._async_state(),
+                                **self._strategy().state_dict(),
                             },
                         )
                 if self.weight_check is not None:
@@ -514,13 +442,14 @@ class RLTrainer:
         """Whether rollout runs ahead of training (k = 0 keeps today's synchronous loop)."""
         return self.cfg.rollout.max_head_offpolicyness > 0
 
-    def _async_state(self) -> dict[str, Any]:
-        return {} if self.async_rollout is None else {"async_rollout": self.async_rollout.state_dict()}
+    def _strategy(self) -> RolloutStrategy:
+        assert self.rollout is not None, "setup() builds the rollout strategy"
+        return self.rollout
 
     def close(self) -> None:
-        if self.async_rollout is not None:
-            self.async_rollout.close()  # before the client it sends through
-            self.async_rollout = None
+        if self.rollout is not None:
+            self.rollout.close()  # before the client it sends through
+            self.rollout = None
         if self.weight_sync is not None:
             self.weight_sync.close()
             self.weight_sync = None

@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from archon.rollout.control import gather_or_cancel
+from archon.rollout.aio import gather_or_cancel
 from archon.rollout.server_api import RolloutError, RolloutRequestError
 
 PER_REQUEST_FIELDS = ("input_ids", "sampling_params", "rid")

@@ -1,66 +1,48 @@
-"""The rollout client's generate requests: one completion, or many at once, with retries.
+"""The rollout client's generate requests: one completion, or many at once, with retries and failover.
 
-``RolloutClient`` (``archon.rollout.client``) inherits these from ``GenerateRequests``: an async
-method (``a...``, for the client's event loop) and a blocking twin each.  A request goes to the
-up server with the fewest requests in flight and is retried on other servers after a connection
-error, a timeout or an HTTP 5xx.  Where the servers take SGLang's batched ``/generate`` (the
-built-in server), many prompts at once go as one request per server, each taking the share of
-the prompts that the least-loaded rule would give it one by one.
+``GenerateRequests`` holds a reference to the client's ``Transport`` (and its ``RequestBatcher``
+where the servers take batches).  A request goes to the up server with the fewest requests in
+flight and is retried on other servers after a connection error, a timeout or an HTTP 5xx.
+Where the servers take SGLang's batched ``/generate`` (the built-in server), many prompts at
+once go as one request per server, each taking the share of the prompts that the least-loaded
+rule would give it one by one.  ``RolloutClient`` offers each request as an async method
+(``a...``, for the client's event loop) and a blocking twin.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
-from collections.abc import Coroutine, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+import uuid
+from collections.abc import Sequence
+from typing import Any
 
-from archon.rollout.control import ServerState, ServerStateFailure, gather_or_cancel
-from archon.rollout.server_api import GenerateResult, RolloutError, ServerAPI
-
-if TYPE_CHECKING:
-    import itertools
-
-    from archon.rollout.batching import RequestBatcher
+from archon.rollout.aio import gather_or_cancel
+from archon.rollout.batching import RequestBatcher
+from archon.rollout.server_api import GenerateResult, RolloutError
+from archon.rollout.transport import ServerState, ServerStateFailure, Transport
 
 logger = logging.getLogger("archon.rollout.client")
-
-T = TypeVar("T")
 
 _ABORT_TIMEOUT_S = 5.0
 
 
 class GenerateRequests:
-    """Generate requests of ``RolloutClient`` (a mixin: the client provides HTTP, servers and retries)."""
+    """Generate requests to the servers of a ``Transport``; runs on its event loop."""
 
-    api: ServerAPI
-    retries: int
-    _servers: list[ServerState]
-    _counters: dict[str, int]
-    _batcher: RequestBatcher | None
-    _loop: asyncio.AbstractEventLoop
-    _rid_prefix: str
-    _rid_counter: itertools.count
-
-    if TYPE_CHECKING:
-
-        async def _http(
-            self, server: ServerState, method: str, path: str, payload: Any = None, timeout: float | None = None
-        ) -> Any: ...
-
-        def _record_failure(self, server: ServerState, exc: ServerStateFailure) -> None: ...
-
-        def _all_down_error(self) -> RolloutError: ...
-
-        def _pick(self, avoid: set[str]) -> ServerState: ...
-
-        def _backoff(self, attempt: int) -> float: ...
-
-        async def _ensure_healthy(self) -> None: ...
-
-        def _server(self, url: str) -> ServerState: ...
-
-        def _wait(self, coro: Coroutine[Any, Any, T]) -> T: ...
+    def __init__(self, transport: Transport, batcher: RequestBatcher | None):
+        self.transport = transport
+        self.batcher = batcher
+        """Sends requests made together to their server as one batch (None: the API takes no batches)."""
+        self.requests_sent = 0
+        """Generate requests sent, retries included (for metrics)."""
+        self.retries_sent = 0
+        """Generate requests sent again after a failure (for metrics)."""
+        # Request ids: a counter behind a random prefix per client, as unique as a uuid4 per
+        # request and cheaper (a uuid4 reads the OS's random source: ~0.8 ms a round of 256).
+        self._rid_prefix = uuid.uuid4().hex[:16]
+        self._rid_counter = itertools.count()
 
     async def agenerate(
         self,
@@ -74,7 +56,7 @@ class GenerateRequests:
 
         ``return_routed_experts`` asks for the experts every token was routed to (MoE routing replay).
         """
-        await self._ensure_healthy()
+        await self.transport.ensure_healthy()
         return await self._agenerate(input_ids, sampling_params, return_logprob, return_routed_experts)
 
     def _new_rid(self) -> str:
@@ -91,39 +73,40 @@ class GenerateRequests:
         last: str = "",
     ) -> GenerateResult:
         """``agenerate``'s attempts from ``first_attempt`` on, avoiding the servers in ``tried`` while others are up."""
+        transport, api = self.transport, self.transport.api
         ids = [int(t) for t in input_ids]
         tried = set() if tried is None else tried
-        attempts = self.retries + 1
+        attempts = transport.retries + 1
         for attempt in range(first_attempt, attempts):
-            server = self._pick(tried)
+            server = transport.pick(tried)
             rid = self._new_rid()
-            payload = self.api.generate_payload(
+            payload = api.generate_payload(
                 ids, sampling_params, return_logprob, rid, return_routed_experts=return_routed_experts
             )
             server.in_flight += 1
             server.sent += 1
-            self._counters["requests"] += 1
+            self.requests_sent += 1
             if attempt:
-                self._counters["retries"] += 1
+                self.retries_sent += 1
             try:
-                if self._batcher is not None:
-                    body = await self._batcher.post(server.url, payload)
+                if self.batcher is not None:
+                    body = await self.batcher.post(server.url, payload)
                 else:
-                    body = await self._http(server, "POST", self.api.generate_path, payload)
+                    body = await transport.request(server, "POST", api.generate_path, payload)
             except ServerStateFailure as exc:
                 last = self._generate_failed(server, exc, [rid], attempt)
                 tried.add(server.url)
                 if attempt + 1 < attempts:
-                    await asyncio.sleep(self._backoff(attempt))
+                    await asyncio.sleep(transport.backoff(attempt))
                 continue
             finally:
                 server.in_flight -= 1
             server.consecutive_failures = 0
-            return self.api.parse_generate(
+            return api.parse_generate(
                 body, server.url, return_logprob, server.weight_version, return_routed_experts=return_routed_experts
             )
-        if all(s.down for s in self._servers):
-            raise self._all_down_error()
+        if all(s.down for s in transport.servers):
+            raise transport.all_down_error()
         raise RolloutError(
             f"generate request failed after {attempts} attempt(s) on {', '.join(sorted(tried))}; "
             f"last error from {last}; check the server logs or raise rollout.request_retries"
@@ -131,19 +114,21 @@ class GenerateRequests:
 
     def _generate_failed(self, server: ServerState, exc: ServerStateFailure, rids: list[str], attempt: int) -> str:
         """Count a failed generate attempt against ``server``; returns it for the final error message."""
-        self._record_failure(server, exc)
+        self.transport.record_failure(server, exc)
         if exc.timed_out:
             # The server may still be working on them; free their slots (best effort).
             for rid in rids:
-                self._loop.create_task(self._abort_quietly(server, rid))
-        logger.debug("generate attempt %d/%d failed on %s: %s", attempt + 1, self.retries + 1, server.url, exc)
+                self.transport.loop.create_task(self._abort_quietly(server, rid))
+        logger.debug(
+            "generate attempt %d/%d failed on %s: %s", attempt + 1, self.transport.retries + 1, server.url, exc
+        )
         return f"{server.url}: {exc}"
 
     def _shares(self, n: int) -> list[tuple[ServerState, int]]:
-        """How many of ``n`` requests made together each up server gets: as ``_pick`` would send them one by one."""
-        up = [s for s in self._servers if not s.down]
+        """How many of ``n`` requests made together each up server gets: as ``pick`` would send them one by one."""
+        up = self.transport.up_servers()
         if not up:
-            raise self._all_down_error()
+            raise self.transport.all_down_error()
         if len(up) == 1:
             return [(up[0], n)]
         count = dict.fromkeys(range(len(up)), 0)
@@ -191,18 +176,19 @@ class GenerateRequests:
         return_logprob: bool,
         return_routed_experts: bool,
     ) -> list[GenerateResult]:
-        assert self._batcher is not None
+        assert self.batcher is not None
+        api = self.transport.api
         payloads = [
-            self.api.generate_payload(
+            api.generate_payload(
                 [int(t) for t in ids], p, return_logprob, self._new_rid(), return_routed_experts=return_routed_experts
             )
             for ids, p in zip(prompts, params)
         ]
         server.in_flight += len(payloads)
         server.sent += len(payloads)
-        self._counters["requests"] += len(payloads)
+        self.requests_sent += len(payloads)
         try:
-            bodies = await self._batcher.post_many(server.url, payloads)
+            bodies = await self.batcher.post_many(server.url, payloads)
         except ServerStateFailure as exc:
             failure: ServerStateFailure | None = exc
         else:
@@ -211,26 +197,26 @@ class GenerateRequests:
             server.in_flight -= len(payloads)
         if failure is not None:
             last = self._generate_failed(server, failure, [p["rid"] for p in payloads], 0)
-            if self.retries:
-                await asyncio.sleep(self._backoff(0))
+            if self.transport.retries:
+                await asyncio.sleep(self.transport.backoff(0))
             return await gather_or_cancel(
                 self._agenerate(ids, p, return_logprob, return_routed_experts, {server.url}, 1, last)
                 for ids, p in zip(prompts, params)
             )
         server.consecutive_failures = 0
         return [
-            self.api.parse_generate(
+            api.parse_generate(
                 body, server.url, return_logprob, server.weight_version, return_routed_experts=return_routed_experts
             )
             for body in bodies
         ]
 
     async def _abort_quietly(self, server: ServerState, rid: str) -> None:
-        call = self.api.abort(rid)
+        call = self.transport.api.abort(rid)
         if call is None:
             return
         try:
-            await self._http(server, call.method, call.path, call.payload, timeout=_ABORT_TIMEOUT_S)
+            await self.transport.request(server, call.method, call.path, call.payload, timeout=_ABORT_TIMEOUT_S)
         except (RolloutError, ServerStateFailure):
             pass
 
@@ -243,6 +229,7 @@ class GenerateRequests:
         return_logprob: bool = True,
         return_routed_experts: bool = False,
     ) -> list[GenerateResult]:
+        """Completions of many prompts, in input order; at most ``max_concurrency`` in flight (0: all)."""
         if isinstance(sampling_params, dict):
             per_prompt = [sampling_params] * len(prompts)
         else:
@@ -254,9 +241,9 @@ class GenerateRequests:
                 )
         if not prompts:
             return []
-        await self._ensure_healthy()
+        await self.transport.ensure_healthy()
         # One prompt goes alone, where the batcher may still put it in a batch with others of this turn.
-        if self._batcher is not None and len(prompts) > 1 and not 0 < max_concurrency < len(prompts):
+        if self.batcher is not None and len(prompts) > 1 and not 0 < max_concurrency < len(prompts):
             return await self._agenerate_batched(prompts, per_prompt, return_logprob, return_routed_experts)
         limit = asyncio.Semaphore(max_concurrency) if max_concurrency > 0 else None
 
@@ -268,21 +255,6 @@ class GenerateRequests:
 
         # One request lost for good stops the others rather than finish a batch nobody will use.
         return await gather_or_cancel(one(p, sp) for p, sp in zip(prompts, per_prompt))
-
-    def generate(
-        self,
-        input_ids: Sequence[int],
-        sampling_params: dict[str, Any],
-        *,
-        return_logprob: bool = True,
-        return_routed_experts: bool = False,
-    ) -> GenerateResult:
-        """One completion (blocking)."""
-        return self._wait(
-            self.agenerate(
-                input_ids, sampling_params, return_logprob=return_logprob, return_routed_experts=return_routed_experts
-            )
-        )
 
     async def agenerate_on(
         self,
@@ -297,43 +269,16 @@ class GenerateRequests:
 
         ``priority`` > 0 asks servers that admit by priority to take it before the queued requests.
         """
-        server = self._server(url)
-        payload = self.api.generate_payload(
-            [int(t) for t in input_ids], sampling_params, return_logprob, self._new_rid()
-        )
-        if priority and self.api.priority_field:
+        transport, api = self.transport, self.transport.api
+        server = transport.server(url)
+        payload = api.generate_payload([int(t) for t in input_ids], sampling_params, return_logprob, self._new_rid())
+        if priority and api.priority_field:
             payload["priority"] = priority
         server.in_flight += 1
         try:
-            body = await self._http(server, "POST", self.api.generate_path, payload)
+            body = await transport.request(server, "POST", api.generate_path, payload)
         except ServerStateFailure as exc:
             raise RolloutError(f"generate request to {server.url} failed: {exc}") from None
         finally:
             server.in_flight -= 1
-        return self.api.parse_generate(body, server.url, return_logprob, server.weight_version)
-
-    def generate_on(
-        self, url: str, input_ids: Sequence[int], sampling_params: dict[str, Any], *, return_logprob: bool = True
-    ) -> GenerateResult:
-        """One completion from the server at ``url`` (blocking)."""
-        return self._wait(self.agenerate_on(url, input_ids, sampling_params, return_logprob=return_logprob))
-
-    def generate_many(
-        self,
-        prompts: Sequence[Sequence[int]],
-        sampling_params: dict[str, Any] | Sequence[dict[str, Any]],
-        *,
-        max_concurrency: int = 0,
-        return_logprob: bool = True,
-        return_routed_experts: bool = False,
-    ) -> list[GenerateResult]:
-        """Completions of many prompts, in input order; at most ``max_concurrency`` in flight (0: all)."""
-        return self._wait(
-            self.agenerate_many(
-                prompts,
-                sampling_params,
-                max_concurrency=max_concurrency,
-                return_logprob=return_logprob,
-                return_routed_experts=return_routed_experts,
-            )
-        )
+        return api.parse_generate(body, server.url, return_logprob, server.weight_version)

@@ -2,8 +2,8 @@
 
 ``ServerAPI`` is SGLang's HTTP protocol (which the built-in server speaks too):
 ``/generate`` with ``input_ids`` and ``sampling_params``, and SGLang's control endpoints.
-Other backends subclass it (``archon.rollout.vllm.VLLMAPI``); ``RolloutClient`` owns the
-connections, retries and fan-out, and every backend returns the same ``GenerateResult``.
+Other backends subclass it (``archon.rollout.vllm.VLLMAPI``); the client's ``Transport`` owns the
+connections and fan-out, ``GenerateRequests`` the retries, and every backend returns the same ``GenerateResult``.
 """
 
 from __future__ import annotations

@@ -34,8 +34,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from archon.config import SGLANG_DEFAULT_MAX_NEW_TOKENS
 from archon.rollout.server_api import Call, GenerateResult, RolloutError, ServerAPI, check_logprob_count
+from archon.wire.sglang import SGLANG_DEFAULT_MAX_NEW_TOKENS
 
 # SGLang sampling_params key -> vLLM completions field.
 _FIELDS = {

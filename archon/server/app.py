@@ -37,7 +37,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from archon.plan.cpu_cores import parse_core_list, pin_process
+from archon.field_docs import field_docs
+from archon.runtime.cpu_pinning import parse_core_list, pin_process
 from archon.runtime.gc_freeze import freeze_startup_objects
 from archon.server import protocol
 from archon.server.generator import PAUSE_MODES, GenerationRequest, Generator
@@ -94,8 +95,6 @@ class ServerArgs:
 
 def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
     """``ServerArgs`` from the command line."""
-    from archon.config import field_docs
-
     p = argparse.ArgumentParser(prog="python -m archon.server.app", description=(__doc__ or "").split("\n\n")[0])
     docs = field_docs(ServerArgs)
     defaults = ServerArgs(model_path="")

@@ -18,34 +18,18 @@ on its seed and its logits, not on which other requests share the batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from archon.config import SGLANG_DEFAULT_MAX_NEW_TOKENS
+from archon.wire.sglang import SGLangSampling
 
 
 @dataclass
-class SamplingParams:
-    """SGLang's ``sampling_params`` fields that the built-in server implements."""
+class SamplingParams(SGLangSampling):
+    """SGLang's ``sampling_params`` fields that the built-in server implements (``archon.wire.sglang``), and
+    SGLang's per-request seed."""
 
-    max_new_tokens: int = SGLANG_DEFAULT_MAX_NEW_TOKENS
-    """Most tokens to generate; the request finishes with reason ``length`` when reached.  The default is
-    SGLang's, for a request that leaves it out; the trainer's requests carry ``gconfig.max_new_tokens``."""
-    min_new_tokens: int = 0
-    """EOS and stop tokens cannot be sampled before this many tokens were generated."""
-    temperature: float = 1.0
-    """Softmax temperature; 0 means greedy (argmax)."""
-    top_p: float = 1.0
-    """Nucleus sampling: keep the smallest set of most likely tokens with mass >= top_p."""
-    top_k: int = -1
-    """Keep the top_k most likely tokens; -1 disables; 1 is greedy (logprobs at T = 1, as in SGLang)."""
-    min_p: float = 0.0
-    """Drop tokens whose probability is below ``min_p`` times that of the most likely token."""
-    stop_token_ids: list[int] = field(default_factory=list)
-    """Token ids that finish the request (reason ``stop``), in addition to EOS."""
-    ignore_eos: bool = False
-    """Generate until ``max_new_tokens``: neither EOS nor ``stop_token_ids`` stop (as in SGLang)."""
     sampling_seed: int | None = None
     """Seed of the request's random generator; None derives one from the server seed."""
 

@@ -114,6 +114,11 @@ def test_bad_values_are_one_clear_sentence(override, needle):
     assert needle in str(info.value)
 
 
+def test_routing_replay_is_refused_for_a_transformers_actor():
+    with pytest.raises(ConfigError, match="actor.backend = 'fsdp:d1' runs a transformers model; use an archon:"):
+        load_config(None, ["actor.backend=fsdp:d1", "actor.moe_routing_replay=true"])
+
+
 def test_toml_syntax_error_names_file(tmp_path):
     path = write(tmp_path, "seed = = 3\n")
     with pytest.raises(ConfigError, match="is not valid TOML"):

@@ -265,3 +265,14 @@ def test_sft_trains_a_llama_on_the_fsdp_engine(tmp_path):
     exported = tmp_path / "d2" / "hf"
     assert AutoTokenizer.from_pretrained(exported).eos_token == tok.eos_token
     assert AutoModelForCausalLM.from_pretrained(exported).config.model_type == "llama"
+
+
+def test_the_engines_are_siblings_behind_train_engine():
+    from archon.engine import ArchonEngine, FSDPEngine, TrainEngine, engine_class
+
+    assert engine_class("archon:d2") is ArchonEngine and engine_class("fsdp:d2") is FSDPEngine
+    for cls in (ArchonEngine, FSDPEngine):
+        # Every method of the interface is implemented: the class can be instantiated.
+        assert issubclass(cls, TrainEngine) and not cls.__abstractmethods__, cls
+    # Neither inherits the other's behaviour; what they share is composed, not overridden.
+    assert not issubclass(FSDPEngine, ArchonEngine) and not issubclass(ArchonEngine, FSDPEngine)

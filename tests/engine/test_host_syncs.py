@@ -96,7 +96,7 @@ class DeviceReads(TorchFunctionMode):
 def _counted_step(path: str, backend: str, kw: dict):
     import torch.distributed as dist
 
-    import archon.engine.engine as engine_module
+    import archon.engine.microbatch_loop as engine_module
     from archon.engine import build_engine
 
     engine = build_engine(engine_config(path, backend, **kw), total_steps=2).initialize()

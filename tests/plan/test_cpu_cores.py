@@ -16,8 +16,8 @@ from server_utils import start_server
 
 from archon.config import load_config
 from archon.launch.servers import build_launch_specs
-from archon.plan import cpu_cores
-from archon.plan.cpu_cores import parse_core_list, slot_cores
+from archon.runtime import cpu_pinning
+from archon.runtime.cpu_pinning import parse_core_list, slot_cores
 
 
 @pytest.mark.parametrize(
@@ -65,14 +65,14 @@ def _local_cfg(tmp_path: Path, *extra: str):
 
 
 def test_launched_servers_get_their_slots_share(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(cpu_cores, "_START_CORES", tuple(range(8)))
+    monkeypatch.setattr(cpu_pinning, "_START_CORES", tuple(range(8)))
     specs = build_launch_specs(_local_cfg(tmp_path, "cluster.pin_cpu_cores=true"), ports=[4100, 4101])
     # The plan puts the servers on slots 0 and 1 of the node's 4 (the training ranks on 2 and 3).
     assert [s.cmd[s.cmd.index("--cpu-cores") + 1] for s in specs] == ["0,1", "2,3"]
     # Off by default, and off with fewer cores than slots (a warning says why).
     assert all("--cpu-cores" not in s.cmd for s in build_launch_specs(_local_cfg(tmp_path), ports=[4100, 4101]))
-    monkeypatch.setattr(cpu_cores, "_START_CORES", (0, 1))
-    with caplog.at_level(logging.WARNING, logger="archon.plan"):
+    monkeypatch.setattr(cpu_pinning, "_START_CORES", (0, 1))
+    with caplog.at_level(logging.WARNING, logger="archon.runtime"):
         specs = build_launch_specs(_local_cfg(tmp_path, "cluster.pin_cpu_cores=true"), ports=[4100, 4101])
     assert all("--cpu-cores" not in s.cmd for s in specs)
     assert "rollout server 0 is not pinned, because this node's 2 allowed cores" in caplog.text
@@ -95,7 +95,7 @@ def test_a_training_rank_pins_itself_and_its_later_threads():
         import json, os, sys, threading, torch
         from archon.cli import init_run
         from archon.config import load_config
-        from archon.plan.cpu_cores import slot_cores
+        from archon.runtime.cpu_pinning import slot_cores
         start = sorted(os.sched_getaffinity(0))
         cfg = load_config(None, ["actor.path=/models/tiny", "rollout.backend=local:d1", "actor.backend=archon:d1",
                                  "cluster.n_gpus_per_node=2", "cluster.pin_cpu_cores=true", "device=cpu"])

@@ -12,8 +12,7 @@ from archon.alloc import AllocationError, ModelAllocation
 from archon.cli import init_run
 from archon.config import ConfigError, load_config
 from archon.engine import dist as archon_dist
-from archon.plan import ClusterPlan, plan_cluster, plan_for_config
-from archon.plan.layout import Job
+from archon.plan import ClusterPlan, Job, plan_cluster, plan_for_config
 
 DENSE = REPO / "configs" / "qwen3_8b_dense.toml"
 MOE = REPO / "configs" / "qwen3_30b_a3b_moe.toml"

@@ -21,7 +21,7 @@ from slow_model import _slow_down
 import models
 from archon.data.rl_dataset import PromptLoader, RLPromptDataset
 from archon.rl.async_rollout import RolloutWorker, parse_version
-from archon.rl.trainer import rollout_seed
+from archon.rl.rollout_strategy import rollout_seed
 from archon.rollout.client import GenerateResult, RolloutClient
 from archon.server.app import serve_in_thread
 from archon.server.generator import Generator

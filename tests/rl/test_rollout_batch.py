@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from archon.rl.rollout_batch import Completion, build_rollout_batch, ppo_minibatches, split_minibatches
-from archon.rl.trainer import rollout_seed
+from archon.rl.rollout_strategy import rollout_seed
 
 
 def _completions() -> list[Completion]:

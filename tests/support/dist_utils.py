@@ -1,24 +1,19 @@
-"""Fork-based multi-process launcher for tests.
+"""Multi-process test helpers: forked gloo ranks, free ports, waiting for a state, process checks.
 
-Forking after ``import torch`` starts a rank in ~0.1 s (torchrun takes ~5 s), so
-multi-process tests run a worker function in N forked children that form a gloo
-group.  A rank reports its real result through a pipe; exit-time noise from gloo
-("terminate called without an active exception") after a successful report is
-ignored, because the report is what counts.
+``run_distributed`` runs a worker function on N forked ranks through the library's harness
+(``archon.runtime.fork_ranks``, which ``python -m archon.plan rehearse`` uses too) and reports a
+failing rank with its whole traceback, which is what a failing test should show.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import multiprocessing.connection
 import os
-import pickle
 import socket
 import time
-import traceback
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
+
+from archon.runtime.fork_ranks import RankError, run_ranks
 
 
 def find_free_port() -> int:
@@ -27,56 +22,8 @@ def find_free_port() -> int:
         return s.getsockname()[1]
 
 
-class DistributedTestError(RuntimeError):
+class DistributedTestError(RankError):
     """A rank raised, died, or did not finish in time."""
-
-
-def _child(
-    conn,
-    port_conn,
-    rank: int,
-    world_size: int,
-    threads: int,
-    backend: str,
-    timeout: float,
-    env: dict[str, str],
-    fn: Callable,
-    args: tuple,
-    kwargs: dict,
-) -> None:
-    import torch
-    import torch.distributed as dist
-
-    from archon.engine.dist import init_forked_group
-
-    os.environ.update(env)
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size)
-    )
-    torch.set_num_threads(threads)
-    try:
-        init_forked_group(
-            backend,
-            rank,
-            world_size,
-            timedelta(seconds=timeout),
-            send_port=lambda port: conn.send_bytes(pickle.dumps(("port", port))),
-            receive_port=port_conn.recv,
-        )
-        result = fn(*args, **kwargs)
-        # Plain pickle, not multiprocessing's: torch would share tensors through file
-        # descriptors that vanish when this rank exits right after sending.
-        conn.send_bytes(pickle.dumps(("ok", result)))
-    except BaseException:  # noqa: BLE001 - every failure must reach the parent
-        try:
-            conn.send_bytes(pickle.dumps(("err", traceback.format_exc())))
-        finally:
-            os._exit(1)
-    try:
-        dist.barrier()
-        dist.destroy_process_group()
-    finally:
-        os._exit(0)
 
 
 def run_distributed(
@@ -92,64 +39,26 @@ def run_distributed(
     """Run ``fn(*args, **kwargs)`` on ``world_size`` forked gloo ranks; return per-rank results.
 
     ``fn`` reads its rank from ``torch.distributed.get_rank()``.  Results must pickle.
+    ``threads`` defaults to one intra-op thread per rank (see ``run_ranks``).
     Raises DistributedTestError with the failing rank's traceback.
     """
-    from archon.engine.dist import relay_store_port  # imported before forking, so no rank pays for it
+    import archon.engine  # noqa: F401  (loaded before forking, so no rank pays for it)
 
-    ctx = mp.get_context("fork")
-    if threads is None:
-        # GNU OpenMP is not fork-safe: a child that opens a parallel region after the parent
-        # used its thread pool can hang.  One intra-op thread per rank never opens one.
-        threads = 1
-    procs, conns, port_conns = [], [], []
-    for rank in range(world_size):
-        parent_conn, child_conn = ctx.Pipe(duplex=False)
-        port_in, port_out = ctx.Pipe(duplex=False)
-        p = ctx.Process(
-            target=_child,
-            args=(child_conn, port_in, rank, world_size, threads, backend, timeout, env or {}, fn, args, kwargs),
-        )
-        p.start()
-        child_conn.close()
-        port_in.close()
-        procs.append(p)
-        conns.append(parent_conn)
-        port_conns.append(port_out)
-
-    results: list[Any] = [None] * world_size
-    pending = set(range(world_size))
-    deadline = time.monotonic() + timeout
     try:
-        while pending:
-            if time.monotonic() > deadline:
-                raise DistributedTestError(f"ranks {sorted(pending)} did not finish within {timeout:.0f}s")
-            ready = multiprocessing.connection.wait([conns[r] for r in pending], timeout=0.5)
-            for conn in ready:
-                rank = conns.index(conn)
-                try:
-                    status, payload = pickle.loads(conns[rank].recv_bytes())  # conn itself, as a Connection
-                except EOFError:
-                    procs[rank].join(1)
-                    raise DistributedTestError(
-                        f"rank {rank} died without reporting (exit code {procs[rank].exitcode})"
-                    ) from None
-                if status == "port":  # rank 0 hosts the group's store: tell the others where
-                    relay_store_port(payload, port_conns[1:])
-                    continue
-                if status == "err":
-                    raise DistributedTestError(f"rank {rank} failed:\n{payload}")
-                results[rank] = payload
-                pending.discard(rank)
-    finally:
-        for p in procs:
-            p.join(timeout=10 if not pending else 0.1)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-        for c in conns + port_conns:
-            c.close()
-    return results
+        return run_ranks(
+            fn,
+            world_size,
+            args,
+            kwargs,
+            timeout_s=timeout,
+            backend=backend,
+            threads=1 if threads is None else threads,
+            env=env,
+        )
+    except RankError as exc:
+        # The whole traceback in the message: it is what pytest shows of a failing test.
+        message = f"rank {exc.ranks[0]} failed:\n{exc.details}" if exc.details else str(exc)
+        raise DistributedTestError(message, exc.ranks, exc.details) from None
 
 
 def pid_alive(pid: int) -> bool:

@@ -12,6 +12,9 @@ other.  On the 2-core machine of the digits demo (3 runs of each, alternating), 
 the asynchronous step (k = 1) from 0.173 s to 0.148 s on average and the synchronous one from
 0.222 s to 0.214 s.
 With fewer cores than slots nothing is pinned and a warning says so.
+
+The trainer's ranks (``archon.cli``), the launcher (``archon.launch.servers``) and the built-in
+server (``--cpu-cores``) all use it, so it sits in ``archon.runtime`` and imports only torch.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-logger = logging.getLogger("archon.plan")
+logger = logging.getLogger("archon.runtime")
 
 _START_CORES: tuple[int, ...] | None = None
 

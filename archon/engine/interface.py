@@ -1,0 +1,142 @@
+"""``TrainEngine``: what the rest of Archon asks of a training engine, whichever backend runs it.
+
+``ArchonEngine`` (``archon:``, Archon's own models) and ``FSDPEngine`` (``fsdp:``, any
+transformers causal LM) implement it side by side; ``build_engine`` picks one by the allocation
+string.  Its callers: the RL actor, critic, reference and teacher (``train_batch``, ``forward``,
+``seed``, ``step``), SFT and the trainer (``initialize``, ``export_hf``, ``device_type``), the
+checkpoint manager (``save``, ``load``, ``checkpoint_nbytes``; ``archon.checkpoint.manager.Checkpointable``),
+weight sync (``named_full_tensors``, ``export_hf``; ``archon.rollout.weight_sync.WeightSyncEngine``)
+and gpu_check (``model``, ``optimizer``).
+
+Every rank calls every method with the same global batch (a dict of right-padded ``[B, S]``
+tensors with ``attention_mask``).  Per-token outputs are token-aligned:
+``logprobs[b, i] = log p(input_ids[b, i] | input_ids[b, :i])`` (0 at each sequence's first
+token); a critic's ``values[b, i]`` is the value of the state before token ``i``.
+
+An engine is built with the constructor ``TrainEngine.__init__`` declares (``build_engine``
+passes its keywords on) and does nothing until ``initialize()``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+import torch
+from torch.distributed.checkpoint.stateful import Stateful
+
+from archon.alloc import ModelAllocation
+from archon.config import TrainEngineConfig
+from archon.engine.microbatch import Batch
+from archon.engine.step_loss import LossFn, LossWeightFn, token_count_weight
+
+E = TypeVar("E", bound="TrainEngine")
+
+
+class TrainEngine(ABC):
+    """Builds, trains, evaluates, checkpoints and exports one model (actor, critic, reference or teacher)."""
+
+    backend: ClassVar[str]
+    """The allocation backend the engine runs (``archon``, ``fsdp``)."""
+    config: TrainEngineConfig
+    """The engine's config section (``actor``, ``critic``, ``ref``, ...)."""
+    name: str
+    """The config section's name; errors and logs say it."""
+    is_critic: bool
+    """A value model: ``forward`` returns ``values`` instead of ``logprobs`` and ``entropy``."""
+    seed: int
+    """The run seed: initial weights and the actor's minibatch shuffles derive from it."""
+    trainable: bool
+    """False for a frozen model (reference, teacher): no optimizer, no gradients."""
+    device_type: str
+    """``cuda`` or ``cpu`` (set by ``initialize``)."""
+    device: torch.device
+    """This rank's compute device (set by ``initialize``)."""
+    model: torch.nn.Module | None
+    """The (sharded) model; None before ``initialize``."""
+    optimizer: torch.optim.Optimizer | None
+    """AdamW over the trainable parameters; None before ``initialize`` and for a frozen engine."""
+
+    @abstractmethod
+    def __init__(
+        self,
+        config: TrainEngineConfig,
+        *,
+        name: str = "actor",
+        is_critic: bool = False,
+        seed: int = 1,
+        device: str = "auto",
+        temperature: float = 1.0,
+        total_steps: int = 1,
+        trainable: bool = True,
+        allocation: ModelAllocation | None = None,
+    ) -> None:
+        """Remember the settings; nothing is built until ``initialize``.
+
+        ``device``: ``auto``, ``cuda`` or ``cpu``; ``temperature`` divides the logits of
+        ``forward`` and ``train_batch`` (the rollout's sampling temperature); ``total_steps``
+        sizes the LR schedule; ``allocation`` is ``config.backend`` already parsed (None: parse it).
+        """
+
+    @property
+    @abstractmethod
+    def step(self) -> int:
+        """Optimizer steps taken (restored by ``load``)."""
+
+    @abstractmethod
+    def initialize(self: E) -> E:
+        """Join the process group, build the device meshes, build and load the model; returns the engine."""
+
+    @abstractmethod
+    def train_batch(
+        self, batch: Batch, loss_fn: LossFn, loss_weight_fn: LossWeightFn = token_count_weight
+    ) -> dict[str, float]:
+        """Forward+backward over every microbatch, then one optimizer step; returns the step's global stats.
+
+        The loss is normalised by the global batch's weight (``loss_weight_fn``), so a step's loss
+        and gradients do not depend on the allocation or on microbatching.  A non-finite gradient
+        norm skips the optimizer step (``update_skipped`` is 1).
+        """
+
+    @abstractmethod
+    def forward(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """Per-token ``logprobs`` and ``entropy`` (or ``values`` for a critic), ``[B, S]``, global batch order."""
+
+    @abstractmethod
+    def named_full_tensors(
+        self, dtype: torch.dtype | None = None, extras: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) one at a time, cast to ``dtype``; a collective: every rank must iterate.
+
+        ``extras`` adds what the HF architecture has no field for (the MoE routing bias), for
+        Archon's own server.
+        """
+
+    @abstractmethod
+    def export_hf(
+        self,
+        path: str | Path,
+        dtype: torch.dtype | None = None,
+        max_shard_size: str | int = "5GB",
+        extras: bool = False,
+    ) -> None:
+        """Write an HF folder (config.json + sharded safetensors) that ``from_pretrained`` loads; rank 0 writes."""
+
+    @abstractmethod
+    def checkpoint_states(self) -> dict[str, Stateful]:
+        """What a checkpoint of this engine holds: the model, the optimizer and LR scheduler (when trainable),
+        and the train state (step, random generators)."""
+
+    @abstractmethod
+    def save(self, path: str | Path, extra_state: dict[str, Any] | None = None) -> None:
+        """Write a resumable checkpoint to ``path`` (collective); ``extra_state`` is the caller's JSON data."""
+
+    @abstractmethod
+    def load(self, path: str | Path) -> dict[str, Any]:
+        """Resume from a checkpoint written by ``save`` (any allocation; collective); returns its extra state."""
+
+    @abstractmethod
+    def checkpoint_nbytes(self) -> float:
+        """This rank's share of one checkpoint's bytes (no collective)."""
