@@ -10,10 +10,10 @@ the deadline passed, then makes sure that no rank is left running.
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
-import pickle
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -43,14 +43,30 @@ class RankError(RuntimeError):
         """The failing rank's traceback."""
 
 
-def _send(conn: mp_connection.Connection, status: str, payload: Any) -> None:
-    # Plain pickle, not multiprocessing's: torch would share tensors through file descriptors
-    # that vanish when this rank exits right after sending.
-    conn.send_bytes(pickle.dumps((status, payload)))
+Encode = Callable[[Any], bytes]
+"""Turns a rank's message (status, payload) into bytes for the pipe."""
+Decode = Callable[[bytes], Any]
+"""Turns the bytes back into the message."""
+
+
+def encode_json(message: Any) -> bytes:
+    """The default wire format: JSON, so the parent never runs code a child could send (results must be JSON values)."""
+    return json.dumps(message).encode()
+
+
+def decode_json(data: bytes) -> Any:
+    return json.loads(data)
+
+
+def _send(conn: mp_connection.Connection, encode: Encode, status: str, payload: Any) -> None:
+    # Bytes, not multiprocessing's own send: that pickles, and torch would share tensors through
+    # file descriptors that vanish when this rank exits right after sending.
+    conn.send_bytes(encode((status, payload)))
 
 
 def _join_group(
     conn: mp_connection.Connection,
+    encode: Encode,
     port_conn: mp_connection.Connection,
     backend: str,
     rank: int,
@@ -65,7 +81,7 @@ def _join_group(
         store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
             "127.0.0.1", 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False
         )
-        _send(conn, "port", store.port)
+        _send(conn, encode, "port", store.port)
     else:
         store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
             "127.0.0.1", port_conn.recv(), world_size, is_master=False, timeout=timeout
@@ -76,6 +92,7 @@ def _join_group(
 
 def _run_rank(
     conn: mp_connection.Connection,
+    encode: Encode,
     port_conn: mp_connection.Connection,
     rank: int,
     world_size: int,
@@ -94,12 +111,12 @@ def _run_rank(
     )
     torch.set_num_threads(threads)
     try:
-        _join_group(conn, port_conn, backend, rank, world_size, group_timeout)
-        _send(conn, "ok", fn(*args, **kwargs))
+        _join_group(conn, encode, port_conn, backend, rank, world_size, group_timeout)
+        _send(conn, encode, "ok", fn(*args, **kwargs))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         try:
             # Stamped: a rank whose peer failed fails later in a collective, and the parent names the first.
-            _send(conn, "err", (time.monotonic(), traceback.format_exc()))
+            _send(conn, encode, "err", (time.monotonic(), traceback.format_exc()))
         finally:
             os._exit(1)
     try:
@@ -125,6 +142,7 @@ def _first_failure(
     conns: list[mp_connection.Connection],
     pending: set[int],
     procs: list[Any],
+    decode: Decode,
 ) -> RankError:
     """The failure that came first, among ``failure`` (read from ``rank``) and the reports already waiting.
 
@@ -137,7 +155,7 @@ def _first_failure(
     for ready in mp_connection.wait(others, timeout=0) if others else []:
         other = conns.index(cast(mp_connection.Connection, ready))
         try:
-            status, payload = pickle.loads(conns[other].recv_bytes())
+            status, payload = decode(conns[other].recv_bytes())
         except EOFError:
             procs[other].join(1)
             return RankError(f"rank {other} died without reporting (exit code {procs[other].exitcode})", [other])
@@ -162,10 +180,13 @@ def run_ranks(
     backend: str = "gloo",
     threads: int = 1,
     env: dict[str, str] | None = None,
+    encode: Encode = encode_json,
+    decode: Decode = decode_json,
 ) -> list[Any]:
     """``fn(*args, **kwargs)`` on ``world_size`` forked ranks of one process group; their results by rank.
 
-    ``fn`` reads its rank from ``torch.distributed.get_rank()``, and its result must pickle.
+    ``fn`` reads its rank from ``torch.distributed.get_rank()``; its result travels as ``encode`` writes
+    it (JSON by default; a caller that trusts its ranks with other objects passes its own pair).
     ``timeout_s`` is the deadline for every rank to report; ``group_timeout_s`` (default: the same)
     is the process group's timeout for a collective.  Each rank runs ``threads`` intra-op threads:
     GNU OpenMP is not fork-safe (a child that opens a parallel region after the parent used its
@@ -185,6 +206,7 @@ def run_ranks(
             target=_run_rank,
             args=(
                 child_conn,
+                encode,
                 port_in,
                 rank,
                 world_size,
@@ -214,7 +236,7 @@ def run_ranks(
             for conn in mp_connection.wait([conns[r] for r in pending], timeout=POLL_S):
                 rank = conns.index(conn)
                 try:
-                    status, payload = pickle.loads(conns[rank].recv_bytes())
+                    status, payload = decode(conns[rank].recv_bytes())
                 except EOFError:
                     procs[rank].join(1)  # so that its exit code is known
                     raise RankError(
@@ -226,7 +248,7 @@ def run_ranks(
                 if status == "err":
                     stamp, tb = payload
                     failure = RankError(f"rank {rank} failed: {_last_line(tb)}", [rank], tb)
-                    raise _first_failure(rank, failure, stamp, conns, pending, procs)
+                    raise _first_failure(rank, failure, stamp, conns, pending, procs, decode)
                 results[rank] = payload
                 pending.discard(rank)
     finally:

@@ -8,11 +8,13 @@ failing rank with its whole traceback, which is what a failing test should show.
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import time
 from collections.abc import Callable
 from typing import Any
 
+import archon.engine  # noqa: F401  (loaded before forking, so no rank pays for it)
 from archon.runtime.fork_ranks import RankError, run_ranks
 
 
@@ -42,7 +44,6 @@ def run_distributed(
     ``threads`` defaults to one intra-op thread per rank (see ``run_ranks``).
     Raises DistributedTestError with the failing rank's traceback.
     """
-    import archon.engine  # noqa: F401  (loaded before forking, so no rank pays for it)
 
     try:
         return run_ranks(
@@ -54,6 +55,9 @@ def run_distributed(
             backend=backend,
             threads=1 if threads is None else threads,
             env=env,
+            # The test's own ranks: any picklable result (tensors, tuples) comes back.
+            encode=pickle.dumps,
+            decode=pickle.loads,
         )
     except RankError as exc:
         # The whole traceback in the message: it is what pytest shows of a failing test.
