@@ -1,7 +1,7 @@
 """Datasets, samplers and batching for RL prompts and SFT."""
 
 from archon.data.collate import collate
-from archon.data.encoding import apply_prompt_template, encode_prompt, encode_text, has_chat_template
+from archon.data.encoding import apply_prompt_template, encode_messages, encode_prompt, encode_text, has_chat_template
 from archon.data.jsonl import load_jsonl
 from archon.data.rl_dataset import PromptLoader, PromptSample, RLPromptDataset, gsm8k_reference
 from archon.data.sampler import EpochSampler, epoch_order, repeat_for_group
@@ -16,6 +16,7 @@ __all__ = [
     "apply_prompt_template",
     "build_sft_sample",
     "collate",
+    "encode_messages",
     "encode_prompt",
     "encode_text",
     "epoch_order",

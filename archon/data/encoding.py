@@ -60,6 +60,23 @@ def encode_prompt(
     return _ids(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def encode_messages(
+    tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None
+) -> list[int]:
+    """Token ids of a chat (``messages``, and the ``tools`` JSON schemas the template shows the model) rendered by
+    the tokenizer's chat template, with the generation prompt."""
+    if not has_chat_template(tokenizer):
+        raise DataError(
+            "chat messages (chat-formatted data, agent episodes) need a tokenizer with a chat_template; use a "
+            "tokenizer folder whose tokenizer_config.json defines one"
+        )
+    return _ids(
+        tokenizer.apply_chat_template(
+            messages, tools=tools or None, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    )
+
+
 def encode_text(tokenizer: Any, text: str) -> list[int]:
     """Plain token ids of ``text`` (no special tokens)."""
     return _ids(tokenizer(text, add_special_tokens=False)["input_ids"])

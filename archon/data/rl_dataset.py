@@ -1,4 +1,5 @@
-"""Prompts for RL: jsonl rows of ``{"prompt", "answer"}`` or GSM8K's ``{"question", "answer"}``."""
+"""Prompts for RL: jsonl rows of ``{"prompt", "answer"}``, GSM8K's ``{"question", "answer"}``, or chat rows
+``{"messages", "tools" (optional), "answer"}`` (multi-turn agents start from the messages and tools)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from archon.data.encoding import PROMPT_PLACEHOLDER, apply_prompt_template, encode_prompt
+from archon.data.encoding import PROMPT_PLACEHOLDER, apply_prompt_template, encode_messages, encode_prompt
 from archon.data.jsonl import load_jsonl
 from archon.data.sampler import EpochSampler, repeat_for_group
 from archon.errors import DataError
@@ -67,6 +68,23 @@ def _row_fields(row: dict[str, Any], where: str) -> tuple[str, str, dict[str, An
     return text, str(answer), extra
 
 
+def _chat_row(row: dict[str, Any], where: str) -> tuple[str, str, dict[str, Any]]:
+    """A chat row's last user text (the sample's ``prompt``), answer, and other fields (``messages`` and ``tools``
+    among them, for agents and reward functions)."""
+    messages, tools = row["messages"], row.get("tools")
+    if not messages or not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+        raise DataError(f'{where}: \'messages\' must be a non-empty list of {{"role": ..., "content": ...}} objects')
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise DataError(f"{where}: 'tools' must be a list of JSON schema objects (the chat template's tools)")
+    if "answer" not in row:
+        raise DataError(f"{where} has no 'answer'; every RL prompt needs a reference answer for the reward")
+    extra = {k: v for k, v in row.items() if k != "answer"}
+    if COMPLETION_IDS in extra:
+        raise DataError(f"{where} has a '{COMPLETION_IDS}' field, a name the trainer passes to reward functions")
+    users = [m.get("content") for m in messages if m["role"] == "user"]
+    return (users[-1] if users and isinstance(users[-1], str) else ""), str(row["answer"]), extra
+
+
 class RLPromptDataset:
     """Tokenised RL prompts; rows whose prompt is longer than ``max_prompt_length`` are dropped."""
 
@@ -90,9 +108,19 @@ class RLPromptDataset:
         self.samples: list[PromptSample] = []
         self.n_dropped = 0
         for i, row in enumerate(rows):
-            text, answer, extra = _row_fields(row, f"{source} row {i + 1}")
-            prompt = apply_prompt_template(text, prompt_template)
-            ids = encode_prompt(tokenizer, prompt, system_prompt=system_prompt, use_chat_template=use_chat_template)
+            where = f"{source} row {i + 1}"
+            if "messages" in row:
+                if prompt_template != PROMPT_PLACEHOLDER or system_prompt or use_chat_template is False:
+                    raise DataError(
+                        f"{where} is a chat row (messages), which is rendered as is by the chat template; unset "
+                        "prompt_template, system_prompt and use_chat_template = false, or write prompt rows"
+                    )
+                prompt, answer, extra = _chat_row(row, where)
+                ids = encode_messages(tokenizer, row["messages"], tools=row.get("tools"))
+            else:
+                text, answer, extra = _row_fields(row, where)
+                prompt = apply_prompt_template(text, prompt_template)
+                ids = encode_prompt(tokenizer, prompt, system_prompt=system_prompt, use_chat_template=use_chat_template)
             if max_prompt_length is not None and len(ids) > max_prompt_length:
                 self.n_dropped += 1
                 continue

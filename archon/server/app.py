@@ -8,7 +8,9 @@ client drives either (inference backend ``local``)::
 Endpoints: ``/generate``, ``/health``, ``/health_generate``, ``/get_model_info``,
 ``/get_server_info``, ``/flush_cache``, ``/pause_generation``, ``/continue_generation``,
 ``/abort_request``, ``/update_weights_from_disk``, ``/init_weights_update_group``,
-``/update_weights_from_distributed``, ``/destroy_weights_update_group``.  Generation runs in
+``/update_weights_from_distributed``, ``/destroy_weights_update_group``, and OpenAI's
+``/v1/completions``, ``/v1/chat/completions`` and ``/v1/models`` (``archon.server.openai_api``; text
+needs the tokenizer of the model folder, loaded unless ``--skip-tokenizer-init``).  Generation runs in
 the ``Generator`` thread (see ``archon.server.generator`` for the exact semantics of pause,
 abort and weight updates); handlers only parse, enqueue and await, so the event loop stays
 free.  ``serve_in_thread`` runs the whole server inside the calling process (tests, notebooks).
@@ -29,7 +31,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -40,11 +42,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from archon.field_docs import field_docs
 from archon.runtime.cpu_pinning import parse_core_list, pin_process
 from archon.runtime.gc_freeze import freeze_startup_objects
-from archon.server import protocol
+from archon.server import openai_api, protocol
 from archon.server.generator import PAUSE_MODES, GenerationRequest, Generator
 from archon.server.http_limits import BodyLimitMiddleware, add_error_handlers
 from archon.server.protocol import ProtocolError
 from archon.server.sampling import SamplingParams
+from archon.server.weight_update import probe_rendezvous
 from archon.wire.auth import APIKeyMiddleware, api_key_from_env, check_bind
 from archon.wire.weight_group import destroy_weight_update_group, init_weight_update_group
 from parallel.dtypes import DTYPE_NAMES, to_dtype
@@ -77,7 +80,7 @@ class ServerArgs:
     weight_version: str = "default"
     """Initial weight version reported in responses."""
     skip_tokenizer_init: bool = False
-    """Accepted for SGLang compatibility; this server never loads a tokenizer."""
+    """Do not load the model folder's tokenizer: token ids only (text prompts and chat answer 400)."""
     tp_size: int = 1
     """Accepted for SGLang compatibility; the built-in server runs one device per process."""
     api_key: str | None = None
@@ -93,9 +96,32 @@ class ServerArgs:
         return to_dtype(self.dtype)
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line on stderr and exit code 2 (no usage block)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def check_server_args(args: ServerArgs) -> None:
+    """Raise ``ValueError`` naming the first option out of its range."""
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port {args.port} is not a TCP port; pick one in [0, 65535] (0: any free port)")
+    if args.context_length is not None and args.context_length < 1:
+        raise ValueError(f"--context-length must be >= 1, got {args.context_length}")
+    if args.max_running_requests < 1:
+        raise ValueError(f"--max-running-requests must be >= 1, got {args.max_running_requests}")
+    if args.tp_size < 1:
+        raise ValueError(f"--tp-size must be >= 1, got {args.tp_size}")
+    if not 0 < args.max_request_mb < float("inf"):
+        raise ValueError(f"--max-request-mb must be a positive number of MiB, got {args.max_request_mb}")
+    if not args.host:
+        raise ValueError("--host is empty; give an interface such as 127.0.0.1")
+
+
 def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
-    """``ServerArgs`` from the command line."""
-    p = argparse.ArgumentParser(prog="python -m archon.server.app", description=(__doc__ or "").split("\n\n")[0])
+    """``ServerArgs`` from the command line; a bad option is one line on stderr and exit code 2."""
+    p = _OneLineParser(prog="python -m archon.server.app", description=(__doc__ or "").split("\n\n")[0])
     docs = field_docs(ServerArgs)
     defaults = ServerArgs(model_path="")
 
@@ -121,7 +147,12 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
     add("max_request_mb", type=float)
     add("cpu_cores")
     ns = p.parse_args(argv)
-    return ServerArgs(**vars(ns))
+    args = ServerArgs(**vars(ns))
+    try:
+        check_server_args(args)
+    except ValueError as e:
+        p.error(str(e))
+    return args
 
 
 def build_generator(args: ServerArgs) -> Generator:
@@ -163,9 +194,11 @@ def build_generator(args: ServerArgs) -> Generator:
 class RolloutServer:
     """The state behind the HTTP endpoints: the generator and the weight-update groups."""
 
-    def __init__(self, generator: Generator, args: ServerArgs) -> None:
+    def __init__(self, generator: Generator, args: ServerArgs, tokenizer: Any = None) -> None:
         self.generator = generator
         self.args = args
+        self.tokenizer = tokenizer
+        """Hugging Face tokenizer for the OpenAI endpoints' text; None: token ids only."""
         self.groups: dict[str, dist.ProcessGroup] = {}
         self.app = create_app(self)
 
@@ -251,6 +284,31 @@ def create_app(server: RolloutServer) -> FastAPI:
         bodies = [protocol.generate_response(r) for r in results]
         return JSONResponse(bodies if call.is_batch else bodies[0])
 
+    async def openai_call(request: Request, parse: Any, respond: Any) -> JSONResponse:
+        try:
+            call = parse(await _body(request), server.tokenizer, gen.context_length, gen.check_request)
+            futures = [gen.submit(r) for r in call.requests]
+        except ValueError as e:  # ProtocolError, or a request the generator refuses
+            return _error(str(e))
+        try:
+            results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        except Exception as e:  # noqa: BLE001  a failed forward; the server keeps serving
+            return _error(str(e), status=500)
+        return JSONResponse(respond(call, results, server.tokenizer))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> JSONResponse:
+        return await openai_call(request, openai_api.parse_completion, openai_api.completion_response)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> JSONResponse:
+        return await openai_call(request, openai_api.parse_chat, openai_api.chat_response)
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        model = {"id": server.args.model_path, "object": "model", "created": 0, "owned_by": "archon"}
+        return {"object": "list", "data": [model]}
+
     @app.post("/pause_generation")
     async def pause_generation(request: Request) -> JSONResponse:
         try:
@@ -310,6 +368,10 @@ def create_app(server: RolloutServer) -> FastAPI:
                 f"a weight update group named {args.group_name!r} already exists; destroy it "
                 "first or pick another name.",
             )
+        try:
+            await asyncio.to_thread(probe_rendezvous, args.master_address, args.master_port)
+        except ValueError as e:
+            return _outcome(False, f"cannot join weight update group {args.group_name!r}: {e}")
         try:
             # The rendezvous blocks until the trainer joins too: never on the event loop.
             group = await asyncio.to_thread(
@@ -399,10 +461,11 @@ def serve_in_thread(
     startup_timeout_s: float = 30.0,
     api_key: str | None = None,
     max_request_mb: float = ServerArgs.max_request_mb,
+    tokenizer: Any = None,
 ) -> RunningServer:
     """Serve ``generator`` over HTTP from a background thread; ``port=0`` picks a free port.
 
-    ``model_path`` is what ``/get_model_info`` reports.
+    ``model_path`` is what ``/get_model_info`` reports; ``tokenizer`` serves text on the OpenAI endpoints.
     """
     check_bind(host, api_key)
     args = ServerArgs(
@@ -416,7 +479,7 @@ def serve_in_thread(
         api_key=api_key,
         max_request_mb=max_request_mb,
     )
-    state = RolloutServer(generator, args)
+    state = RolloutServer(generator, args, tokenizer)
     config = uvicorn.Config(state.app, host=host, port=port, log_level="warning", lifespan="off")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="archon-rollout-http", daemon=True)
@@ -444,10 +507,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.cpu_cores:
             # Before the generation thread starts: it inherits them.
             pin_process(parse_core_list(args.cpu_cores), "the rollout server")
+        tokenizer = None if args.skip_tokenizer_init else openai_api.load_tokenizer(args.model_path)
         generator = build_generator(args)
     except ValueError as e:  # a bad folder, config or option: one line, not a traceback
         raise SystemExit(f"archon.server.app: cannot serve {args.model_path}: {e}") from None
-    state = RolloutServer(generator, args)
+    state = RolloutServer(generator, args, tokenizer)
     freeze_startup_objects()
     try:
         logger.info("starting the HTTP server on http://%s:%d", args.host, args.port)

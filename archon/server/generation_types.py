@@ -58,6 +58,12 @@ class GenerationRequest:
                 raise ValueError(f"input_ids[{i}] = {t} is outside the vocabulary [0, {vocab_size}).")
         params = self.sampling_params
         params.validate()
+        for i, t in enumerate(params.stop_token_ids):
+            if type(t) is not int or not 0 <= t < vocab_size:
+                raise ValueError(
+                    f"sampling_params.stop_token_ids[{i}] = {t!r} is outside the vocabulary [0, {vocab_size}); "
+                    "send ids of this model's tokenizer."
+                )
         if len(ids) + params.max_new_tokens > context_length:
             raise ValueError(
                 f"the prompt ({len(ids)} tokens) plus max_new_tokens ({params.max_new_tokens}) exceeds the "

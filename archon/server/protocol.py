@@ -25,6 +25,8 @@ from archon.server.sampling import SamplingParams
 from archon.wire.weight_group import FLATTENED_BUCKET
 
 DEFAULT_GROUP_NAME = "weight_update_group"
+WEIGHT_GROUP_BACKENDS = ("gloo", "nccl")
+"""torch.distributed backends a weight update group may use."""
 
 
 class ProtocolError(ArchonError, ValueError):
@@ -86,12 +88,35 @@ def error_body(message: str) -> dict[str, Any]:
     return {"error": {"message": message}}
 
 
+MAX_JSON_DEPTH = 32
+"""Deepest nesting of lists and objects a request body may have (the deepest valid body nests 4)."""
+
+
+def _json_depth(value: Any) -> int:
+    """Nesting depth of decoded JSON (a scalar is 0), without recursion."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth + 1)
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return deepest
+
+
 def parse_json(body: bytes) -> Any:
-    """The decoded JSON body; ``ProtocolError`` if it is not JSON."""
+    """The decoded JSON body; ``ProtocolError`` if it is not JSON or nests deeper than ``MAX_JSON_DEPTH``."""
+    too_deep = f"the request body nests lists and objects deeper than {MAX_JSON_DEPTH} levels; flatten it."
     try:
-        return json.loads(body or b"null")
+        value = json.loads(body or b"null")
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ProtocolError(f"the request body is not valid JSON ({e}).") from None
+    except RecursionError:  # the decoder recurses per level: thousands of '[' exhaust the stack
+        raise ProtocolError(too_deep) from None
+    if _json_depth(value) > MAX_JSON_DEPTH:
+        raise ProtocolError(too_deep)
+    return value
 
 
 def _is_int(x: Any) -> bool:
@@ -104,7 +129,18 @@ def _is_int64(x: Any) -> bool:
 
 
 def _is_number(x: Any) -> bool:
-    return type(x) in (int, float) and math.isfinite(x)  # Python's JSON accepts NaN and Infinity
+    # Python's JSON accepts NaN and Infinity; an integer too large for a float would raise OverflowError.
+    return (type(x) is float and math.isfinite(x)) or (type(x) is int and abs(x) < 2**63)
+
+
+def is_int64(x: Any) -> bool:
+    """A JSON integer (not a bool) that fits int64."""
+    return _is_int64(x)
+
+
+def is_number(x: Any) -> bool:
+    """A finite JSON number (not a bool)."""
+    return _is_number(x)
 
 
 def _check_unsupported(obj: dict[str, Any], known: set[str], neutral: dict[str, tuple[Any, ...]], where: str) -> None:
@@ -191,7 +227,9 @@ def parse_generate(
     if not isinstance(payload, dict):
         raise ProtocolError("the /generate body must be a JSON object with input_ids.")
     if payload.get("text") is not None:
-        raise ProtocolError("text prompts need a tokenizer, which this server does not load; send input_ids.")
+        raise ProtocolError(
+            "text prompts need a tokenizer, which /generate does not use; send input_ids, or text to /v1/completions."
+        )
     _check_unsupported(payload, _GENERATE_FIELDS, _NEUTRAL_GENERATE, "the request")
     ids = payload.get("input_ids")
     if ids is None:
@@ -405,6 +443,14 @@ def parse_init_group(payload: Any) -> InitGroupArgs:
         group_name=_group_name(obj, ep),
         backend=_field(obj, "backend", str, ep, "gloo"),
     )
+    if args.backend not in WEIGHT_GROUP_BACKENDS:
+        raise ProtocolError(
+            f"{ep}: backend {args.backend!r} is not supported; send one of {', '.join(WEIGHT_GROUP_BACKENDS)}."
+        )
+    if args.backend == "nccl" and not torch.cuda.is_available():
+        raise ProtocolError(f"{ep}: backend 'nccl' needs a GPU, and this server has none; send 'gloo'.")
+    if not 1 <= args.master_port <= 65535:
+        raise ProtocolError(f"{ep}: master_port {args.master_port} is not a TCP port; send one in [1, 65535].")
     if not 0 < args.rank_offset < args.world_size:
         raise ProtocolError(
             f"{ep}: rank_offset {args.rank_offset} must be in [1, world_size={args.world_size}) "

@@ -9,6 +9,8 @@ check everything before touching a weight, so a bad update leaves the served mod
 from __future__ import annotations
 
 import json
+import socket
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
@@ -19,6 +21,34 @@ import torch.nn as nn
 import models
 from archon.wire.weight_group import broadcast_tensor, bucket_nbytes, unflatten_bucket
 from models.state_dict_adapter import UnknownKeyError
+
+GROUP_PROBE_S = 5.0
+"""How long ``probe_rendezvous`` waits for the trainer's rendezvous port to accept a connection."""
+
+
+def probe_rendezvous(address: str, port: int, timeout_s: float = GROUP_PROBE_S) -> None:
+    """Raise ``ValueError`` unless something accepts TCP connections on ``address:port`` within ``timeout_s``.
+
+    Joining a group dials the trainer's store until the group timeout (minutes); a wrong address
+    should fail now.  The trainer listens before it asks the servers to join (Archon's does), so a
+    refusal is retried only briefly, for trainers that start their store while the request is in flight.
+    """
+    try:
+        socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        raise ValueError(f"master_address {address!r} does not resolve ({e}); send the trainer's address.") from None
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((address, port), timeout=max(deadline - time.monotonic(), 0.1)):
+                return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise ValueError(
+                    f"nothing accepts connections on {address}:{port} ({e}); the trainer must listen there "
+                    "before asking servers to join its weight update group."
+                ) from None
+        time.sleep(0.05)
 
 
 def read_eos_token_ids(folder: str | Path) -> list[int]:
