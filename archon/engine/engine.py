@@ -25,13 +25,11 @@ from pathlib import Path
 from typing import Any, ClassVar, cast
 
 import torch
-from torch.distributed.checkpoint.stateful import Stateful
 
 from archon.alloc import ModelAllocation
 from archon.checkpoint.state import TrainState
 from archon.config import TrainEngineConfig
 from archon.engine.archon_runner import ArchonModelRunner
-from archon.engine.checkpointing import EngineCheckpoint
 from archon.engine.errors import EngineError
 from archon.engine.interface import TrainEngine
 from archon.engine.layout import init_layout, load_model_config
@@ -377,27 +375,3 @@ class ArchonEngine(TrainEngine):
             source=self.config.path,
             max_shard_size=max_shard_size,
         )
-
-    # ------------------------------------------------------------------ checkpoints
-    def _checkpoint(self) -> EngineCheckpoint:
-        assert self.model is not None, "initialize() first"
-        return EngineCheckpoint(
-            self.name, self.allocation, self.model, self.optimizer, self.lr_scheduler, self.train_state
-        )
-
-    def checkpoint_states(self) -> dict[str, Stateful]:
-        """What a checkpoint of this engine holds: the model, the optimizer and LR scheduler (when trainable),
-        and the train state (step, random generators)."""
-        return self._checkpoint().states()
-
-    def save(self, path: str | Path, extra_state: dict[str, Any] | None = None) -> None:
-        """Write a resumable checkpoint to ``path`` (collective); ``extra_state`` is the caller's JSON data."""
-        self._checkpoint().save(path, extra_state)
-
-    def load(self, path: str | Path) -> dict[str, Any]:
-        """Resume from a checkpoint written by ``save`` (any allocation; collective); returns its extra state."""
-        return self._checkpoint().load(path)
-
-    def checkpoint_nbytes(self) -> float:
-        """This rank's share of one checkpoint's bytes: parameters, and AdamW's two moments with an optimizer."""
-        return self._checkpoint().nbytes()

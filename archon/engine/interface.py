@@ -28,7 +28,9 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
 from archon.alloc import ModelAllocation
+from archon.checkpoint.state import TrainState
 from archon.config import TrainEngineConfig
+from archon.engine.checkpointing import EngineCheckpoint
 from archon.engine.microbatch import Batch
 from archon.engine.step_loss import LossFn, LossWeightFn, token_count_weight
 
@@ -58,6 +60,12 @@ class TrainEngine(ABC):
     """The (sharded) model; None before ``initialize``."""
     optimizer: torch.optim.Optimizer | None
     """AdamW over the trainable parameters; None before ``initialize`` and for a frozen engine."""
+    lr_scheduler: Any
+    """The optimizer's LR schedule; None before ``initialize`` and for a frozen engine."""
+    allocation: ModelAllocation
+    """``config.backend`` parsed (set by ``initialize``)."""
+    train_state: TrainState
+    """Step count and random generators: the checkpoint's train state."""
 
     @abstractmethod
     def __init__(
@@ -124,19 +132,26 @@ class TrainEngine(ABC):
     ) -> None:
         """Write an HF folder (config.json + sharded safetensors) that ``from_pretrained`` loads; rank 0 writes."""
 
-    @abstractmethod
+    # Checkpoints are the same for every engine: its parts, composed into an EngineCheckpoint.
+    def _checkpoint(self) -> EngineCheckpoint:
+        assert self.model is not None, "initialize() first"
+        return EngineCheckpoint(
+            self.name, self.allocation, self.model, self.optimizer, self.lr_scheduler, self.train_state
+        )
+
     def checkpoint_states(self) -> dict[str, Stateful]:
         """What a checkpoint of this engine holds: the model, the optimizer and LR scheduler (when trainable),
         and the train state (step, random generators)."""
+        return self._checkpoint().states()
 
-    @abstractmethod
     def save(self, path: str | Path, extra_state: dict[str, Any] | None = None) -> None:
         """Write a resumable checkpoint to ``path`` (collective); ``extra_state`` is the caller's JSON data."""
+        self._checkpoint().save(path, extra_state)
 
-    @abstractmethod
     def load(self, path: str | Path) -> dict[str, Any]:
         """Resume from a checkpoint written by ``save`` (any allocation; collective); returns its extra state."""
+        return self._checkpoint().load(path)
 
-    @abstractmethod
     def checkpoint_nbytes(self) -> float:
-        """This rank's share of one checkpoint's bytes (no collective)."""
+        """This rank's share of one checkpoint's bytes: parameters, and AdamW's two moments with an optimizer."""
+        return self._checkpoint().nbytes()
