@@ -353,6 +353,8 @@ def main() -> None:
         "first-step loss |Archon - HF| (the same function on the same weights and tokens): "
         + ", ".join(f"{dtype} at most {diff:.1e}" for dtype, diff in worst.items())
     )
+    if torch.distributed.is_initialized():  # the engines joined a one-rank group; NCCL warns if it is left open
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

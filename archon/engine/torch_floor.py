@@ -4,8 +4,8 @@
   (``parallel/dims.py``), arrived with DeviceMesh's layout rewrite after 2.9 (pytorch/pytorch#161224);
   ``torch.nn.attention.varlen`` is also new in 2.10.
 * 2.12: ``varlen_attn(..., enable_gqa=...)`` (pytorch/pytorch#179468), which packed attention on CUDA
-  needs for grouped-query models.  Older torch still runs: packed rows fall back to SDPA grouped by
-  length (``models/common/attention.py``), slower on GPUs; the Makefile installs at least this one on
+  uses for grouped-query models.  On 2.10-2.11 the same kernel gets the K/V heads repeated to one per
+  query head (``models/common/attention.py``: a copy per layer); the Makefile installs at least 2.12 on
   GPU machines.
 """
 
@@ -20,7 +20,7 @@ from archon.errors import ArchonError
 TORCH_FLOOR: tuple[int, int] = (2, 10)
 """The oldest torch (major, minor) an engine starts on."""
 PACKED_ATTENTION_TORCH: tuple[int, int] = (2, 12)
-"""The oldest torch whose varlen attention serves grouped-query packed rows on CUDA (the GPU install's floor)."""
+"""The oldest torch whose varlen attention reads grouped-query K/V as they are (the GPU install's floor)."""
 
 
 class TorchVersionError(ArchonError, RuntimeError):

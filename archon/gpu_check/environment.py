@@ -2,7 +2,7 @@
 
 ``environment`` runs everywhere and only records (it fails only if torch itself is unusable);
 ``cuda_environment`` judges a GPU: NCCL present, the varlen attention API Archon calls
-(``torch.nn.attention.varlen.varlen_attn`` with ``scale``, ``window_size``, ``enable_gqa``)
+(``torch.nn.attention.varlen.varlen_attn`` with ``scale`` and ``window_size``)
 and ``torch._grouped_mm`` with a Hopper-or-newer device (below sm90 MoE layers run the
 per-expert loop, which is correct but slow: reported, not failed).
 """
@@ -18,8 +18,8 @@ import torch
 
 from archon.gpu_check.table import Context, Outcome, judge
 
-VARLEN_PARAMS = ("scale", "window_size", "enable_gqa")
-"""Keyword arguments of ``varlen_attn`` that ``models/common/attention.py`` passes."""
+VARLEN_PARAMS = ("scale", "window_size")
+"""Keyword arguments ``models/common/attention.py`` needs of ``varlen_attn`` (it adds ``enable_gqa`` where there)."""
 
 
 def package_version(name: str) -> str | None:
@@ -33,14 +33,16 @@ def package_version(name: str) -> str | None:
 
 
 def varlen_api() -> str:
-    """'ok', or why ``torch.nn.attention.varlen.varlen_attn`` cannot serve Archon's packed attention."""
+    """'ok' (with a remark on torch 2.10-2.11), or why ``varlen_attn`` cannot serve Archon's packed attention."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return f"missing (torch {torch.__version__} has no torch.nn.attention.varlen; needs torch >= 2.10)"
     params = inspect.signature(varlen_attn).parameters
     lacking = [p for p in VARLEN_PARAMS if p not in params]
-    return f"lacks {', '.join(lacking)}" if lacking else "ok"
+    if lacking:
+        return f"lacks {', '.join(lacking)}"
+    return "ok" if "enable_gqa" in params else "ok (no enable_gqa: grouped-query K/V heads are repeated)"
 
 
 def check_environment(ctx: Context) -> Outcome:
@@ -78,7 +80,7 @@ def check_cuda_environment(ctx: Context) -> Outcome:
     problems = []
     if nccl is None:
         problems.append("no NCCL (multi-GPU training and weight sync need it)")
-    if measured["varlen_api"] != "ok":
+    if not measured["varlen_api"].startswith("ok"):
         problems.append(f"varlen attention {measured['varlen_api']} (packed rows fall back to per-length SDPA)")
     if not measured["bf16"]:
         problems.append("no bfloat16")

@@ -1,7 +1,7 @@
 """Memory and checkpoint rows: the memory estimate, parameter offloading, a DCP round trip.
 
 * ``memory_estimate`` (CUDA): ``archon.plan.memory.estimate_training_rank`` for a 170M Qwen3 on
-  ``archon:d1`` in bf16 (8 x 1024 tokens; without AC and with full AC) against
+  ``archon:d1`` in bf16 (8 x 1024 tokens; without AC, with op-level selective AC and with full AC) against
   the peaks of ``torch.cuda.max_memory_allocated`` and ``max_memory_reserved`` over two steps.
   The estimate counts tensors, so peak allocated must be 0.8x-1.2x of it (below, users are told
   to shrink runs that fit; above, runs it passes may not fit), and peak reserved (what the
@@ -94,7 +94,12 @@ def check_memory_estimate(ctx: Context) -> Outcome:
     measured: dict[str, Any] = {}
     problems = []
     lo, hi = ALLOCATED_RANGE
-    for case, overrides in {"no_ac": {}, "ac_full": {"gradient_checkpointing": True}}.items():
+    cases: dict[str, dict[str, Any]] = {
+        "no_ac": {},
+        "ac_op": {"gradient_checkpointing": True},  # the default: selective, op level
+        "ac_full": {"gradient_checkpointing": True, "archon": {"ac_mode": "full"}},
+    }
+    for case, overrides in cases.items():
         config = tiny.engine_config(folder, "bfloat16", **overrides)
         estimate = estimate_training_rank(config, hf, Workload(rows, seq_len), device_type="cuda")
         peak, _, _ = peak_of_steps(ctx, config, batch)

@@ -524,8 +524,13 @@ def estimate_training_rank(
     per_layer = {i: _layer_activations(args, i, tokens, b, lay, engine, device_type) for i in layers}
     vocab = 1 if is_critic else args.vocab_size / lay.tp
     tc = tokens / lay.cp
-    head_saved = (tc / lay.tp) * (4 * args.dim + 4 + b * args.dim) + tc * (b * args.dim + 8 * vocab)
-    loss_peak = tc * (b + 12) * vocab  # logits, float32 copies and the loss's backward temporaries
+    # The loss keeps float32 probabilities and the logits (unsharded) or its float32 shifted logits
+    # (vocab-parallel); its peak beyond them is two float32 [tokens, vocab] buffers (log-softmax and
+    # the float copy in forward, the gradient and its product in backward; an entropy term in the loss
+    # adds about two more).  Measured on an H200 (gpu_check memory_estimate, 8 x 1024 tokens, 32k vocab).
+    kept = (b + 4) * vocab if lay.tp == 1 else 8 * vocab
+    head_saved = (tc / lay.tp) * (4 * args.dim + 4 + b * args.dim) + tc * (b * args.dim + kept)
+    loss_peak = tc * (8 if lay.tp == 1 else b + 12) * vocab
     per_stage_layers = len(layers) // len(stages)
     unit_bytes = {}
     for k, s in enumerate(stages):

@@ -33,19 +33,20 @@ from models.common.rope import apply_rotary_emb
 
 
 def _find_varlen_attn():
-    """``torch.nn.attention.varlen.varlen_attn`` if this torch has the API used here, else None."""
+    """``(varlen_attn, takes enable_gqa)`` if this torch has the API used here, else ``(None, False)``."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:  # torch < 2.10
-        return None
+        return None, False
     params = inspect.signature(varlen_attn).parameters
-    if not {"scale", "window_size", "enable_gqa"} <= set(params):
-        return None
-    return varlen_attn
+    if not {"scale", "window_size"} <= set(params):
+        return None, False
+    return varlen_attn, "enable_gqa" in params
 
 
-# Looked up once at import: a plain global is free to read inside torch.compile'd blocks.
-_VARLEN_ATTN = _find_varlen_attn()
+# Looked up once at import: plain globals are free to read inside torch.compile'd blocks.
+# torch 2.10-2.11's varlen_attn has no enable_gqa: grouped-query rows get their K/V heads repeated.
+_VARLEN_ATTN, _VARLEN_GQA = _find_varlen_attn()
 
 
 def _can_use_varlen(q: torch.Tensor) -> bool:
@@ -185,8 +186,11 @@ class CoreAttention(nn.Module):
         if max_seqlen is None:  # Decoder.forward passes it (one sync per forward, not per layer)
             max_seqlen = int((cu[1:] - cu[:-1]).max())
         assert _VARLEN_ATTN is not None, "the varlen path runs only where _can_use_varlen holds"
+        gqa_kwargs = {"enable_gqa": gqa} if _VARLEN_GQA else {}
+        if gqa and not _VARLEN_GQA:  # one K/V head per query head, as enable_gqa would read them
+            k, v = (t.repeat_interleave(q.shape[2] // t.shape[2], dim=2) for t in (k, v))
         out = _VARLEN_ATTN(
-            q[0], k[0], v[0], cu, cu, max_seqlen, max_seqlen, scale=self.scale, window_size=(-1, 0), enable_gqa=gqa
+            q[0], k[0], v[0], cu, cu, max_seqlen, max_seqlen, scale=self.scale, window_size=(-1, 0), **gqa_kwargs
         )
         # Without return_aux the kernel returns the output alone.
         return cast(torch.Tensor, out).unsqueeze(0)

@@ -111,6 +111,7 @@ def test_varlen_call_covers_trailing_padding_without_host_reads(monkeypatch):
         return _reference(q[None], k[None], v[None], [n for n in lengths if n], scale)[0].to(q.dtype)
 
     monkeypatch.setattr(attention, "_VARLEN_ATTN", fake_varlen)
+    monkeypatch.setattr(attention, "_VARLEN_GQA", True)
     monkeypatch.setattr(attention, "_can_use_varlen", lambda q: True)
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(1, 14, h, 8, generator=g) for h in (4, 2, 2))
@@ -121,3 +122,21 @@ def test_varlen_call_covers_trailing_padding_without_host_reads(monkeypatch):
     torch.testing.assert_close(out.double(), _reference(q, k, v, [5, 6, 3], 8**-0.5), atol=1e-5, rtol=1e-5)
     core(q, k, v, cu_seqlens=torch.tensor([0, 5, 14], dtype=torch.int32))  # no tail: an empty last sequence
     assert seen == {"cu": [0, 5, 14, 14], "max_q": 9}
+
+
+def test_varlen_without_enable_gqa_repeats_kv_heads(monkeypatch):
+    # torch 2.10-2.11's varlen_attn has no enable_gqa: grouped-query K/V reach it one head per query head.
+    import models.common.attention as attention
+
+    def old_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size):
+        assert k.shape[1] == v.shape[1] == q.shape[1], "K/V heads must match the query heads"
+        lengths = (cu_q[1:] - cu_q[:-1]).tolist()
+        return _reference(q[None], k[None], v[None], [n for n in lengths if n], scale)[0].to(q.dtype)
+
+    monkeypatch.setattr(attention, "_VARLEN_ATTN", old_varlen)
+    monkeypatch.setattr(attention, "_VARLEN_GQA", False)
+    monkeypatch.setattr(attention, "_can_use_varlen", lambda q: True)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 12, h, 8, generator=g) for h in (6, 2, 2))
+    out = CoreAttention(scale=8**-0.5)(q, k, v, cu_seqlens=torch.tensor([0, 4, 12], dtype=torch.int32), max_seqlen=8)
+    torch.testing.assert_close(out.double(), _reference(q, k, v, [4, 8], 8**-0.5), atol=1e-5, rtol=1e-5)
