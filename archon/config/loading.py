@@ -36,7 +36,7 @@ def _type_name(tp: Any) -> str:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     if origin in (list, tuple):
         return "an array"
-    if dataclasses.is_dataclass(tp):
+    if origin is dict or dataclasses.is_dataclass(tp):
         return "a table"
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
 
@@ -132,6 +132,10 @@ class _Builder:
             item = args[0] if args else Any
             items = [self.convert(item, v, key) for v in value]
             return tuple(items) if origin is tuple else items
+        if origin is dict:  # free-form keyword arguments (e.g. rollout.workflow_kwargs), passed on as they are
+            if not isinstance(value, dict):
+                raise bad
+            return dict(value)
         if tp is bool:
             if not isinstance(value, bool):
                 raise bad
@@ -402,6 +406,24 @@ def _validate_rl_options(cfg: Config, sources: dict[str, str]) -> None:
             f"{where('rollout.max_head_offpolicyness')}) must be 0 (synchronous) or a positive number of "
             "policy versions"
         )
+    if cfg.rollout.workflow:
+        unsupported = {
+            "rollout.max_head_offpolicyness > 0": cfg.rollout.max_head_offpolicyness > 0,
+            "dynamic_filter.enable": cfg.dynamic_filter.enable,
+            "actor.moe_routing_replay": cfg.actor.moe_routing_replay,
+        }
+        clash = [name for name, on in unsupported.items() if on]
+        if clash:
+            raise ConfigError(
+                f"rollout.workflow = '{cfg.rollout.workflow}' (from {where('rollout.workflow')}) runs agent episodes "
+                f"synchronously and without {', '.join(clash)} for now; turn that off or unset rollout.workflow"
+            )
+        if cfg.rollout.max_turns < 1 or cfg.rollout.max_total_tokens < 0 or cfg.rollout.workflow_timeout_s <= 0:
+            raise ConfigError(
+                f"rollout.max_turns ({cfg.rollout.max_turns}) must be >= 1, rollout.max_total_tokens "
+                f"({cfg.rollout.max_total_tokens}) >= 0 and rollout.workflow_timeout_s "
+                f"({cfg.rollout.workflow_timeout_s}) > 0"
+            )
     if cfg.rollout.max_head_offpolicyness > 0 and cfg.actor.moe_routing_replay:
         raise ConfigError(
             "actor.moe_routing_replay is not supported with asynchronous rollouts "

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from archon.alloc import AllocationError, ModelAllocation
 from archon.errors import ArchonError
@@ -386,6 +386,18 @@ class RolloutConfig:
     """Asynchronous RL: how servers pause for a weight update (SGLang's /pause_generation mode). 'retract' keeps each
     request's tokens on the server, which continues it after the update; 'abort' ends the requests and the trainer sends
     prompt + tokens so far again (servers without retract)."""
+    workflow: str = ""
+    """Agent workflow 'package.module:function': an async function (archon.rl.agent.workflow) that runs each sample as
+    a multi-turn episode through an OpenAI endpoint and returns its reward; '' trains single-turn completions."""
+    workflow_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments every episode's workflow call gets."""
+    max_turns: int = 8
+    """Requests one agent episode may make; one more ends it (truncation 'max_turns')."""
+    max_total_tokens: int = 0
+    """Ids one agent episode may hold (prompts, tool results, sampled); 0: train_dataset.max_length +
+    max_turns * gconfig.max_new_tokens."""
+    workflow_timeout_s: float = 600.0
+    """Seconds an agent episode may run before it is cancelled (truncation 'timeout', reward 0)."""
 
 
 @dataclass

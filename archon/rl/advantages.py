@@ -20,6 +20,7 @@ import torch
 
 from archon.config import ActorConfig, NormConfig
 from archon.rl.kl import KL_ESTIMATORS, kl_estimate
+from archon.rl.rollout_batch import TURN_REWARDS
 
 ADV_ESTIMATORS = ("grpo", "gae", "rloo", "reinforce++")
 _LEVELS = ("batch", "group", None)
@@ -193,6 +194,21 @@ def token_rewards(
     return out
 
 
+def turn_credit(turn_rewards: torch.Tensor, loss_mask: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
+    """``[B, S]``: what moves an episode's reward from its last sampled id to the ends of the turns that earned it.
+
+    ``turn_rewards`` (``TURN_REWARDS``) holds each turn's reward on its last sampled id; the credit is those
+    rewards times ``scale`` minus their sum on the row's last loss token, so the row's token rewards still add
+    up to its shaped sequence reward (bias, clipping and penalties apply to the episode) while a return-to-go
+    (GAE, REINFORCE++) sees each turn's reward where the turn ended.
+    """
+    credit = turn_rewards.to(torch.float32) * scale * (loss_mask > 0)
+    idx, has_any = last_loss_index(loss_mask)
+    rows = torch.arange(credit.shape[0], device=credit.device)
+    credit[rows, idx] -= torch.where(has_any, credit.sum(dim=1), 0.0)
+    return credit
+
+
 @torch.no_grad()
 def gae_advantages(
     rewards: torch.Tensor,
@@ -330,7 +346,9 @@ def compute_advantages(
     ``mask_no_eos_with_zero``; token rewards (+ KL penalty); then GAE with the critic
     (truncated rows bootstrapped with ``values_after`` when ``bootstrap_truncated``), or
     the discounted reward-to-go (REINFORCE++ then normalises it over the batch); finally
-    ``adv_norm``, over the loss tokens of the rows ``overlong_filtering`` keeps.  Returns
+    ``adv_norm``, over the loss tokens of the rows ``overlong_filtering`` keeps.  Agent batches with per-turn
+    rewards (``TURN_REWARDS``) credit each turn where it ended under 'gae' and 'reinforce++' (``turn_credit``);
+    the group baselines ('grpo', 'rloo') compare whole episodes.  Returns
     ``advantages``, ``returns``, ``token_rewards`` and ``kl`` (the per-token penalty KL, 0
     without ``kl_ctl``) (``[B, S]``, 0 outside ``loss_mask``) and the shaped sequence
     ``rewards`` ``[B]``.
@@ -374,6 +392,8 @@ def compute_advantages(
         logp = batch["old_logprobs"] if "old_logprobs" in batch else batch["logprobs"]
         kl = torch.where(m, kl_estimate(logp, batch["ref_logprobs"], cfg.kl_estimator), 0.0)
     rewards = token_rewards(seq, loss_mask, kl=kl, kl_ctl=kl_ctl)
+    if TURN_REWARDS in batch and cfg.adv_estimator in ("gae", "reinforce++"):
+        rewards = rewards + turn_credit(batch[TURN_REWARDS], loss_mask, scale=cfg.reward_scaling)
     # Overlong filtering drops truncated rows from the actor loss, so they take no part in
     # batch statistics of advantages either.
     adv_mask = loss_mask

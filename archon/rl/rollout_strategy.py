@@ -30,6 +30,7 @@ from archon.runtime.drill import drill_point
 
 if TYPE_CHECKING:
     from archon.launch.recovery import ServerSupervisor
+    from archon.rl.agent.trajectory import Trajectory
     from archon.rollout.client import RolloutClient
     from archon.rollout.weight_sync import WeightSync
 
@@ -78,6 +79,9 @@ class StepRollout:
     fresh_version: int | None = None
     """The policy version the step trains, when tokens carry their versions: its tokens are the train/inference
     mismatch's.  None: the weights trained generated every token."""
+    trajectories: list[Trajectory] | None = None
+    """Agent episodes (``archon.rl.agent``), in place of ``completions``: the batch is their recorded ids, and
+    ``rewards`` are their episode rewards."""
 
 
 class RolloutStrategy(ABC):

@@ -28,6 +28,9 @@ from archon.launch.recovery import ServerSupervisor
 from archon.metrics import MetricsLogger, peak_memory_gb
 from archon.rl.actor import PPOActor, ReferenceModel
 from archon.rl.advantages import check_advantage_options, compute_advantages
+from archon.rl.agent.agent_batch import build_agent_batch
+from archon.rl.agent.agent_rollout import AgentRollout
+from archon.rl.agent.workflow import load_workflow
 from archon.rl.async_rollout import AsyncRollout
 from archon.rl.critic import PPOCritic
 from archon.rl.kl import KLController, kl_estimate
@@ -190,6 +193,8 @@ class RLTrainer:
 
     def _build_rewards(self) -> None:
         r = self.cfg.reward
+        if self.cfg.rollout.workflow:
+            return  # agent workflows return their episodes' rewards themselves
         get_reward_fn(r.fn)  # a bad name is the same clear error on every rank
 
         def start() -> None:
@@ -214,6 +219,20 @@ class RLTrainer:
             client=self.client,
             score=CompletionScorer(self.rewards, self.tokenizer) if self.rewards is not None else None,
         )
+        if cfg.rollout.workflow:
+            self.rollout = AgentRollout(
+                inputs,
+                workflow=load_workflow(cfg.rollout.workflow),  # a bad name is the same clear error on every rank
+                workflow_kwargs=cfg.rollout.workflow_kwargs,
+                tokenizer=self.tokenizer,
+                max_turns=cfg.rollout.max_turns,
+                max_total_tokens=cfg.rollout.max_total_tokens
+                or cfg.train_dataset.max_length + cfg.rollout.max_turns * cfg.gconfig.max_new_tokens,
+                timeout_s=cfg.rollout.workflow_timeout_s,
+                supervisor=self.supervisor,
+                served_version=served_version,
+            )
+            return
         if self._asynchronous():
             self.rollout = AsyncRollout(
                 inputs,
@@ -303,7 +322,12 @@ class RLTrainer:
         checked = self.weight_check.finish() if self.weight_check is not None else {}
         # Asynchronous batches mark the tokens of the version this step trains (step - 1): the mismatch's tokens.
         fresh = rollout.fresh_version
-        batch = build_rollout_batch(completions, rewards, pad_token_id=self.pad_token_id, fresh_version=fresh)
+        if rollout.trajectories is not None:  # agent episodes: exactly the ids recorded turn by turn
+            batch = build_agent_batch(rollout.trajectories, pad_token_id=self.pad_token_id, fresh_version=fresh)
+            lengths = batch["loss_mask"].sum(dim=1).to(torch.float64)
+        else:
+            batch = build_rollout_batch(completions, rewards, pad_token_id=self.pad_token_id, fresh_version=fresh)
+            lengths = torch.tensor([len(c.output_ids) for c in completions], dtype=torch.float64)
         t_train = time.perf_counter()
         record: dict[str, Any] = {
             "step": step,
@@ -333,7 +357,6 @@ class RLTrainer:
             self.weight_check.start(self.client if self.rank0 else None, str(step))
 
         r = torch.tensor(rewards, dtype=torch.float64)
-        lengths = torch.tensor([len(c.output_ids) for c in completions], dtype=torch.float64)
         record.update(
             {
                 "reward_mean": float(r.mean()),
@@ -341,7 +364,7 @@ class RLTrainer:
                 "response_len_mean": float(lengths.mean()),
                 "response_len_max": float(lengths.max()),
                 "no_eos_frac": float(batch["seq_no_eos_mask"].float().mean()),
-                "n_samples": len(completions),
+                "n_samples": len(rewards),
                 **rollout.metrics,
                 "train_time_s": train_time,
                 **sync,

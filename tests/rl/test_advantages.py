@@ -20,6 +20,7 @@ from archon.rl.advantages import (
     shape_rewards,
     token_rewards,
 )
+from archon.rl.rollout_batch import TURN_REWARDS
 
 EPS = 1e-5
 
@@ -483,3 +484,22 @@ def test_penalty_kl_is_returned_for_the_kl_controller():
         _batch([1.0, 0.0], mask, old_logprobs=logp, ref_logprobs=ref), group_size=2, kl_ctl=0.1, kl_estimator="k1"
     )
     torch.testing.assert_close(out["kl"], torch.tensor([[0.0, 0.5, -1.0], [0.0, 0.5, 0.0]]))
+
+
+def test_gae_credits_agent_turns_where_they_ended():
+    # Loss ids at 1, 2 (turn 1, reward 1 on id 2) and 4, 5 (turn 2, reward 2 on id 5); values 0, gamma 0.5, lambda 1.
+    mask = [[0, 1, 1, 0, 1, 1]]
+    turns = torch.tensor([[0.0, 0.0, 1.0, 0.0, 0.0, 2.0]])
+    batch = _batch(
+        [3.0], mask, values=torch.zeros(1, 6), seq_no_eos_mask=torch.tensor([False]), **{TURN_REWARDS: turns}
+    )
+    cfg = actor_cfg(adv_estimator="gae", discount=0.5, gae_lambda=1.0, adv_norm=NO_NORM, bootstrap_truncated=False)
+    out = compute_advantages(batch, cfg, group_size=1)
+    # Hand-computed discounted returns over the loss ids: 2; 0 + .5 * 2 = 1; 1 + .5 * 1 = 1.5; .5 * 1.5 = .75.
+    torch.testing.assert_close(out["advantages"], torch.tensor([[0.0, 0.75, 1.5, 0.0, 1.0, 2.0]]))
+    assert float(out["token_rewards"].sum()) == 3.0  # the episode's reward, moved, not added
+    # The group baselines compare whole episodes: GRPO's advantages are the same with or without turn rewards.
+    grpo = actor_cfg(adv_estimator="grpo", adv_norm=NO_NORM)
+    two = _batch([3.0, 1.0], [[0, 1, 1, 0, 1, 1]] * 2)
+    with_turns = compute_advantages({**two, TURN_REWARDS: torch.cat([turns, turns / 3])}, grpo, group_size=2)
+    torch.testing.assert_close(with_turns["advantages"], compute_advantages(two, grpo, group_size=2)["advantages"])

@@ -6,7 +6,7 @@ appended to them without re-tokenising (``chat_tokens``), episodes to the token-
 each episode's ids (``proxy``), and the user's async agent functions run as recorded episodes (``workflow``).
 """
 
-from archon.rl.agent.agent_batch import TURN_REWARDS, agent_metrics, build_agent_batch
+from archon.rl.agent.agent_batch import agent_metrics, build_agent_batch
 from archon.rl.agent.chat_tokens import append_messages, render_chat, start_messages
 from archon.rl.agent.proxy import MAX_TOKENS, MAX_TURNS, RecordingProxy
 from archon.rl.agent.tools import (
@@ -25,6 +25,7 @@ from archon.rl.agent.tools import (
 )
 from archon.rl.agent.trajectory import Segment, Trajectory, TrajectoryTokens, Turn
 from archon.rl.agent.workflow import ERROR, TIMEOUT, Workflow, load_workflow, run_episode
+from archon.rl.rollout_batch import TURN_REWARDS
 
 __all__ = [
     "BUILTIN_TOOLS",

@@ -15,11 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from archon.rl.agent.trajectory import Trajectory
-from archon.rl.rollout_batch import FRESH_MASK
-
-TURN_REWARDS = "turn_rewards"
-"""Batch key ``[B, S]``: each turn's reward on its last sampled id, 0 elsewhere (rows with an episode reward put
-it on their last sampled id).  ``rewards`` ``[B]`` is then each row's sum, which GRPO's group baseline uses."""
+from archon.rl.rollout_batch import FRESH_MASK, TURN_REWARDS
 
 
 def build_agent_batch(

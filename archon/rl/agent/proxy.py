@@ -13,6 +13,11 @@ episode has its own base URL, ``http://127.0.0.1:PORT/episodes/<id>/v1``, so the
    records the turn (``Trajectory.add_turn``) and answers in OpenAI's chat shape, with the extras ``token_ids``,
    ``prompt_token_ids`` (per choice) and ``weight_version``.
 
+In training (``archon.rl.agent.agent_rollout``) the proxy is given the trainer's ``sampling``: it replaces the
+request's sampling fields (the behaviour logprobs must be the policy's at the trainer's temperature, whatever the
+agent asks), a request's ``max_tokens`` can only lower its ``max_new_tokens``, and an episode opened with a
+``seed`` samples turn ``k`` with ``episode_turn_seed(seed, k)`` (runs repeat whatever the episodes' interleaving).
+
 Limits (``max_turns``, ``max_total_tokens`` per episode): a request that would exceed them is answered 400 with one
 sentence and ends the episode with ``Trajectory.truncation`` 'max_turns' or 'max_tokens'; a turn whose generation is
 cut by the remaining token budget is answered with ``finish_reason`` 'length' and ends the episode with
@@ -35,7 +40,7 @@ from aiohttp import web
 from archon.rl.agent.chat_tokens import append_messages, start_messages
 from archon.rl.agent.trajectory import Segment, Trajectory
 from archon.rl.rollout_batch import Completion
-from archon.rollout.client import GenerateResult, RolloutClient, RolloutError
+from archon.rollout.client import GenerateResult, RolloutClient, RolloutError, RolloutRequestError
 
 MAX_TURNS = "max_turns"
 """Truncation reason: the episode asked for more turns than ``max_turns``."""
@@ -43,6 +48,12 @@ MAX_TOKENS = "max_tokens"
 """Truncation reason: the episode's ids reached ``max_total_tokens``."""
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k")
 """OpenAI request fields passed to the servers under the same name."""
+_SEED_MOD = 2**31 - 1
+
+
+def episode_turn_seed(seed: int, turn: int) -> int:
+    """The sampling seed of turn ``turn`` (0-based) of an episode opened with ``seed``."""
+    return (seed + turn * 104_729) % _SEED_MOD
 
 
 class ProxyRequestError(ValueError):
@@ -65,6 +76,8 @@ class Episode:
     """The conversation as recorded: request messages, and each answer as ``{"role": "assistant", ...}``."""
     tools: list[dict[str, Any]] | None = None
     """The tool schemas of the first request (later requests must send the same)."""
+    seed: int | None = None
+    """Sampling seed of the episode's first turn (later turns derive theirs); None: the request's ``seed``."""
     closed: bool = False
     """Set by ``close_episode``: a generation still in flight then records nothing."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -87,8 +100,11 @@ class RecordingProxy:
         max_turns: int = 8,
         max_total_tokens: int = 4096,
         default_max_tokens: int = 512,
+        sampling: Mapping[str, Any] | None = None,
         host: str = "127.0.0.1",
     ):
+        """``sampling``: the servers' sampling parameters, pinned for every request (training; see the module
+        docstring); None passes the request's own fields."""
         if max_turns < 1 or max_total_tokens < 1 or default_max_tokens < 1:
             raise ValueError(
                 f"RecordingProxy limits must be positive, got max_turns={max_turns}, "
@@ -99,11 +115,14 @@ class RecordingProxy:
         self.max_turns = max_turns
         self.max_total_tokens = max_total_tokens
         self.default_max_tokens = default_max_tokens
+        self.sampling = dict(sampling) if sampling is not None else None
         self.host = host
         self.port = 0
         self._episodes: dict[str, Episode] = {}
         self._ids = itertools.count()
         self._runner: web.AppRunner | None = None
+        self.server_errors: list[RolloutError] = []
+        """Failures of the servers (not refusals of a request) behind 502 answers: a trainer recovers lost servers."""
 
     async def start(self) -> RecordingProxy:
         """Serve on a free port of ``host``."""
@@ -128,10 +147,13 @@ class RecordingProxy:
         await self.close()
 
     # ------------------------------------------------------------------ episodes
-    def open_episode(self, max_turns: int | None = None, max_total_tokens: int | None = None) -> str:
-        """A new episode's id (limits default to the proxy's)."""
+    def open_episode(
+        self, max_turns: int | None = None, max_total_tokens: int | None = None, seed: int | None = None
+    ) -> str:
+        """A new episode's id (limits default to the proxy's; ``seed`` pins its turns' sampling seeds)."""
         eid = f"ep{next(self._ids)}"
-        self._episodes[eid] = Episode(eid, max_turns or self.max_turns, max_total_tokens or self.max_total_tokens)
+        limits = (max_turns or self.max_turns, max_total_tokens or self.max_total_tokens)
+        self._episodes[eid] = Episode(eid, *limits, seed=seed)
         return eid
 
     def base_url(self, episode_id: str) -> str:
@@ -167,6 +189,8 @@ class RecordingProxy:
             except ValueError as exc:  # ProxyRequestError, or messages the chat template cannot append
                 return _error(400, str(exc))
             except RolloutError as exc:
+                if not isinstance(exc, RolloutRequestError):
+                    self.server_errors.append(exc)
                 return _error(502, f"the rollout servers failed the request: {exc}")
         return web.json_response(answer)
 
@@ -191,11 +215,10 @@ class RecordingProxy:
             raise ProxyRequestError(
                 f"the episode's {len(prompt)} ids reach its limit of {ep.max_total_tokens}; end the agent's loop"
             )
-        asked = body.get("max_completion_tokens") or body.get("max_tokens") or self.default_max_tokens
-        params: dict[str, Any] = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
-        params["max_new_tokens"] = min(int(asked), budget)
-        if body.get("seed") is not None:
-            params["sampling_seed"] = int(body["seed"])
+        params = self._sampling(ep, body)
+        asked = int(body.get("max_completion_tokens") or body.get("max_tokens") or params["max_new_tokens"])
+        asked = min(asked, params["max_new_tokens"])
+        params["max_new_tokens"] = min(asked, budget)
         # The client's loop owns its connections: run the request there and await it from this loop.
         result = await asyncio.wrap_future(self.client.submit(self.client.agenerate(prompt, params)))
         if ep.closed:  # the workflow timed out while this turn generated: nothing more is recorded
@@ -206,9 +229,25 @@ class RecordingProxy:
             ep.tools = [dict(t) for t in tools]
         ep.messages = [*messages, {"role": "assistant", "content": content}]
         finish = "stop" if result.finish_reason == "stop" else "length"
-        if finish == "length" and params["max_new_tokens"] < int(asked) and len(result.output_ids) >= budget:
+        if finish == "length" and params["max_new_tokens"] < asked and len(result.output_ids) >= budget:
             ep.end(MAX_TOKENS)
         return _chat_answer(ep.id, body.get("model") or "policy", prompt, result, content, finish)
+
+    def _sampling(self, ep: Episode, body: Mapping[str, Any]) -> dict[str, Any]:
+        """The servers' sampling parameters of ``ep``'s next turn (``max_new_tokens``: the most it may ask)."""
+        if self.sampling is not None:
+            params = {**self.sampling}
+            params.setdefault("max_new_tokens", self.default_max_tokens)
+        else:
+            params = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
+            params["max_new_tokens"] = int(
+                body.get("max_completion_tokens") or body.get("max_tokens") or self.default_max_tokens
+            )
+            if body.get("seed") is not None:
+                params["sampling_seed"] = int(body["seed"])
+        if ep.seed is not None:
+            params["sampling_seed"] = episode_turn_seed(ep.seed, ep.trajectory.n_turns)
+        return params
 
     def _context(self, ep: Episode, messages: list[dict[str, Any]], tools: Sequence[Any] | None) -> list[Segment]:
         """The segments the request's new messages append to the episode's recorded ids."""

@@ -70,11 +70,13 @@ async def run_episode(
     timeout_s: float | None = None,
     max_turns: int | None = None,
     max_total_tokens: int | None = None,
+    seed: int | None = None,
     **kw: Any,
 ) -> Trajectory:
     """Run ``workflow`` on ``sample`` as one episode of ``proxy`` (extra ``kw`` go to the workflow) and return
-    its trajectory with the reward(s); see the module docstring for failures."""
-    eid = proxy.open_episode(max_turns=max_turns, max_total_tokens=max_total_tokens)
+    its trajectory with the reward(s); ``seed`` pins its turns' sampling seeds; see the module docstring for
+    failures."""
+    eid = proxy.open_episode(max_turns=max_turns, max_total_tokens=max_total_tokens, seed=seed)
     # No retries: a retried request would be a second turn of the same episode.
     client = openai.AsyncOpenAI(base_url=proxy.base_url(eid), api_key="archon-agent", max_retries=0)
     result: Any = None

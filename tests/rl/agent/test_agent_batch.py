@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from archon.rl.advantages import token_rewards
-from archon.rl.agent.agent_batch import TURN_REWARDS, agent_metrics, build_agent_batch
+from archon.rl.agent.agent_batch import agent_metrics, build_agent_batch
 from archon.rl.agent.trajectory import Segment, Trajectory, Turn
-from archon.rl.rollout_batch import FRESH_MASK, Completion, build_rollout_batch
+from archon.rl.rollout_batch import FRESH_MASK, TURN_REWARDS, Completion, build_rollout_batch
 
 
 def _completions() -> list[Completion]:
