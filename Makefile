@@ -6,7 +6,7 @@ TORCH_SPEC ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch>=2.12,torch=
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install run run-async test lint bench gpu-check vllm-cpu clean
+.PHONY: install run run-async run-agent test lint bench gpu-check vllm-cpu clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,13 @@ run-async: $(VENV)/.installed
 	rm -rf outputs/demo_digits/async
 	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node=1 scripts/train_rl.py --config configs/cpu_demo_digits.toml
 	$(PY) -m archon.tools.plot outputs/demo_digits/async
+
+# The agentic demo: a tiny model learns to call a calculator tool and copy its answer, over two turns.
+run-agent: $(VENV)/.installed
+	$(PY) -m archon.demos.calculator_agent make-assets outputs/demo_agent/assets
+	rm -rf outputs/demo_agent/grpo
+	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node=1 scripts/train_rl.py --config configs/cpu_demo_agent.toml
+	$(PY) -m archon.tools.plot outputs/demo_agent/grpo
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -37,6 +37,9 @@ def run_job(
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides (a leading + is accepted)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # The openai client's HTTP layer logs every request at INFO: an agent step makes hundreds.
+    for name in ("httpx", "httpx2"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     ok = False
     try:
         job(load_config(args.config, args.overrides, job=kind))

@@ -81,12 +81,17 @@ def _turn_reward_rows(trajectories: Sequence[Trajectory], width: int) -> torch.T
 
 
 def agent_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
-    """Step metrics of a batch of episodes: mean and max turns, and the fraction the agent cut short."""
+    """Step metrics of a batch of episodes: mean and max turns, the fraction cut short, and the mean of each metric
+    the workflows reported (over the episodes that reported it)."""
     if not trajectories:
         return {}
     turns = [t.n_turns for t in trajectories]
-    return {
+    out = {
         "agent/turns_mean": sum(turns) / len(turns),
         "agent/turns_max": float(max(turns)),
         "agent/truncated_frac": sum(t.truncation is not None for t in trajectories) / len(trajectories),
     }
+    for name in sorted({k for t in trajectories for k in t.metrics}):
+        values = [t.metrics[name] for t in trajectories if name in t.metrics]
+        out[f"agent/{name}"] = sum(values) / len(values)
+    return out

@@ -100,6 +100,9 @@ class Trajectory:
     """One reward per turn instead (each lands on its turn's last sampled id); set this or ``reward``."""
     truncation: str | None = None
     """Why the episode was cut short by the agent (e.g. 'max_turns', 'context'); None when it ended itself."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """What the workflow measured of the episode (e.g. tool-call success); step metrics ``agent/<name>`` average
+    them over the episodes that report them."""
 
     @property
     def n_turns(self) -> int:

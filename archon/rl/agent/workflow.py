@@ -5,6 +5,7 @@ An agent is a plain async function in the user's own module, named in config as 
     async def solve(sample: dict, client: openai.AsyncOpenAI, **kw) -> float | list[float]:
         ...  # chat with client.chat.completions.create(model=..., messages=...), call tools, score the result
         return reward  # the episode's reward, or one reward per request made
+        # or (reward, {"tool_ok": 1.0}): the step metrics agent/<name> average what episodes report
 
 ``run_episode`` gives it an ``AsyncOpenAI`` client bound to one episode of a ``RecordingProxy`` (which records the
 exact token ids every request sent and sampled), awaits it and returns the episode's ``Trajectory`` with the
@@ -24,10 +25,9 @@ import pkgutil
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, cast
 
-import openai
-
 from archon.config import ConfigError
 from archon.rl.agent.proxy import RecordingProxy
+from archon.rl.agent.tool_chat import tool_chat
 from archon.rl.agent.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
@@ -36,17 +36,28 @@ TIMEOUT = "timeout"
 """Truncation reason: the workflow ran past its timeout and was cancelled."""
 ERROR = "error"
 """Truncation reason: the workflow raised an exception."""
-USAGE = "name an async function 'package.module:function' defined as async def solve(sample, client, **kw)"
+USAGE = (
+    "name a built-in workflow ('tool_chat') or an async function 'package.module:function' defined as "
+    "async def solve(sample, client, **kw)"
+)
 
 
-Workflow = Callable[..., Awaitable[float | list[float]]]
-"""An agent: ``async def solve(sample: dict, client: openai.AsyncOpenAI, **kw) -> float | list[float]`` chats
-through ``client`` about ``sample`` and returns the episode's reward or one reward per request it made."""
+Workflow = Callable[..., Awaitable[Any]]
+"""An agent: ``async def solve(sample: dict, client: openai.AsyncOpenAI, **kw)`` chats through ``client`` about
+``sample`` and returns the episode's reward or one reward per request it made, optionally paired with a dict of
+the episode's metrics: ``(reward, {"tool_ok": 1.0})``."""
+
+
+BUILTIN_WORKFLOWS: dict[str, Workflow] = {"tool_chat": tool_chat}
+"""Workflows a config names without an import path (``archon.rl.agent.tool_chat``)."""
 
 
 def load_workflow(name: str | Workflow) -> Workflow:
-    """The async function ``name`` ('package.module:function') names, or ``name`` itself when it is one."""
+    """The built-in workflow or the async function ``name`` ('package.module:function') names, or ``name`` itself
+    when it is one."""
     fn: Any = name
+    if isinstance(name, str) and name in BUILTIN_WORKFLOWS:
+        return BUILTIN_WORKFLOWS[name]
     if isinstance(name, str):
         if ":" not in name:
             raise ConfigError(f"agent workflow '{name}' has no ':'; {USAGE}")
@@ -77,8 +88,7 @@ async def run_episode(
     its trajectory with the reward(s); ``seed`` pins its turns' sampling seeds; see the module docstring for
     failures."""
     eid = proxy.open_episode(max_turns=max_turns, max_total_tokens=max_total_tokens, seed=seed)
-    # No retries: a retried request would be a second turn of the same episode.
-    client = openai.AsyncOpenAI(base_url=proxy.base_url(eid), api_key="archon-agent", max_retries=0)
+    client = proxy.openai_client(eid)
     result: Any = None
     failure: str | None = None
     try:
@@ -91,7 +101,6 @@ async def run_episode(
         logger.warning("agent episode %s: the workflow raised %s: %s", eid, type(exc).__name__, exc, exc_info=True)
     finally:
         traj = proxy.close_episode(eid)
-        await client.close()
     if failure is not None:
         if traj.truncation is None:
             traj.truncation = failure
@@ -102,8 +111,11 @@ async def run_episode(
 
 
 def _set_rewards(traj: Trajectory, result: Any, workflow: Workflow) -> None:
-    """Store the workflow's return value as the episode's reward or its per-turn rewards."""
+    """Store the workflow's return value as the episode's reward or its per-turn rewards (and its metrics)."""
     name = getattr(workflow, "__qualname__", repr(workflow))
+    if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], Mapping):
+        result, metrics = result
+        traj.metrics = {str(k): _to_reward(v, f"{name} (metric {k!r})") for k, v in metrics.items()}
     if isinstance(result, (list, tuple)):
         rewards = [_to_reward(r, name) for r in result]
         if len(rewards) != traj.n_turns:

@@ -93,3 +93,10 @@ def test_errors_name_the_trajectory_and_metrics():
         "agent/turns_max": 2.0,
         "agent/truncated_frac": pytest.approx(1 / 3),
     }
+
+
+def test_workflow_metrics_average_over_the_episodes_that_report_them():
+    a, b, c = _episode(reward=1.0), _episode(reward=0.0), _episode(reward=0.5)
+    a.metrics, b.metrics = {"tool_ok": 1.0, "calls": 3.0}, {"tool_ok": 0.0}
+    metrics = agent_metrics([a, b, c])
+    assert metrics["agent/tool_ok"] == 0.5 and metrics["agent/calls"] == 3.0  # c reports neither

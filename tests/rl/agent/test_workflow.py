@@ -92,3 +92,10 @@ def test_hanging_workflow_ends_with_timeout():
 def test_bad_rewards_raise(value, message):
     with pytest.raises(ValueError, match=message):
         _run(returns, {"value": value})
+
+
+def test_a_workflow_may_report_episode_metrics():
+    traj = _run(returns, {"value": (0.5, {"tool_ok": 1, "calls": 2.0})})
+    assert traj.reward == 0.5 and traj.metrics == {"tool_ok": 1.0, "calls": 2.0}
+    with pytest.raises(ValueError, match="metric 'tool_ok'"):
+        _run(returns, {"value": (0.5, {"tool_ok": "yes"})})
