@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch.distributed as dist
 
@@ -51,6 +51,20 @@ def run_job(
     finally:
         shutdown_distributed(barrier=ok)
     return 0
+
+
+def exit_process(code: int) -> NoReturn:
+    """End a training process with ``code`` once ``run_job`` returned: flush the logs and output, then ``os._exit``.
+
+    A process whose gloo groups were destroyed can still abort at interpreter exit ("terminate called without an
+    active exception": a gloo thread outlives its group and dies with the statics), which turns a finished run into
+    a SIGABRT that torchrun reports as a failed rank.  By the time the job returns, the run has closed all it holds
+    (servers, trackers, reward workers, checkpoints), so nothing is lost by skipping the interpreter's teardown.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def init_run(cfg: Config, job: Job) -> str:

@@ -7,10 +7,8 @@ Rerunning the same command with the same output_dir resumes from the last checkp
 
 from __future__ import annotations
 
-import sys
-
-from archon.cli import run_job
+from archon.cli import exit_process, run_job
 from archon.rl.trainer import RLTrainer
 
 if __name__ == "__main__":
-    sys.exit(run_job(lambda cfg: RLTrainer(cfg).run(), __doc__))
+    exit_process(run_job(lambda cfg: RLTrainer(cfg).run(), __doc__))

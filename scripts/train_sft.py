@@ -7,10 +7,8 @@ Rerunning the same command with the same output_dir resumes from the last checkp
 
 from __future__ import annotations
 
-import sys
-
-from archon.cli import run_job
+from archon.cli import exit_process, run_job
 from archon.sft import run_sft
 
 if __name__ == "__main__":
-    sys.exit(run_job(run_sft, __doc__, kind="sft"))
+    exit_process(run_job(run_sft, __doc__, kind="sft"))

@@ -2,7 +2,8 @@
 
 Reads ``OUTPUT_DIR/metrics.jsonl`` (one JSON object per step, as RL and SFT runs write it)
 and draws one panel per group of metrics it finds: reward (mean with a +-std band), response
-length, actor loss, KL, train/inference logprob mismatch (with the weight check's figure and the
+length, agent episodes (turns, truncation and what the workflows report), actor loss, KL,
+train/inference logprob mismatch (with the weight check's figure and the
 run's warn and stop bounds, log scale), entropy, gradient norm, the
 staleness of asynchronous runs (mean/max and histogram), the behaviour/proximal importance
 ratio and the clipped fractions of decoupled PPO, the SFT loss, and for MoE runs the router
@@ -50,10 +51,12 @@ class Panel:
     """Keys among ``keys`` drawn dashed: bounds the other lines are held to."""
     log_y: bool = False
     """Logarithmic y axis (values that span orders of magnitude)."""
+    skip: tuple[str, ...] = ()
+    """Prefixed keys not to draw (another panel has them)."""
 
     def keys_in(self, records: Sequence[dict[str, Any]]) -> list[str]:
         """The panel's keys, then the prefixed keys found in ``records`` (in natural order)."""
-        found = {k for r in records for k in r if any(k.startswith(p) for p in self.prefixes)}
+        found = {k for r in records for k in r if any(k.startswith(p) for p in self.prefixes) and k not in self.skip}
         return list(self.keys) + sorted(found, key=_natural)
 
 
@@ -66,6 +69,14 @@ def _natural(key: str) -> tuple:
 PANELS: tuple[Panel, ...] = (
     Panel("reward", ("reward_mean",), band=("reward_mean", "reward_std"), ylabel="mean reward (+-std)"),
     Panel("response length", ("response_len_mean",), ylabel="tokens"),
+    Panel("agent turns", ("agent/turns_mean", "agent/turns_max"), ylabel="requests per episode"),
+    Panel(
+        "agent episodes",
+        ("agent/truncated_frac",),
+        prefixes=("agent/",),
+        skip=("agent/turns_mean", "agent/turns_max", "agent/truncated_frac"),
+        ylabel="mean per episode (what workflows report)",
+    ),
     Panel("actor loss", ("actor/loss",)),
     Panel("KL", ("actor/approx_kl", "kl_ref", "kl_teacher")),
     Panel(

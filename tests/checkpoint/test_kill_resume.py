@@ -266,6 +266,35 @@ def test_rl_run_killed_anywhere_resumes_to_the_uninterrupted_metrics(demo_assets
     assert not list((drill.out / "checkpoints").glob("*.partial"))
 
 
+@pytest.mark.slow
+def test_agent_run_killed_with_episodes_in_flight_resumes_to_the_uninterrupted_metrics(tmp_path):
+    """The agent demo (two-turn episodes through the recording proxy) killed while a step's episodes are in flight:
+    the rerun regenerates that step's episodes from its checkpoint, none counted twice, and ends where an
+    uninterrupted run ends."""
+    from archon.demos.calculator_agent import CalculatorTask, make_assets
+
+    assets = make_assets(tmp_path / "assets", CalculatorTask(n_train=64, n_test=8))
+
+    def args_for(out: Path) -> list[str]:
+        return [
+            "--config",
+            str(REPO / "configs" / "cpu_demo_agent.toml"),
+            *_overrides(assets, out, "archon:d2"),
+            "gconfig.n_samples=4",
+            "cluster.n_gpus_per_node=3",  # 2 training ranks + 1 server
+            "cluster.pin_cpu_cores=false",
+        ]
+
+    reference = _uninterrupted(tmp_path / "reference", "train_rl.py", args_for)
+    out = tmp_path / "run"
+    drill = Drill(tmp_path, out, "train_rl.py", args_for(out))
+    log = drill.kill_at("rollout", 3)  # step 3's episodes running; steps 1 and 2 checkpointed
+    assert _resumed_from(log) is None
+    log = drill.finish()
+    assert _resumed_from(log) == 2
+    _assert_same_metrics(drill, reference, (*COMPARED, "agent/turns_mean", "agent/call_right"))
+
+
 # ---------------------------------------------------------------------------------- SFT drill
 
 

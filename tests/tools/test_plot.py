@@ -188,3 +188,16 @@ def test_the_mismatch_panel_draws_the_mismatch_and_its_bounds_but_bounds_alone_d
     assert panel in panels_for(records)
     assert "train/inference mismatch" in plot_metrics(records, tmp_path / "curves.png")
     assert (tmp_path / "curves.png").stat().st_size > 0
+
+
+def test_agent_runs_get_turn_and_episode_panels(tmp_path: Path):
+    records = [
+        {"step": s, "reward_mean": 0.1 * s, "agent/turns_mean": 2.0, "agent/turns_max": 2.0,
+         "agent/truncated_frac": 0.0, "agent/tool_ok": 0.2 * s, "agent/answer_right": 0.1 * s}
+        for s in range(1, 4)
+    ]  # fmt: skip
+    panels = {p.title: p for p in panels_for(records)}
+    assert panels["agent turns"].keys_in(records) == ["agent/turns_mean", "agent/turns_max"]
+    assert panels["agent episodes"].keys_in(records) == ["agent/truncated_frac", "agent/answer_right", "agent/tool_ok"]
+    plot_metrics(records, tmp_path / "agent.png")
+    assert (tmp_path / "agent.png").stat().st_size > 0
