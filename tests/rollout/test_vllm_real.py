@@ -277,9 +277,11 @@ def test_pause_aborts_running_requests_holds_new_ones_and_resume_releases_them(t
     assert held.result(timeout=60).finish_reason == "length" and tied_server.get("/is_paused")["is_paused"] is False
 
 
-def _demo_run(out: Path, assets: Path, *extra: str, timeout: int = 1200) -> list[dict[str, Any]]:
+def _demo_run(
+    out: Path, assets: Path, *extra: str, timeout: int = 1200, config: str = "cpu_demo.toml"
+) -> list[dict[str, Any]]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
-    cmd += [str(REPO / "scripts" / "train_rl.py"), "--config", str(REPO / "configs" / "cpu_demo.toml")]
+    cmd += [str(REPO / "scripts" / "train_rl.py"), "--config", str(REPO / "configs" / config)]
     cmd += [
         f"actor.path={assets / 'model'}",
         f"train_dataset.path={assets / 'data' / 'train.jsonl'}",
@@ -320,3 +322,30 @@ def test_the_rl_demo_learns_with_vllm_as_with_the_built_in_server(vllm_py, tmp_p
     end = [sum(r["reward_mean"] for r in run[-5:]) / 5 for run in (vllm, builtin)]
     assert max(start) < 0.25 and min(end) > 0.45, (start, end)  # chance is 1/14; both learn the rule
     assert abs(end[0] - end[1]) < 0.3, end  # at the same pace, up to sampling noise
+
+
+def test_agent_episodes_through_vllm_train_on_the_ids_vllm_sampled(vllm_py, tmp_path):
+    """The agent demo's two-turn episodes with vLLM behind the recording proxy: the trainer's logprobs of the ids it
+    trains equal vLLM's, turn after turn (a shifted or re-tokenised id would not)."""
+    assets = tmp_path / "assets"
+    subprocess.run([sys.executable, "-m", "archon.demos.calculator_agent", "make-assets", str(assets)], check=True)
+    run = _demo_run(
+        tmp_path / "agent",
+        assets,
+        "rollout.backend=vllm:d1",
+        "rollout.weight_sync=disk",
+        f"vllm.python={vllm_py}",
+        "vllm.dtype=float32",
+        "vllm.max_model_len=64",
+        "vllm.enforce_eager=true",
+        "total_train_steps=3",
+        "train_dataset.batch_size=4",
+        "gconfig.n_samples=4",
+        "cluster.pin_cpu_cores=false",
+        config="cpu_demo_agent.toml",
+    )
+    assert len(run) == 3
+    for record in run:
+        assert record["agent/turns_mean"] == 2.0 and record["agent/truncated_frac"] == 0.0, record
+        assert record["behav_prox_logprob_diff"] < 1e-5, record
+        assert record["weight_check/logprob_diff"] < 1e-5, record
