@@ -3,10 +3,10 @@
 An episode has two turns, run by ``calculator_agent`` (an ordinary agent workflow, ``rollout.workflow``) through
 Archon's recording OpenAI endpoint:
 
-1. The user message is a sum of two digits, ``"7+4"``.  The policy's reply is the tool call: the expression it wants the
+1. The user message is a sum of two digits below ten, ``"3+4"``.  The policy's reply is the tool call: the expression it wants the
    calculator to evaluate, then EOS.
 2. The calculator's result (``archon.rl.agent.calculator``; ``"?"`` for what it cannot parse) comes back as a tool
-   message, ``"11"``.  The policy's reply is its final answer, then EOS.
+   message, ``"7"``.  The policy's reply is its final answer, then EOS.
 
 The agent returns one reward per turn: half a point for the call (the fraction of the question's characters it
 wrote in place, halved unless it stopped right after them) and half for the answer (the same against the true
@@ -14,7 +14,7 @@ sum).  Only a call with the right expression brings back the right sum, so the m
 with what it was asked, and copy what the tool said.  A randomly initialised model does neither.
 
 The chat template is three rules over characters: a user or tool message is its text and ``|``, an assistant
-message its text and EOS, no generation prompt; so the second turn's prompt is ``7+4|7+4<eos>11|``, the
+message its text and EOS, no generation prompt; so the second turn's prompt is ``3+4|3+4<eos>7|``, the
 recorded ids of turn one plus the tool message's.
 
     python -m archon.demos.calculator_agent make-assets outputs/demo_agent/assets
@@ -54,21 +54,21 @@ CHAT_TEMPLATE = (
 """User and tool messages end with '|', assistant messages with EOS; there is no generation prompt."""
 WORKFLOW = "archon.demos.calculator_agent:calculator_agent"
 """The agent the demo config names (``rollout.workflow``)."""
-CALL_TOKENS = 5
-"""Most ids a tool call may take: the question (3 characters), EOS, and one to spare."""
-ANSWER_TOKENS = 3
-"""Most ids a final answer may take: the longest sum (2 digits) and EOS."""
+CALL_TOKENS = 4
+"""Most ids a tool call may take: the question (3 characters) and EOS; a call that does not stop is cut one later."""
+ANSWER_TOKENS = 2
+"""Most ids a final answer may take: the sum (one digit) and EOS."""
 
 
 @dataclass(frozen=True)
 class CalculatorTask:
-    """The sums asked: ``a+b`` with ``a`` below ``max_a`` and ``b`` a digit."""
+    """The sums asked: ``a+b`` of digits whose sum is at most ``max_sum``."""
 
-    max_a: int = 10
-    """First operands are 0 .. max_a - 1 (two-digit ones make the calls longer and the learning slower)."""
+    max_sum: int = 9
+    """Largest sum asked (one-digit answers; longer calls and answers made the learning several times slower)."""
     n_train: int = 4096
-    """Training prompts (sums repeat: there are max_a * 10 of them)."""
-    n_test: int = 20
+    """Training prompts (sums repeat: there are 55 of them for max_sum 9)."""
+    n_test: int = 10
     """Held-out sums, disjoint from the training ones."""
     seed: int = 0
     """Seed of the data."""
@@ -120,7 +120,7 @@ async def calculator_agent(
 def make_rows(task: CalculatorTask = CalculatorTask()) -> dict[str, list[dict[str, str]]]:
     """``train`` and ``test`` rows ``{"prompt", "answer"}``; no test sum is a training sum."""
     rng = random.Random(f"archon-demo-calculator:{task.seed}")
-    sums = [(a, b) for a in range(task.max_a) for b in range(10)]
+    sums = [(a, b) for a in range(10) for b in range(10) if a + b <= task.max_sum]
     rng.shuffle(sums)
     test, rest = sums[: task.n_test], sums[task.n_test :]
     train = [rest[i % len(rest)] for i in range(task.n_train)]

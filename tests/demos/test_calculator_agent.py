@@ -30,7 +30,7 @@ from archon.server.generator import Generator
 from archon.server.weight_update import read_eos_token_ids
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-TASK = CalculatorTask(n_train=64, n_test=16)
+TASK = CalculatorTask(n_train=64, n_test=8)
 
 
 @pytest.fixture(scope="module")
@@ -63,12 +63,12 @@ def test_tokenizer_and_chat_template(tok):
 
 def test_rows_are_deterministic_disjoint_and_correct():
     rows = make_rows(TASK)
-    assert rows == make_rows(TASK) and rows != make_rows(CalculatorTask(n_train=64, n_test=16, seed=1))
-    assert len(rows["train"]) == 64 and len(rows["test"]) == 16
+    assert rows == make_rows(TASK) and rows != make_rows(CalculatorTask(n_train=64, n_test=8, seed=1))
+    assert len(rows["train"]) == 64 and len(rows["test"]) == 8
     assert not {r["prompt"] for r in rows["test"]} & {r["prompt"] for r in rows["train"]}
     for row in rows["train"] + rows["test"]:
         a, b = row["prompt"].split("+")
-        assert int(row["answer"]) == int(a) + int(b) and 0 <= int(b) <= 9
+        assert int(row["answer"]) == int(a) + int(b) and int(row["answer"]) <= 9
 
 
 def test_scores_and_tool_on_hand_written_cases(tok):
@@ -88,7 +88,7 @@ def test_the_agent_runs_two_recorded_turns_with_the_tool_between_them(assets, to
     gen = Generator(models.load_hf_model(folder), eos_token_ids=read_eos_token_ids(folder), context_length=64)
     server = serve_in_thread(gen, model_path=str(folder))
     client = RolloutClient([server.url], api=BuiltinServerAPI(), retries=0)
-    sample = {"prompt": "37+4", "answer": "41"}
+    sample = {"prompt": "3+4", "answer": "7"}
 
     async def episode() -> Trajectory:
         sampling = {"temperature": 1.0, "max_new_tokens": 6, "stop_token_ids": [tok.eos_token_id]}
@@ -103,14 +103,14 @@ def test_the_agent_runs_two_recorded_turns_with_the_tool_between_them(assets, to
         server.stop()
     assert traj.truncation is None and traj.n_turns == 2 and traj.turn_rewards is not None
     first, second = traj.turns
-    assert first.context_ids == ids(tok, "37+4|")
+    assert first.context_ids == ids(tok, "3+4|")
     call = tok.decode(first.output_ids, skip_special_tokens=True)
     # The second turn appends what the calculator said about the sampled call, as a tool message.
     tool_text = tok.decode(second.context_ids, skip_special_tokens=False)
     closing = "" if first.output_ids[-1:] == [tok.eos_token_id] else EOS_TOKEN
     assert tool_text == f"{closing}{run_calculator(call)}|"
     answer = second.output_ids
-    assert traj.turn_rewards == [0.5 * copy_score(first.output_ids, "37+4"), 0.5 * copy_score(answer, "41")]
+    assert traj.turn_rewards == [0.5 * copy_score(first.output_ids, "3+4"), 0.5 * copy_score(answer, "7")]
     assert traj.metrics == {
         "tool_ok": float(run_calculator(call) != TOOL_ERROR),
         "call_right": float(traj.turn_rewards[0] == 0.5),
