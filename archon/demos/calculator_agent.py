@@ -3,8 +3,8 @@
 An episode has two turns, run by ``calculator_agent`` (an ordinary agent workflow, ``rollout.workflow``) through
 Archon's recording OpenAI endpoint:
 
-1. The user message is a sum of two digits below ten, ``"3+4"``.  The policy's reply is the tool call: the expression it wants the
-   calculator to evaluate, then EOS.
+1. The user message is a sum of two digits below ten, ``"3+4"``.  The policy's reply is the tool call: the
+   expression it wants the calculator to evaluate, then EOS.
 2. The calculator's result (``archon.rl.agent.calculator``; ``"?"`` for what it cannot parse) comes back as a tool
    message, ``"7"``.  The policy's reply is its final answer, then EOS.
 
