@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from dist_utils import run_distributed
 from hf_fixtures import make_tiny_tokenizer, save_tiny_hf
 from paths import REPO, helpers_pythonpath
 
@@ -72,7 +73,12 @@ def _archon_frames(stderr: str) -> list[str]:
     ]
 
 
-@pytest.mark.parametrize("case", ["config", "data", "reward"])
+# One torchrun drill (every rank fails after the process group exists) stays in the default suite; the
+# other two are end-to-end drills of paths the fast in-process test below covers (the rank that reports
+# with and without a process group, the exit codes), and still run in CI.
+@pytest.mark.parametrize(
+    "case", [pytest.param("config", marks=pytest.mark.slow), "data", pytest.param("reward", marks=pytest.mark.slow)]
+)
 def test_user_error_under_torchrun_is_printed_once_without_traceback(rl_assets, case):
     model, data, root = rl_assets
     out = root / f"run_{case}"
@@ -97,3 +103,44 @@ def test_user_error_under_torchrun_is_printed_once_without_traceback(rl_assets, 
         assert not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text().strip()
     if case == "config":
         assert "did you mean 'actor.optimizer.lr'" in errors[0]
+
+
+def _run_job_on_a_rank(argv: list[str], failure: str, with_group: bool) -> tuple[int, str]:
+    """``run_job`` on this forked rank, whose job fails with ``failure``; its exit code and what it printed."""
+    import contextlib
+    import io
+
+    import torch.distributed as dist
+
+    from archon.cli import run_job
+    from archon.errors import JobError
+
+    def job(cfg: object) -> None:
+        raise JobError(failure) if failure else AssertionError("the config error comes first")
+
+    if not with_group:
+        dist.destroy_process_group()  # as when the config fails, before any rank joins the group
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        code = run_job(job, None, argv)
+    return code, stderr.getvalue()
+
+
+@pytest.mark.parametrize("with_group", [True, False])
+def test_one_rank_prints_the_error_all_ranks_share(with_group):
+    """The in-process counterpart of the torchrun drills: exit codes 2 (bad input) and 1 (a failed run), and
+    the error printed by exactly one rank, without a traceback: the first through the group's store, else rank 0."""
+    cases = [
+        (["actor.optimizer.lrr=0.1"], "", 2, "unknown config key 'actor.optimizer.lrr'"),
+        (["actor.path=/models/tiny"], "the reward service is down", 1, "the reward service is down"),
+    ]
+    for argv, failure, code, needle in cases:
+        ranks = run_distributed(_run_job_on_a_rank, 2, argv, failure, with_group, timeout=120)
+        assert [c for c, _ in ranks] == [code, code], ranks
+        printed = [(rank, out) for rank, (_, out) in enumerate(ranks) if out]
+        assert len(printed) == 1, ranks
+        rank, out = printed[0]
+        assert out.startswith("error: ") and out.count("\n") == 1 and needle in out, out
+        assert "Traceback" not in out
+        if not with_group:
+            assert rank == 0

@@ -16,6 +16,7 @@ from dist_utils import pid_alive, wait_until
 from fake_sglang import fake_command, fake_completion
 from paths import REPO, SUPPORT
 
+import archon.launch.servers as launch_servers
 from archon.alloc import ModelAllocation
 from archon.config import Config, ConfigError, load_config
 from archon.launch.servers import LaunchSpec, RolloutLauncher, RolloutLaunchError, build_launch_specs
@@ -212,11 +213,15 @@ def test_server_addrs_bypass_launching(tmp_path):
 
 
 def _fake_specs(tmp_path: Path, n: int = 2, extra: dict[int, list[str]] | None = None) -> list[LaunchSpec]:
-    """The launcher's own local:dN specs, with the command swapped for the fake server script."""
+    """The launcher's own local:dN specs, with the command swapped for the fake server script.
+
+    Its /health answers at once: SGLang's one-second /health (the fake's default) only slows these
+    tests of starting and stopping, and the launcher probes the servers one after the other.
+    """
     cfg = _cfg(f"rollout.backend=local:d{n}", f"actor.backend=archon:d{n}", "cluster.n_gpus_per_node=4")
     specs = build_launch_specs(cfg, tmp_path)
     for s in specs:
-        s.cmd = fake_command(s.port, "--host", s.host, *(extra or {}).get(s.index, []))
+        s.cmd = fake_command(s.port, "--host", s.host, "--health-delay-s", "0", *(extra or {}).get(s.index, []))
     return specs
 
 
@@ -262,8 +267,12 @@ def test_server_exiting_during_startup_reports_its_log_tail(tmp_path):
     assert launcher.pids == []  # the healthy one was stopped too
 
 
-def test_a_server_whose_port_was_taken_meanwhile_starts_on_another(tmp_path):
+def test_a_server_whose_port_was_taken_meanwhile_starts_on_another(tmp_path, monkeypatch):
     """Ports are picked before the servers bind them; another process may take one in between."""
+    # The squatter accepts connections but never answers, so a /health probe of its port lasts the whole
+    # probe timeout (30 s, for a busy SGLang) before the launcher sees the server's exit; the fakes answer
+    # in about a second, so a short probe tests the same path without the wait.
+    monkeypatch.setattr(launch_servers, "HEALTH_PROBE_TIMEOUT_S", 3.0)
     specs = _fake_specs(tmp_path)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", specs[0].port))
@@ -299,7 +308,8 @@ _SELF_SIGNAL_SCRIPT = textwrap.dedent("""
     # As in a terminal: a shell's background job (a CI runner, a soak loop) inherits SIGINT ignored.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     ports = free_ports(2)
-    specs = [LaunchSpec(i, fake_command(p), {{}}, "127.0.0.1", p, Path({logs!r}) / f"server_{{i}}.log")
+    specs = [LaunchSpec(i, fake_command(p, "--health-delay-s", "0"), {{}}, "127.0.0.1", p,
+                        Path({logs!r}) / f"server_{{i}}.log")
              for i, p in enumerate(ports)]
     launcher = RolloutLauncher(specs, setup_timeout=300)
     launcher.start()

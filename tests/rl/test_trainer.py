@@ -75,6 +75,8 @@ def test_grpo_losses_do_not_depend_on_the_allocation(rl_setup):
     assert d1[-1]["kl_ref"] > 0  # the policy moved away from the reference
 
 
+@pytest.mark.slow  # a resume drill: exact RL resumes stay covered by the dynamic-filter test below, the metrics
+# file's by tests/checkpoint/test_checkpoint.py
 def test_resume_repeats_the_uninterrupted_run(rl_setup):
     model, data, root = rl_setup
     full = _run(1, overrides(model, data, root / "full", total_train_steps=4))

@@ -83,7 +83,8 @@ class ShardedEngine:
 def servers(tmp_path_factory) -> Iterator[list[str]]:
     logs = tmp_path_factory.mktemp("rollout_logs")
     specs = [
-        LaunchSpec(i, fake_command(p), {}, "127.0.0.1", p, logs / f"server_{i}.log")
+        # /health at once: SGLang's one-second /health (the fake's default) would only slow the start.
+        LaunchSpec(i, fake_command(p, "--health-delay-s", "0"), {}, "127.0.0.1", p, logs / f"server_{i}.log")
         for i, p in enumerate(free_ports(2))
     ]
     with RolloutLauncher(specs, setup_timeout=300) as launcher:
@@ -364,7 +365,7 @@ def test_a_refused_first_bucket_is_reported_where_the_transport_connects_lazily(
     (gloo connects when the group forms); a server that refuses the first bucket never joins.  The
     broadcast below behaves so: the sync must report the server's error instead of waiting in the call."""
     port = free_ports(1)[0]
-    spec = LaunchSpec(0, fake_command(port), {}, "127.0.0.1", port, tmp_path / "server.log")
+    spec = LaunchSpec(0, fake_command(port, "--health-delay-s", "0"), {}, "127.0.0.1", port, tmp_path / "server.log")
     with RolloutLauncher([spec], setup_timeout=300) as launcher:
         client = RolloutClient(launcher.addrs, setup_timeout=60, backoff_s=0.01)
         sync = DistributedWeightSync(

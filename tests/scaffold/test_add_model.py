@@ -38,8 +38,8 @@ def _script(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
     )
 
 
-def _parity(tests_dir: Path, models_dir: Path, name: str) -> subprocess.CompletedProcess:
-    """Run a generated parity test in its own pytest process (so its package registers only there)."""
+def _parity(tests_dir: Path, models_dir: Path, *names: str) -> subprocess.CompletedProcess:
+    """Run generated parity tests in a pytest process of their own (so their packages register only there)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "ARCHON_MODELS_PATH": str(models_dir)}
     return subprocess.run(
         [
@@ -47,10 +47,10 @@ def _parity(tests_dir: Path, models_dir: Path, name: str) -> subprocess.Complete
             "-m",
             "pytest",
             "-q",
-            "-rf",
+            "-rA",  # a PASSED or FAILED line per test: the outcome of each file's tests when several run
             "-p",
             "no:cacheprovider",
-            str(tests_dir / f"test_{name}_parity.py"),
+            *(str(tests_dir / f"test_{name}_parity.py") for name in names),
         ],
         capture_output=True,
         text=True,
@@ -110,11 +110,18 @@ def test_package_has_the_layout_of_every_model_package(generated):
     assert "Differences from models/common: none" in (package / "model" / "model.py").read_text()
 
 
+@pytest.fixture(scope="module")
+def generated_parity(generated) -> subprocess.CompletedProcess:
+    """Both generated parity tests, run in one pytest process (a process per file costs its start twice)."""
+    return _parity(generated / "tests", generated / "models", "llama", "mistral")
+
+
 @pytest.mark.parametrize("name", ["llama", "mistral"])
-def test_generated_parity_test_passes(generated, name):
-    out = _parity(generated / "tests", generated / "models", name)
-    assert out.returncode == 0, out.stdout[-3000:]
-    assert " passed" in out.stdout and "failed" not in out.stdout
+def test_generated_parity_test_passes(generated_parity, name):
+    out = generated_parity
+    outcomes = [line.split()[0] for line in out.stdout.splitlines() if f"test_{name}_parity.py::" in line]
+    assert outcomes and set(outcomes) == {"PASSED"}, out.stdout[-3000:]
+    assert out.returncode == 0 and " passed" in out.stdout and "failed" not in out.stdout, out.stdout[-3000:]
 
 
 def _train(path: str, backend: str) -> dict | None:
