@@ -38,7 +38,8 @@ from typing import Any
 
 import openai
 
-from archon.demos.first_letter import EOS_TOKEN, PAD_TOKEN, UNK_TOKEN, TinyQwen3, build_model, write_jsonl
+from archon.demos.digits import DigitsAssets, char_tokenizer, write_assets
+from archon.demos.first_letter import EOS_TOKEN, PAD_TOKEN, UNK_TOKEN, TinyQwen3
 from archon.rl.agent.tools import calculator
 
 CHARACTERS = "0123456789+|?"
@@ -131,32 +132,10 @@ def make_rows(task: CalculatorTask = CalculatorTask()) -> dict[str, list[dict[st
 
 
 def build_tokenizer(max_length: int = TinyQwen3.max_position_embeddings):
-    """A character-level ``PreTrainedTokenizerFast`` with the demo's chat template; no BOS."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(vocabulary())}, unk_token=UNK_TOKEN))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()  # decode(encode(s)) == s: characters are joined without spaces
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token=UNK_TOKEN, pad_token=PAD_TOKEN, eos_token=EOS_TOKEN, model_max_length=max_length
-    )
+    """A character-level tokenizer (``char_tokenizer``) with the demo's chat template; no BOS."""
+    tokenizer = char_tokenizer(vocabulary(), max_length)
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
-
-
-@dataclass(frozen=True)
-class CalculatorAssets:
-    """Where ``make_assets`` wrote each asset."""
-
-    root: Path
-    """The output directory."""
-    model: Path
-    """Model folder, tokenizer files (and chat template) included."""
-    train: Path
-    """Training prompts (jsonl)."""
-    test: Path
-    """Held-out prompts (jsonl)."""
 
 
 _DEFAULT_SPEC = TinyQwen3()
@@ -165,19 +144,10 @@ _DEFAULT_SPEC = TinyQwen3()
 
 def make_assets(
     out_dir: str | Path, task: CalculatorTask = CalculatorTask(), spec: TinyQwen3 = _DEFAULT_SPEC
-) -> CalculatorAssets:
-    """Write model, tokenizer and data into ``out_dir`` (overwriting earlier files there)."""
-    root = Path(out_dir)
-    if root.exists() and not root.is_dir():
-        raise ValueError(f"'{root}' exists and is not a directory; pass a directory for the demo assets")
-    assets = CalculatorAssets(root, root / "model", root / "data" / "train.jsonl", root / "data" / "test.jsonl")
-    tokenizer = build_tokenizer(spec.max_position_embeddings)
-    build_model(tokenizer, spec).save_pretrained(assets.model)
-    tokenizer.save_pretrained(assets.model)
-    rows = make_rows(task)
-    write_jsonl(assets.train, rows["train"])
-    write_jsonl(assets.test, rows["test"])
-    return assets
+) -> DigitsAssets:
+    """Write model, tokenizer (and chat template) and data into ``out_dir`` (overwriting earlier files there);
+    returns where each went (``root``, ``model``, ``train``, ``test``)."""
+    return write_assets(out_dir, build_tokenizer(spec.max_position_embeddings), spec, make_rows(task))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

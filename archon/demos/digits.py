@@ -116,11 +116,17 @@ def make_rows(task: DigitsTask = DigitsTask()) -> dict[str, list[dict[str, str]]
 
 
 def build_tokenizer(max_length: int = TinyQwen3.max_position_embeddings):
-    """A character-level ``PreTrainedTokenizerFast``: every character is one token; no BOS, no template."""
+    """The digits demo's character-level tokenizer (``char_tokenizer`` of its vocabulary)."""
+    return char_tokenizer(vocabulary(), max_length)
+
+
+def char_tokenizer(vocab: Sequence[str], max_length: int = TinyQwen3.max_position_embeddings):
+    """A character-level ``PreTrainedTokenizerFast`` over ``vocab`` (specials first, then one token per
+    character); no BOS, no template."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(vocabulary())}, unk_token=UNK_TOKEN))
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(vocab)}, unk_token=UNK_TOKEN))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()  # decode(encode(s)) == s: characters are joined without spaces
     return PreTrainedTokenizerFast(
@@ -148,14 +154,20 @@ _DEFAULT_SPEC = TinyQwen3()
 
 def make_assets(out_dir: str | Path, task: DigitsTask = DigitsTask(), spec: TinyQwen3 = _DEFAULT_SPEC) -> DigitsAssets:
     """Write model, tokenizer and data into ``out_dir`` (overwriting earlier files there)."""
+    return write_assets(out_dir, build_tokenizer(spec.max_position_embeddings), spec, make_rows(task))
+
+
+def write_assets(
+    out_dir: str | Path, tokenizer: Any, spec: TinyQwen3, rows: dict[str, list[dict[str, str]]]
+) -> DigitsAssets:
+    """A random model of ``spec`` for ``tokenizer`` with it in ``OUT_DIR/model``, and the ``train`` / ``test``
+    ``rows`` as jsonl in ``OUT_DIR/data``."""
     root = Path(out_dir)
     if root.exists() and not root.is_dir():
         raise ValueError(f"'{root}' exists and is not a directory; pass a directory for the demo assets")
     assets = DigitsAssets(root, root / "model", root / "data" / "train.jsonl", root / "data" / "test.jsonl")
-    tokenizer = build_tokenizer(spec.max_position_embeddings)
     build_model(tokenizer, spec).save_pretrained(assets.model)
     tokenizer.save_pretrained(assets.model)
-    rows = make_rows(task)
     write_jsonl(assets.train, rows["train"])
     write_jsonl(assets.test, rows["test"])
     return assets

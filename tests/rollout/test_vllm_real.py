@@ -298,20 +298,23 @@ def _demo_run(
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_the_rl_demo_learns_with_vllm_as_with_the_built_in_server(vllm_py, tmp_path):
-    subprocess.run(
-        [sys.executable, "-m", "archon.demos.first_letter", "make-assets", str(tmp_path / "assets")], check=True
-    )
-    vllm = _demo_run(
-        tmp_path / "vllm",
-        tmp_path / "assets",
+def _vllm_demo_overrides(vllm_py: Path) -> list[str]:
+    """A demo config's overrides that serve it with one vLLM server, float32, weights reloaded from disk."""
+    return [
         "rollout.backend=vllm:d1",
         "rollout.weight_sync=disk",
         f"vllm.python={vllm_py}",
         "vllm.dtype=float32",
         "vllm.max_model_len=64",
         "vllm.enforce_eager=true",
+    ]
+
+
+def test_the_rl_demo_learns_with_vllm_as_with_the_built_in_server(vllm_py, tmp_path):
+    subprocess.run(
+        [sys.executable, "-m", "archon.demos.first_letter", "make-assets", str(tmp_path / "assets")], check=True
     )
+    vllm = _demo_run(tmp_path / "vllm", tmp_path / "assets", *_vllm_demo_overrides(vllm_py))
     builtin = _demo_run(tmp_path / "builtin", tmp_path / "assets")
     for run in (vllm, builtin):
         assert len(run) == 20
@@ -332,12 +335,7 @@ def test_agent_episodes_through_vllm_train_on_the_ids_vllm_sampled(vllm_py, tmp_
     run = _demo_run(
         tmp_path / "agent",
         assets,
-        "rollout.backend=vllm:d1",
-        "rollout.weight_sync=disk",
-        f"vllm.python={vllm_py}",
-        "vllm.dtype=float32",
-        "vllm.max_model_len=64",
-        "vllm.enforce_eager=true",
+        *_vllm_demo_overrides(vllm_py),
         "total_train_steps=3",
         "train_dataset.batch_size=4",
         "gconfig.n_samples=4",

@@ -27,8 +27,8 @@ from archon.rl.agent.proxy import RecordingProxy
 from archon.rl.agent.trajectory import Trajectory
 from archon.rl.agent.workflow import Workflow, run_episode
 from archon.rl.rank0 import run_on_rank0
-from archon.rl.rollout_strategy import RolloutInputs, RolloutStrategy, StepRollout, rollout_seed
-from archon.rl.server_recovery import generate_or_recover, recover_servers, sync_with_recovery
+from archon.rl.rollout_strategy import RolloutInputs, StepRollout, SyncRollout, rollout_seed
+from archon.rl.server_recovery import generate_or_recover, recover_servers
 from archon.runtime.drill import drill_point
 
 if TYPE_CHECKING:
@@ -49,10 +49,10 @@ def sample_fields(sample: PromptSample) -> dict[str, Any]:
     return fields
 
 
-class AgentRollout(RolloutStrategy):
-    """Each step runs its samples as agent episodes with the weights just published, recovering lost servers."""
+class AgentRollout(SyncRollout):
+    """Each step runs its samples as agent episodes with the weights just published, recovering lost servers.
 
-    off_policy = False
+    A ``SyncRollout`` whose step batches are episodes: weight syncs, recovery and checkpoint state are its own."""
 
     def __init__(
         self,
@@ -70,15 +70,13 @@ class AgentRollout(RolloutStrategy):
         """``tokenizer`` renders the episodes' chat messages (its chat template); the limits are per episode;
         ``supervisor``: rank 0's restarter of lost servers (None elsewhere); ``served_version``: the weights the
         servers hold (None: the model folder's)."""
-        self.inputs = inputs
+        super().__init__(inputs, supervisor=supervisor, served_version=served_version)
         self.workflow = workflow
         self.workflow_kwargs = dict(workflow_kwargs)
         self.tokenizer = tokenizer
         self.max_turns = max_turns
         self.max_total_tokens = max_total_tokens
         self.timeout_s = timeout_s
-        self.supervisor = supervisor
-        self.served_version = served_version
 
     def next_batch(self, step: int) -> StepRollout:
         samples = self.inputs.loader.next_rollout_batch()
@@ -133,15 +131,3 @@ class AgentRollout(RolloutStrategy):
         if proxy.server_errors:  # servers were lost under some episodes: recover them and run the step again
             raise proxy.server_errors[0]
         return trajectories
-
-    def sync_weights(self, step: int) -> dict[str, float]:
-        """Recover servers lost during the step, then sync (``archon.rl.server_recovery``)."""
-        stats = sync_with_recovery(self.supervisor, self.inputs.weight_sync, str(step))
-        self.served_version = str(step)
-        return stats
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}  # each step starts afresh from the data position the trainer checkpoints
-
-    def close(self) -> None:
-        pass  # each step's proxy is closed with its episodes
