@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test,ray,lint]"
+	$(PY) -m pip install -q -e ".[test,ray,lint,track]"
 	touch $@
 
 install: $(VENV)/.installed

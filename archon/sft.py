@@ -75,6 +75,7 @@ def run_sft(cfg: Config) -> list[dict[str, Any]]:
         enabled=rank0,
         headline=("loss", "grad_norm", "tokens_per_s"),
         start_step=engine.step,
+        run_config=cfg,
     )
     history = []
     freeze_startup_objects()

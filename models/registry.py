@@ -75,8 +75,9 @@ def get_model_spec(model_type: str) -> ModelSpec:
     except KeyError:
         raise ModelRegistryError(
             f"model_type {model_type!r} has no Archon model spec (supported: {supported_model_types()}); generate "
-            f"one with `python scripts/add_model.py {model_type}`, or train the transformers model as it is with an "
-            "'fsdp:' allocation (d, t, c)"
+            "one with `python scripts/add_model.py <checkpoint folder>` (it keeps the folder's config values; "
+            f"`python scripts/add_model.py {model_type}` uses transformers' defaults), or train the transformers "
+            "model as it is with an 'fsdp:' allocation (d, t, c)"
         ) from None
 
 

@@ -3,17 +3,21 @@
 ``analyze(source)`` builds the model type's tiny probe model with transformers and finds, by
 data flow in one forward (which module's output feeds which), the embedding, the blocks, the
 final norm and head, and inside block 0 the attention, the MLP, their projections and the
-role of every norm (before attention, after attention, before the MLP, after the MLP).  Names
-and shapes of the matched parameters give the state-dict tables; whatever has no counterpart
-in ``models/common`` becomes a ``probe.Point`` that fails, and each failing point is explained
-by trying the usual variants (a ``(1 + weight)`` RMSNorm, a scaled embedding, another
-activation, a post-norm).
+role of every norm (before attention, after attention, before the MLP, after the MLP).  A
+projection is matched by that role and its name, never by its shape alone (``scaffold.roles``),
+and the tables (``TableStateDictAdapter``) hold only one-to-one matches; a fused projection
+(phi3's ``qkv_proj``) is split into the probe's decoder, checked there, and reported for a
+hand-written adapter.  Whatever has no counterpart in ``models/common`` becomes a
+``probe.Point`` that fails, and each failing point is explained by trying the usual variants
+(``scaffold.explain``: a ``(1 + weight)`` RMSNorm, a scaled embedding, residual or logits,
+another attention scale or activation, a post-norm).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -25,29 +29,38 @@ from models.common.args import DecoderArgs
 from models.common.decoder import Decoder
 from models.common.state_dict_adapter import TableStateDictAdapter
 from models.model_args import RefusedSetting, allow_unimplemented
-from models.state_dict_adapter import UnknownKeyError
+from models.state_dict_adapter import HFKeyTarget, UnknownKeyError
 from scaffold import probe
+from scaffold.explain import attention_scale, explain_point, fused_why, missing_why, norm_why
 from scaffold.probe import Point, same
-from scaffold.source import ScaffoldError, Source, make_tiny_config, refused_settings_of, tiny_config_kwargs
+from scaffold.roles import (
+    ATTN_ROLES,
+    MLP_ROLES,
+    NORM_ROLES,
+    PROJECTIONS,
+    Fused,
+    fused_split,
+    is_norm,
+    linears_by_flow,
+    name_tokens,
+    order_gate_up_,
+    pick_by_name,
+    unplaced_projections,
+)
+from scaffold.source import (
+    ScaffoldError,
+    Source,
+    kept_scalings,
+    make_tiny_config,
+    refused_settings_of,
+    tiny_config_kwargs,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 _M = TypeVar("_M", bound=nn.Module)
 
-# Archon's parameter names inside a block, by role.
-_ATTN = {"wq": "attention.wq", "wk": "attention.wk", "wv": "attention.wv", "wo": "attention.wo"}
-_MLP = {"w1": "feed_forward.w1", "w3": "feed_forward.w3", "w2": "feed_forward.w2"}
-_NORMS = {"pre_attention": "attention_norm", "pre_mlp": "ffn_norm"}
-_HINTS = {
-    "wq": ("q_proj", "query", "q", "wq"),
-    "wk": ("k_proj", "key", "k", "wk"),
-    "wv": ("v_proj", "value", "v", "wv"),
-    "wo": ("o_proj", "out_proj", "dense", "o", "wo", "c_proj"),
-    "w1": ("gate_proj", "gate", "w1"),
-    "w3": ("up_proj", "up", "w3"),
-    "w2": ("down_proj", "down", "w2"),
-}
 _EPS_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps", "norm_epsilon")
 _STANDARD_KEYS = (
     "hidden_size",
@@ -79,39 +92,15 @@ class Analysis:
     shared_refusals: list[str]
     points: list[Point] = field(default_factory=list)
     """Every point the generated parity test checks one by one (the differences)."""
+    fused: list[Fused] = field(default_factory=list)
+    """transformers projections that stack several Archon ones (the tables cannot split them)."""
+    kept: dict[str, Any] = field(default_factory=dict)
+    """Multipliers and scalings the source switches on, kept in the probe config (key -> value)."""
     notes: list[str] = field(default_factory=list)
 
     @property
     def differences(self) -> list[Point]:
         return self.points
-
-
-def _leaf(name: str) -> str:
-    return name.rsplit(".", 1)[-1]
-
-
-def _tokens(name: str) -> set[str]:
-    leaf = _leaf(name)
-    return {leaf, *leaf.split("_")}
-
-
-def _is_norm(module: nn.Module) -> bool:
-    weight = getattr(module, "weight", None)
-    return (
-        not isinstance(module, (nn.Linear, nn.Embedding))
-        and isinstance(weight, torch.Tensor)
-        and weight.dim() == 1
-        and not list(module.children())
-    )
-
-
-def _pick(role: str, candidates: dict[str, tuple[int, ...]], shape: tuple[int, ...], taken: set[str]) -> str | None:
-    """The candidate of ``shape`` whose name fits ``role`` (or the only one of that shape)."""
-    fits = [n for n, s in candidates.items() if s == shape and n not in taken]
-    named = [n for n in fits if _tokens(n) & set(_HINTS[role])]
-    if len(named) == 1:
-        return named[0]
-    return fits[0] if len(fits) == 1 and not named else None
 
 
 @torch.no_grad()
@@ -156,7 +145,14 @@ def analyze(source: Source) -> Analysis:
     config = hf.config
     refused, shared = refused_settings_of(source)
     analysis = Analysis(source, kwargs, type(hf).__name__, "", {}, {}, {}, {}, None, refused, shared)
-    trace = probe.trace(hf, probe.probe_ids(config.vocab_size))
+    analysis.kept = kept_scalings(source)
+    try:
+        trace = probe.trace(hf, probe.probe_ids(config.vocab_size))
+    except Exception as exc:  # noqa: BLE001 - a tiny config transformers accepts but cannot run
+        raise ScaffoldError(
+            f"transformers' tiny {type(hf).__name__} failed its probe forward ({type(exc).__name__}: {exc}); "
+            "the scaffold cannot probe this architecture, so add the model by hand (models/README.md)"
+        ) from None
 
     # ---- where things are
     names = set(getattr(hf, "_no_split_modules", None) or [])
@@ -191,7 +187,7 @@ def analyze(source: Source) -> Analysis:
         (
             n
             for n, m in hf.named_modules()
-            if _is_norm(m)
+            if is_norm(m)
             and not n.startswith(prefix + ".")
             and n in trace.records
             and same(trace.records[n].inp, last, 0)
@@ -207,7 +203,7 @@ def analyze(source: Source) -> Analysis:
     # ---- norms inside the block, by what they read and feed
     roles: dict[str, str] = {}
     for name, module in block.named_modules():
-        if not name or not _is_norm(module) or name.startswith(f"{attn}.") or name.startswith(f"{mlp}."):
+        if not name or not is_norm(module) or name.startswith(f"{attn}.") or name.startswith(f"{mlp}."):
             continue
         r = rec.get(f"{block0}.{name}")
         if r is None:
@@ -223,8 +219,8 @@ def analyze(source: Source) -> Analysis:
         else:
             roles[name] = "unknown"
     for name, role in roles.items():
-        if role in _NORMS:
-            layer_keys[f"{name}.weight"] = f"{_NORMS[role]}.weight"
+        if role in NORM_ROLES:
+            layer_keys[f"{name}.weight"] = f"{NORM_ROLES[role]}.weight"
         else:
             unmapped[f"{block0}.{name}.weight"] = {
                 "post_attention": f"extra norm '{name}': it normalises the attention output before the residual add "
@@ -234,36 +230,66 @@ def analyze(source: Source) -> Analysis:
                 "unknown": f"extra norm '{name}' in a place the shared block has none",
             }[role]
 
-    # ---- attention projections and q/k norms
+    # ---- attention and MLP projections: by role (what each reads and writes), then by name; never by shape alone
     n_heads, n_kv = (
         config.num_attention_heads,
         getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
     )
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
-    d = config.hidden_size
-    attn_mod = block.get_submodule(attn)
-    linears = {n: tuple(mod.weight.shape) for n, mod in attn_mod.named_modules() if isinstance(mod, nn.Linear)}
+    d, inter = config.hidden_size, config.intermediate_size
+    attn_mod, mlp_mod = block.get_submodule(attn), block.get_submodule(mlp)
     shapes = {
         "wq": (n_heads * head_dim, d),
         "wk": (n_kv * head_dim, d),
         "wv": (n_kv * head_dim, d),
         "wo": (d, n_heads * head_dim),
+        "w1": (inter, d),
+        "w3": (inter, d),
+        "w2": (d, inter),
     }
-    taken: set[str] = set()
-    for role in ("wq", "wk", "wv", "wo"):
-        name = _pick(role, linears, shapes[role], taken)
-        if name is None:
-            continue
-        taken.add(name)
-        layer_keys[f"{attn}.{name}.weight"] = f"{_ATTN[role]}.weight"
-        if attn_mod.get_submodule(name).bias is not None:
-            layer_keys[f"{attn}.{name}.bias"] = f"{_ATTN[role]}.bias"
+    picked: dict[str, str] = {}  # role -> module path inside the block
+    fused: list[Fused] = []
+    for mod, path, (readers, writer) in (
+        (attn_mod, attn, (("wq", "wk", "wv"), "wo")),
+        (mlp_mod, mlp, (("w1", "w3"), "w2")),
+    ):
+        reads, writes = linears_by_flow(mod, f"{block0}.{path}", rec)
+        taken: set[str] = set()
+        for role in (writer, *readers):
+            name = pick_by_name(role, writes if role == writer else reads, shapes[role], taken)
+            if name is not None:
+                taken.add(name)
+                picked[role] = f"{path}.{name}"
+        missing = [r for r in readers if r not in picked]
+        for name, shape in reads.items():
+            split = fused_split(name, shape, missing, shapes) if name not in taken else None
+            if split is not None:
+                fused.append(Fused(f"{path}.{name}", split))
+                missing = []
+    if {"w1", "w3", "w2"} <= set(picked):
+        gate, up, down = (block.get_submodule(picked[r]) for r in ("w1", "w3", "w2"))
+        u = m.inp
+        if not same(down(F.silu(gate(u)) * up(u)), m.out) and same(down(F.silu(up(u)) * gate(u)), m.out):
+            picked["w1"], picked["w3"] = picked["w3"], picked["w1"]
+    for f in fused:
+        if f.roles[0][0] in ("w1", "w3"):
+            assert m.inp is not None and m.out is not None, "the probe forward reached the MLP"
+            order_gate_up_(f, block, picked.get("w2"), m.inp, m.out)
+    for role, path in picked.items():
+        target = PROJECTIONS[role]
+        layer_keys[f"{path}.weight"] = f"{target}.weight"
+        if role in ATTN_ROLES and block.get_submodule(path).bias is not None:
+            layer_keys[f"{path}.bias"] = f"{target}.bias"
+    analysis.fused = fused
+
     qk_norm = False
     for name, module in attn_mod.named_modules():
-        if not name or not _is_norm(module):
+        if not name or not is_norm(module):
             continue
-        which = "q_norm" if _tokens(name) & {"q", "query"} else "k_norm" if _tokens(name) & {"k", "key"} else None
-        width = cast(torch.Tensor, module.weight).shape[0]  # a norm (_is_norm) has a weight
+        which = (
+            "q_norm" if name_tokens(name) & {"q", "query"} else "k_norm" if name_tokens(name) & {"k", "key"} else None
+        )
+        width = cast(torch.Tensor, module.weight).shape[0]  # a norm (is_norm) has a weight
         if which and width == head_dim:
             layer_keys[f"{attn}.{name}.weight"] = f"attention.{which}.weight"
             qk_norm = True
@@ -273,25 +299,17 @@ def analyze(source: Source) -> Analysis:
                 f"{width} features (the whole projection), where the shared attention normalises "
                 f"each head ({head_dim})"
             )
-
-    # ---- MLP projections (gate and up told apart by the function, if the names do not)
-    mlp_mod = block.get_submodule(mlp)
-    linears = {n: tuple(mod.weight.shape) for n, mod in mlp_mod.named_modules() if isinstance(mod, nn.Linear)}
-    inter = config.intermediate_size
-    taken = set()
-    picked = {}
-    for role, shape in (("w2", (d, inter)), ("w1", (inter, d)), ("w3", (inter, d))):
-        name = _pick(role, linears, shape, taken)
-        if name is not None:
-            taken.add(name)
-            picked[role] = name
-    if {"w1", "w3"} <= set(picked) and "w2" in picked:
-        gate, up, down = (mlp_mod.get_submodule(picked[r]) for r in ("w1", "w3", "w2"))
-        u = m.inp
-        if not same(down(F.silu(gate(u)) * up(u)), m.out) and same(down(F.silu(up(u)) * gate(u)), m.out):
-            picked["w1"], picked["w3"] = picked["w3"], picked["w1"]
-    for role, name in picked.items():
-        layer_keys[f"{mlp}.{name}.weight"] = f"{_MLP[role]}.weight"
+    for f in fused:
+        for suffix in ("weight", "bias"):
+            if f"{f.hf}.{suffix}" in dict(block.named_parameters()):
+                unmapped[f"{block0}.{f.hf}.{suffix}"] = ""  # explained once the probe has tried the split
+    for path in unplaced_projections(block, attn, mlp, picked, fused):
+        shape = tuple(cast(nn.Linear, block.get_submodule(path)).weight.shape)
+        unmapped[f"{block0}.{path}.weight"] = (
+            f"projection '{path}' {shape} has no role in the shared block: by what it reads and "
+            "writes and by its name it is none of "
+            + ("wq, wk, wv, wo" if path.startswith(f"{attn}.") else "w1 (gate), w3 (up), w2 (down)")
+        )
 
     # ---- everything else in the block (biases, extra weights) has no counterpart
     for name, param in block.named_parameters():
@@ -316,15 +334,17 @@ def analyze(source: Source) -> Analysis:
     cfg = source.config_dict
     analysis.key_aliases = _key_aliases(config, cfg)
     fields: dict[str, Any] = {"qk_norm": qk_norm}
-    bias_q = f"{_ATTN['wq']}.bias" in layer_keys.values()
-    bias_o = f"{_ATTN['wo']}.bias" in layer_keys.values()
+    q_path = picked.get("wq") or next((f.hf for f in fused if f.roles[0][0] in ("wq", "wk", "wv")), None)
+    o_path = picked.get("wo")
+
+    def has_bias(model: nn.Module, path: str | None) -> bool:
+        return path is not None and getattr(model.get_submodule(f"{block0}.{path}"), "bias", None) is not None
+
+    bias_q, bias_o = has_bias(hf, q_path), has_bias(hf, o_path)
     analysis.bias_key = "attention_bias" if "attention_bias" in cfg else None
     if analysis.bias_key:
         flipped = _meta_model(source, {**kwargs, "attention_bias": True})
-        fb = flipped.get_submodule(f"{block0}.{attn}")
-        names = {v: k for k, v in layer_keys.items()}
-        bias_q = getattr(fb.get_submodule(names[f"{_ATTN['wq']}.weight"][len(attn) + 1 : -7]), "bias", None) is not None
-        bias_o = getattr(fb.get_submodule(names[f"{_ATTN['wo']}.weight"][len(attn) + 1 : -7]), "bias", None) is not None
+        bias_q, bias_o = has_bias(flipped, q_path), has_bias(flipped, o_path)
     fields["qkv_bias"], fields["o_bias"] = bias_q, bias_o
     analysis.model_fields = fields
 
@@ -392,7 +412,11 @@ def adapter_class(analysis: Analysis) -> type:
 
 @torch.no_grad()
 def _shared_decoder(analysis: Analysis, hf: nn.Module, config: Any, kwargs: dict[str, Any]) -> nn.Module:
-    """``models.common.Decoder`` built from the tiny config and filled through the derived tables."""
+    """``models.common.Decoder`` built from the tiny config and filled through the derived tables.
+
+    Fused projections are split into it as well (what a hand-written adapter would do), so the
+    attention and MLP checks can tell whether the split is right.
+    """
 
     with allow_unimplemented():
         args = args_class(analysis, unimplemented=("mlp",)).from_hf_config(config.to_dict())
@@ -401,14 +425,25 @@ def _shared_decoder(analysis: Analysis, hf: nn.Module, config: Any, kwargs: dict
     model.init_weights()
     adapter = adapter_class(analysis)(args)
     params = dict(model.named_parameters())
+    splits = {
+        f"{f.hf}.{suffix}": [(f"{PROJECTIONS[role]}.{suffix}", start, n) for role, start, n in f.roles]
+        for f in analysis.fused
+        for suffix in ("weight", "bias")
+    }
+    layer = re.compile(rf"^{re.escape(analysis.layer_prefix)}\.(\d+)\.(.+)$")
     for name, tensor in hf.state_dict().items():
-        try:
-            targets = adapter.hf_key_targets(name)
-        except UnknownKeyError:
-            continue
+        m = layer.match(name)
+        if m and m.group(2) in splits:
+            targets = [HFKeyTarget(f"layers.{m.group(1)}.{t}", None, (0, s, n)) for t, s, n in splits[m.group(2)]]
+        else:
+            try:
+                targets = adapter.hf_key_targets(name)
+            except UnknownKeyError:
+                continue
         for t in targets:
-            if t.name in params and params[t.name].shape == tensor.shape:
-                params[t.name].copy_(t.take(tensor))
+            value = t.take(tensor)
+            if t.name in params and params[t.name].shape == value.shape:
+                params[t.name].copy_(value)
     model.eval()
     model._scaffold_adapter = adapter
     return model
@@ -416,9 +451,12 @@ def _shared_decoder(analysis: Analysis, hf: nn.Module, config: Any, kwargs: dict
 
 def _points(analysis: Analysis, hf, archon, trace, block0, attn, mlp, roles, unmapped, adapter) -> list[Point]:
     """The failing points, each explained; implied ones (a block that fails because a part does) are left out."""
+    fused_params = {k for k, reason in unmapped.items() if not reason}
+    split_into = {f"layers.0.{PROJECTIONS[role]}.weight": (f, role) for f in analysis.fused for role, _, _ in f.roles}
     failing: list[Point] = []
-    for hf_name, why in unmapped.items():
-        failing.append(Point("hf_param", hf=hf_name, what=why))
+    for hf_name, reason in unmapped.items():
+        if hf_name not in fused_params:
+            failing.append(Point("hf_param", hf=hf_name, what=reason))
     mapped = set(analysis.layer_keys.values()) | set(analysis.top_keys.values())
     for name in dict(archon.named_parameters()):
         if name.startswith("layers.") and not name.startswith("layers.0."):
@@ -426,9 +464,10 @@ def _points(analysis: Analysis, hf, archon, trace, block0, attn, mlp, roles, unm
         short = name.replace("layers.0.", "")
         if short in mapped or name in mapped or (name == "output.weight" and archon.embeddings_tied):
             continue
-        failing.append(Point("archon_param", archon=name, what=_missing_why(name)))
+        if name not in split_into and not (name.endswith(".bias") and name[:-4] + "weight" in split_into):
+            failing.append(Point("archon_param", archon=name, what=missing_why(name)))
     # Norms the tables mapped: same formula?
-    norm_paths = {f"layers.0.{_NORMS[role]}": f"{block0}.{n}" for n, role in roles.items() if role in _NORMS}
+    norm_paths = {f"layers.0.{NORM_ROLES[role]}": f"{block0}.{n}" for n, role in roles.items() if role in NORM_ROLES}
     final = next((k for k, v in analysis.top_keys.items() if v == "norm.weight"), None)
     if final:
         norm_paths["norm"] = final[: -len(".weight")]
@@ -438,10 +477,13 @@ def _points(analysis: Analysis, hf, archon, trace, block0, attn, mlp, roles, unm
     for ours, theirs in norm_paths.items():
         point = Point("norm", archon=ours, hf=theirs)
         if probe.check(point, hf, archon, trace, adapter):
-            failing.append(dataclasses.replace(point, what=_norm_why(theirs, hf, trace, archon.get_submodule(ours))))
+            failing.append(dataclasses.replace(point, what=norm_why(theirs, hf, trace, archon.get_submodule(ours))))
     block_fails = bool(failing)
-    attn_ok = not any(p.kind == "hf_param" and p.hf.startswith(f"{block0}.{attn}.") for p in failing)
-    mlp_ok = all(f"{_MLP[r]}.weight" in analysis.layer_keys.values() for r in _MLP) and not any(
+    filled = mapped | {k.replace("layers.0.", "") for k in split_into}
+    attn_ok = all(f"{ATTN_ROLES[r]}.weight" in filled for r in ATTN_ROLES) and not any(
+        p.kind == "hf_param" and p.hf.startswith(f"{block0}.{attn}.") for p in failing
+    )
+    mlp_ok = all(f"{MLP_ROLES[r]}.weight" in filled for r in MLP_ROLES) and not any(
         p.kind == "hf_param" and p.hf.startswith(f"{block0}.{mlp}.") for p in failing
     )
     checks = [Point("embedding", hf=block0)]
@@ -449,10 +491,38 @@ def _points(analysis: Analysis, hf, archon, trace, block0, attn, mlp, roles, unm
         checks.append(Point("mlp", hf=f"{block0}.{mlp}"))
     if attn_ok:
         checks.append(Point("attention", hf=f"{block0}.{attn}"))
+    if sorted(roles.values()) == ["pre_attention", "pre_mlp"]:
+        # Pre-norm wiring (the shared block's): the residual adds can be compared on their own.
+        checks.append(Point("residual", hf=block0, parts=(f"{block0}.{attn}", f"{block0}.{mlp}")))
+    failed_ids = {p.id for p in failing}
+    if final and "archon_param:output.weight" not in failed_ids:
+        checks.append(Point("head", hf=final[: -len(".weight")]))
+    checked: dict[str, str | None] = {}
     for point in checks:
-        if probe.check(point, hf, archon, trace, adapter):
-            failing.append(dataclasses.replace(point, what=_why(point, hf, trace, archon)))
-            block_fails = block_fails or point.kind != "embedding"
+        checked[point.kind] = probe.check(point, hf, archon, trace, adapter)
+        if checked[point.kind]:
+            failing.append(dataclasses.replace(point, what=explain_point(point, hf, trace, archon)))
+            block_fails = block_fails or point.kind not in ("embedding", "head")
+    attention_matches = checked.get("attention", "not checked") is None or (
+        "attention" in checked and attention_scale(hf, trace, archon, f"{block0}.{attn}") is not None
+    )
+    for f in analysis.fused:
+        if f.roles[0][0] in ATTN_ROLES:
+            f.confirmed = attention_matches
+        else:
+            f.confirmed = f.confirmed and checked.get("mlp", "not checked") is None
+    split_points = []
+    for hf_name in (k for k in unmapped if k in fused_params):
+        f = next(f for f in analysis.fused if hf_name.rsplit(".", 1)[0] == f"{block0}.{f.hf}")
+        split_points.append(Point("hf_param", hf=hf_name, what=fused_why(f)))
+    for name, (f, role) in split_into.items():
+        if name in dict(archon.named_parameters()):
+            what = (
+                f"no checkpoint tensor fills '{name}' until the adapter splits rows {f.rows(role)} of the fused "
+                f"'{f.hf}.weight' into it"
+            )
+            split_points.append(Point("archon_param", archon=name, what=what))
+    failing[:0] = split_points
     if not block_fails and probe.check(Point("block", hf=block0), hf, archon, trace, adapter):
         failing.append(
             Point(
@@ -472,62 +542,3 @@ def _points(analysis: Analysis, hf, archon, trace, block0, attn, mlp, roles, unm
             )
         )
     return failing
-
-
-def _missing_why(name: str) -> str:
-    if name.endswith("attention_norm.weight"):
-        return (
-            "no norm before attention: transformers' block feeds its input to attention directly, the shared "
-            "block normalises it first (attention_norm)"
-        )
-    if name.endswith("ffn_norm.weight"):
-        return (
-            "no norm before the MLP: transformers' block feeds the residual stream to the MLP directly, the "
-            "shared block normalises it first (ffn_norm)"
-        )
-    if name == "norm.weight":
-        return "no final norm after the last block (the shared decoder has one)"
-    return f"no transformers parameter fills '{name}'"
-
-
-@torch.no_grad()
-def _norm_why(path: str, hf, trace, ours: nn.Module) -> str:
-    module = hf.get_submodule(path)
-    rec = trace.records[path]
-    w = module.weight.float()
-    eps = next((getattr(module, a) for a in ("eps", "variance_epsilon", "epsilon") if hasattr(module, a)), 1e-6)
-    u = rec.inp.float()
-    rms = u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + eps)
-    if same((rms * (1.0 + w)).to(rec.out.dtype), rec.out):
-        return f"norm '{path}' is an RMSNorm that scales by (1 + weight) (a zero-centred weight, as in Gemma)"
-    if same(F.layer_norm(u, (u.shape[-1],), w, getattr(module, "bias", None), eps), rec.out):
-        return f"norm '{path}' is a LayerNorm (it subtracts the mean), not an RMSNorm"
-    return f"norm '{path}' ({type(module).__name__}) computes a different normalisation"
-
-
-@torch.no_grad()
-def _why(point: Point, hf, trace, archon) -> str:
-    config = hf.config
-    if point.kind == "embedding":
-        block_in = trace.records[point.hf].inp
-        # A plain lookup of the embedding matrix, which is all the shared decoder does.
-        lookup = F.embedding(trace.ids, hf.get_input_embeddings().weight)
-        ratio = (block_in / lookup.where(lookup.abs() > 1e-6, torch.ones_like(lookup))).flatten()
-        c = float(ratio.median())
-        if same(lookup * c, block_in, 1e-4):
-            sqrt_d = math.sqrt(config.hidden_size)
-            name = f" (sqrt(hidden_size) = {sqrt_d:.4g})" if abs(c - sqrt_d) < 1e-3 * sqrt_d else ""
-            return f"the embedding output is multiplied by {c:.4g}{name} before the first block"
-        return "the embedding output is transformed before the first block"
-    if point.kind == "mlp":
-        act = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
-        if act and act not in ("silu", "swish"):
-            return f"activation {act!r} in the gated MLP, where the shared one uses SiLU"
-        return "the MLP computes a different function from the shared gated SiLU MLP"
-    if point.kind == "attention":
-        hints = ("attn", "attention", "scal", "rope", "rotary")
-        keys = sorted(k for k, v in config.to_dict().items() if any(t in k for t in hints) and v not in (None, False))
-        return "attention computes a different function from the shared one on the same weights" + (
-            f" (config keys to look at: {', '.join(keys)})" if keys else ""
-        )
-    return point.kind

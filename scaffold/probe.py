@@ -107,8 +107,10 @@ class Point:
 
     ``kind``: ``norm`` (an Archon norm vs the transformers norm in that role), ``embedding``
     (the input of the first block), ``mlp``, ``attention``, ``block`` (block 0 as a whole),
-    ``logits``, ``hf_param`` (a transformers parameter the Archon adapter must map) or
-    ``archon_param`` (an Archon parameter that no checkpoint key fills).
+    ``residual`` (block 0's residual adds, fed transformers' own attention and MLP outputs),
+    ``head`` (the LM head on the output of transformers' final norm), ``logits``,
+    ``hf_param`` (a transformers parameter the Archon adapter must map) or ``archon_param``
+    (an Archon parameter that no checkpoint key fills).
     """
 
     kind: str
@@ -118,6 +120,8 @@ class Point:
     """transformers module path or parameter name (for ``norm``, ``mlp``, ``attention``, ``block``, ``hf_param``)."""
     what: str = ""
     """The difference in words (the report line and the failure message)."""
+    parts: tuple[str, ...] = ()
+    """transformers module paths a check needs besides ``hf`` (``residual``: the attention and the MLP)."""
 
     @property
     def id(self) -> str:
@@ -203,6 +207,32 @@ def _check_block(point: Point, hf_model, archon_model, hf_trace: Trace, adapter)
 
 
 @torch.no_grad()
+def _check_residual(point: Point, hf_model, archon_model, hf_trace: Trace, adapter) -> str | None:
+    inp, out = _reached(hf_trace, point.hf)
+    attn_out, mlp_out = (_reached(hf_trace, path)[1] for path in point.parts)
+    block = archon_model.layers["0"]
+    # Archon's attention and MLP return transformers' outputs: only the adds around them are compared.
+    handles = [
+        block.attention.register_forward_hook(lambda mod, args, output: attn_out),
+        block.feed_forward.register_forward_hook(lambda mod, args, output: mlp_out),
+    ]
+    try:
+        positions = torch.arange(inp.shape[1]).unsqueeze(0)
+        got = block(inp, archon_model.rope(positions, inp.dtype))
+    finally:
+        for h in handles:
+            h.remove()
+    return None if same(got, out) else max_diff(got, out)
+
+
+@torch.no_grad()
+def _check_head(point: Point, hf_model, archon_model, hf_trace: Trace, adapter) -> str | None:
+    _, normed = _reached(hf_trace, point.hf)
+    got = archon_model.output(normed).float()
+    return None if same(got, hf_trace.logits, tol=1e-4) else max_diff(got, hf_trace.logits)
+
+
+@torch.no_grad()
 def _check_logits(point: Point, hf_model, archon_model, hf_trace: Trace, adapter) -> str | None:
     got = archon_model(hf_trace.ids).float()
     return None if same(got, hf_trace.logits, tol=1e-4) else max_diff(got, hf_trace.logits)
@@ -244,6 +274,8 @@ _CHECKS = {
     "mlp": _check_mlp,
     "attention": _check_attention,
     "block": _check_block,
+    "residual": _check_residual,
+    "head": _check_head,
     "logits": _check_logits,
     "hf_param": _check_hf_param,
     "archon_param": _check_archon_param,

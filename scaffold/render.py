@@ -52,7 +52,9 @@ def _py(value, indent: int = 0) -> str:
         extra = f", off_key={_py(value.off_key)}" if value.off_key else ""
         return f"RefusedSetting({_py(value.key)}, {_py(value.off)}, {_py(value.what)}{extra})"
     if isinstance(value, Point):
-        fields = [_py(value.kind)] + [f"{k}={_py(getattr(value, k))}" for k in ("archon", "hf") if getattr(value, k)]
+        fields = [_py(value.kind)] + [
+            f"{k}={_py(getattr(value, k))}" for k in ("archon", "hf", "parts") if getattr(value, k)
+        ]
         return f"Point({', '.join(fields)},\n{pad}what={_py(value.what)})"
     return repr(value)
 
@@ -61,9 +63,13 @@ def report_lines(a: Analysis) -> list[str]:
     """What differs and what is refused, one bullet each (the report printed and written into model.py)."""
     lines = [
         f"transformers' {a.hf_class} (model_type '{a.source.model_type}') on Archon's shared decoder blocks.",
-        f"Weights: {len(a.layer_keys)} tensors per block and {len(a.top_keys)} outside matched by name and shape.",
+        f"Weights: {len(a.layer_keys)} tensors per block and {len(a.top_keys)} outside matched by role (what each "
+        "module reads and writes in a probe forward) and name.",
         "",
     ]
+    if a.kept:
+        kept = ", ".join(f"{k} = {v!r}" for k, v in a.kept.items())
+        lines += [f"Multipliers and scalings of the source, kept in the probe: {kept}.", ""]
     if a.points:
         lines.append(
             f"Differences from models/common ({len(a.points)}; the parity test fails on each until it is "

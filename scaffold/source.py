@@ -1,9 +1,11 @@
 """Where a new model comes from: a transformers ``model_type`` or an HF folder, and its tiny probe config.
 
-The tiny config is the model type's own (or the folder's) with small sizes and every optional
-feature the shared blocks lack switched to its "off" value (``OPTIONAL_SETTINGS``): those are
-refused by the generated ``from_hf_config`` when on, and the rest of the architecture is what
-the probes compare.
+The tiny config is the source's own (the folder's config.json, or the model type's defaults)
+with only the sizes shrunk and every optional feature the shared blocks lack switched to its
+"off" value (``OPTIONAL_SETTINGS``): those are refused by the generated ``from_hf_config`` when
+on.  Every other value of the source is kept, multipliers and scalings included
+(``SCALING_SETTINGS``): the probes compare the architecture as the source configures it, and
+report what those values change as differences.
 """
 
 from __future__ import annotations
@@ -36,13 +38,38 @@ OPTIONAL_SETTINGS: tuple[RefusedSetting, ...] = (
     ),
     RefusedSetting("mlp_bias", False, "biases in the MLP projections"),
     RefusedSetting("partial_rotary_factor", 1.0, "RoPE on only part of each head"),
+)
+"""Config values that switch on features ``models/common`` lacks, with the value that switches them off."""
+
+SCALING_SETTINGS: tuple[RefusedSetting, ...] = (
     RefusedSetting("embedding_multiplier", 1.0, "a scaled embedding output"),
     RefusedSetting("residual_multiplier", 1.0, "scaled residual branches"),
     RefusedSetting("attention_multiplier", None, "a custom attention scale"),
     RefusedSetting("logits_scaling", 1.0, "scaled logits"),
     RefusedSetting("logit_scale", 1.0, "scaled logits"),
 )
-"""Config values that switch on features ``models/common`` lacks, with the value that switches them off."""
+"""Multipliers and scalings the shared blocks lack.  The probe keeps the source's value (some config classes
+accept no "off" value, granite's ``attention_multiplier`` for one): on, it is a difference the report names;
+off, the generated ``from_hf_config`` refuses other values."""
+
+BOOKKEEPING_KEYS = frozenset(
+    {
+        "architectures",
+        "auto_map",
+        "dtype",
+        "torch_dtype",
+        "transformers_version",
+        "_name_or_path",
+        "model_type",
+        "quantization_config",
+        "_attn_implementation_autoset",
+    }
+)
+"""Config keys that describe the checkpoint file, not the architecture (left out of the probe config)."""
+
+TOKEN_ID_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id")
+ROPE_KEPT_KEYS = ("rope_theta", "partial_rotary_factor")
+"""Entries of ``rope_parameters`` that describe plain RoPE (the probe drops the scaling ones)."""
 
 SHARED_REFUSALS: dict[str, str] = {
     "use_sliding_window": "sliding-window attention (use_sliding_window)",
@@ -126,9 +153,19 @@ def resolve_source(arg: str) -> Source:
 
 
 def tiny_config_kwargs(source: Source) -> dict[str, Any]:
-    """Keyword arguments of the tiny probe config: small sizes, optional features off, all else as the source."""
+    """Keyword arguments of the tiny probe config: the source's values with small sizes and optional features off.
+
+    Only what differs from the model type's defaults is listed (the defaults fill the rest), so a
+    folder's own values (token ids, multipliers, tied embeddings, ...) survive into the probe.
+    """
+    from transformers import AutoConfig
+
     cfg = source.config_dict
-    kwargs: dict[str, Any] = dict(TINY_SIZES)
+    defaults = AutoConfig.for_model(source.model_type).to_dict()
+    kwargs: dict[str, Any] = {
+        k: v for k, v in cfg.items() if k not in BOOKKEEPING_KEYS and (k not in defaults or defaults[k] != v)
+    }
+    kwargs.update(TINY_SIZES)
     if "head_dim" in cfg:
         kwargs["head_dim"] = TINY_HEAD_DIM
     n_layers = kwargs["num_hidden_layers"]
@@ -140,21 +177,22 @@ def tiny_config_kwargs(source: Source) -> dict[str, Any]:
         kwargs["attention_dropout"] = 0.0
     rope = cfg.get("rope_parameters")
     if isinstance(rope, dict) and rope:
-        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+        plain = {"rope_type": "default", "rope_theta": cfg.get("rope_theta", 10000.0)}
+        plain.update({k: rope[k] for k in ROPE_KEPT_KEYS if k in rope})
+        kwargs["rope_parameters"] = plain
     for setting in refused_settings_of(source)[0]:
         if setting.key in cfg:
             kwargs[setting.key] = (
                 kwargs.get(setting.off_key, cfg.get(setting.off_key)) if setting.off_key else setting.off
             )
-    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+    for key in TOKEN_ID_KEYS:
         value = cfg.get(key)
-        # Ids from the real vocabulary do not fit the tiny one.
-        if isinstance(value, int) and value >= kwargs["vocab_size"]:
-            kwargs[key] = None
+        # Ids from the real vocabulary do not fit the tiny one; the others are the source's and stay.
+        if isinstance(value, int):
+            kwargs[key] = value if value < kwargs["vocab_size"] else None
         elif isinstance(value, list):
             kwargs[key] = [v for v in value if v < kwargs["vocab_size"]] or None
-    return kwargs
+    return {k: kwargs[k] for k in sorted(kwargs)}
 
 
 def make_tiny_config(model_type: str, kwargs: dict[str, Any]) -> Any:
@@ -164,11 +202,22 @@ def make_tiny_config(model_type: str, kwargs: dict[str, Any]) -> Any:
 
 
 def refused_settings_of(source: Source) -> tuple[list[RefusedSetting], list[str]]:
-    """The optional settings this config type has (refused when on) and the shared refusals that apply."""
+    """The optional settings this config type has (refused when on) and the shared refusals that apply.
+
+    A scaling (``SCALING_SETTINGS``) is refused only where the source has it off; where on, the probe
+    keeps it and the report names what it changes (``kept_scalings``).
+    """
     cfg = source.config_dict
     own = [s for s in OPTIONAL_SETTINGS if s.key in cfg]
+    own += [s for s in SCALING_SETTINGS if s.key in cfg and not s.is_on(cfg)]
     if "use_sliding_window" in cfg or "layer_types" in cfg:
         # The window size is inert unless the flag or a layer type turns it on; the shared reader checks those.
         own = [s for s in own if s.key != "sliding_window"]
     shared = sorted({what for key, what in SHARED_REFUSALS.items() if key in cfg})
     return own, shared
+
+
+def kept_scalings(source: Source) -> dict[str, Any]:
+    """The multipliers and scalings the source switches on (kept in the probe config), key -> value."""
+    cfg = source.config_dict
+    return {s.key: cfg[s.key] for s in SCALING_SETTINGS if s.key in cfg and s.is_on(cfg)}

@@ -406,24 +406,14 @@ def _validate_rl_options(cfg: Config, sources: dict[str, str]) -> None:
             f"{where('rollout.max_head_offpolicyness')}) must be 0 (synchronous) or a positive number of "
             "policy versions"
         )
-    if cfg.rollout.workflow:
-        unsupported = {
-            "rollout.max_head_offpolicyness > 0": cfg.rollout.max_head_offpolicyness > 0,
-            "dynamic_filter.enable": cfg.dynamic_filter.enable,
-            "actor.moe_routing_replay": cfg.actor.moe_routing_replay,
-        }
-        clash = [name for name, on in unsupported.items() if on]
-        if clash:
-            raise ConfigError(
-                f"rollout.workflow = '{cfg.rollout.workflow}' (from {where('rollout.workflow')}) runs agent episodes "
-                f"synchronously and without {', '.join(clash)} for now; turn that off or unset rollout.workflow"
-            )
-        if cfg.rollout.max_turns < 1 or cfg.rollout.max_total_tokens < 0 or cfg.rollout.workflow_timeout_s <= 0:
-            raise ConfigError(
-                f"rollout.max_turns ({cfg.rollout.max_turns}) must be >= 1, rollout.max_total_tokens "
-                f"({cfg.rollout.max_total_tokens}) >= 0 and rollout.workflow_timeout_s "
-                f"({cfg.rollout.workflow_timeout_s}) > 0"
-            )
+    if cfg.rollout.workflow and (
+        cfg.rollout.max_turns < 1 or cfg.rollout.max_total_tokens < 0 or cfg.rollout.workflow_timeout_s <= 0
+    ):
+        raise ConfigError(
+            f"rollout.max_turns ({cfg.rollout.max_turns}) must be >= 1, rollout.max_total_tokens "
+            f"({cfg.rollout.max_total_tokens}) >= 0 and rollout.workflow_timeout_s "
+            f"({cfg.rollout.workflow_timeout_s}) > 0"
+        )
     if cfg.rollout.max_head_offpolicyness > 0 and cfg.actor.moe_routing_replay:
         raise ConfigError(
             "actor.moe_routing_replay is not supported with asynchronous rollouts "

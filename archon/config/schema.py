@@ -497,6 +497,56 @@ class SaverConfig:
 
 
 @dataclass
+class WandBConfig:
+    mode: Literal["disabled", "online", "offline"] = "disabled"
+    """Weights & Biases: 'online' streams to the server, 'offline' writes under output_dir/wandb for `wandb sync`."""
+    wandb_base_url: str = ""
+    """W&B server URL (a self-hosted one); empty uses WANDB_BASE_URL or the public service. The key is WANDB_API_KEY."""
+    entity: str = ""
+    """W&B team or user that owns the run; empty uses your default entity."""
+    project: str = ""
+    """W&B project; empty uses experiment_name."""
+    name: str = ""
+    """Run name shown in W&B; empty uses trial_name."""
+    group: str = ""
+    """W&B group that collects related runs; empty sets none."""
+    job_type: str = ""
+    """W&B job type (e.g. 'rl', 'sft'); empty sets none."""
+    notes: str = ""
+    """Free-text notes attached to the W&B run."""
+    tags: list[str] = field(default_factory=list)
+    """W&B tags of the run."""
+
+
+@dataclass
+class TensorBoardConfig:
+    path: str = ""
+    """Folder for TensorBoard event files (e.g. outputs/x/tb); empty disables TensorBoard."""
+
+
+@dataclass
+class MLflowConfig:
+    tracking_uri: str = ""
+    """MLflow tracking URI: a server (http://host:5000) or a local store (file:///abs/mlruns); empty disables MLflow."""
+    experiment_name: str = ""
+    """MLflow experiment, created when missing; empty uses experiment_name."""
+    run_name: str = ""
+    """MLflow run name; empty uses trial_name."""
+    tags: dict[str, str] = field(default_factory=dict)
+    """MLflow tags of the run (key = value)."""
+
+
+@dataclass
+class StatsLoggerConfig:
+    wandb: WandBConfig = field(default_factory=WandBConfig)
+    """Weights & Biases tracking (pip extra 'track')."""
+    tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
+    """TensorBoard event files (pip extra 'track')."""
+    mlflow: MLflowConfig = field(default_factory=MLflowConfig)
+    """MLflow tracking (pip extra 'track', which brings mlflow-skinny)."""
+
+
+@dataclass
 class Config:
     experiment_name: str = "archon"
     """Name of the experiment (groups trials)."""
@@ -535,6 +585,8 @@ class Config:
     """Reward function."""
     saver: SaverConfig = field(default_factory=SaverConfig)
     """Checkpointing."""
+    stats_logger: StatsLoggerConfig = field(default_factory=StatsLoggerConfig)
+    """Experiment trackers fed each step's metrics.jsonl record from rank 0 (W&B, TensorBoard, MLflow)."""
     dynamic_filter: DynamicFilterConfig = field(default_factory=DynamicFilterConfig)
     """DAPO dynamic sampling: drop prompt groups with equal rewards and refill the batch."""
 

@@ -52,9 +52,9 @@ import concurrent.futures
 import copy
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch.distributed as dist
 
@@ -66,6 +66,9 @@ from archon.rl.rollout_batch import Completion
 from archon.rl.rollout_strategy import RolloutInputs, RolloutStrategy, StepRollout, rollout_seed
 from archon.rl.scoring import ScoreFn
 from archon.rollout.aio import gather_or_cancel
+
+if TYPE_CHECKING:
+    from archon.rl.agent.trajectory import Trajectory
 
 logger = logging.getLogger("archon.rl")
 
@@ -98,6 +101,8 @@ class Round:
     """One reward per completion."""
     timing: dict[str, float]
     """``rollout_time_s`` (first request sent to last answer), ``reward_time_s``."""
+    trajectories: list[Trajectory] | None = None
+    """Agent episodes in place of ``completions`` (``archon.rl.agent.agent_worker``), their rewards ``rewards``."""
 
 
 class RolloutWorker:
@@ -115,7 +120,7 @@ class RolloutWorker:
         sampling: dict[str, Any],
         seed: int,
         max_offpolicyness: int,
-        score_fn: ScoreFn,
+        score_fn: ScoreFn | None,
         version: int = 0,
         rounds_taken: int = 0,
         steps_started: int = 0,
@@ -254,7 +259,7 @@ class RolloutWorker:
             rnd = task.result()
             self._finished[rnd.index] = rnd
 
-    async def _generate_round(self, r: int, prompts: list[PromptSample]) -> tuple[list[Completion], float]:
+    async def _generate_round(self, r: int, prompts: list[PromptSample]) -> tuple[list[Any], float]:
         t0 = time.perf_counter()
         params = [{**self.sampling, "sampling_seed": rollout_seed(self.seed, r + 1, i)} for i in range(len(prompts))]
         try:
@@ -271,6 +276,7 @@ class RolloutWorker:
     async def _score_round(self, r: int, prompts: list[PromptSample], gen: asyncio.Task) -> Round:
         completions, gen_time = await gen
         t1 = time.perf_counter()
+        assert self.score_fn is not None  # rounds of completions are scored here (agent episodes score themselves)
         rewards = await asyncio.get_running_loop().run_in_executor(self._scorer, self.score_fn, prompts, completions)
         return Round(
             r,
@@ -409,11 +415,19 @@ class AsyncRollout(RolloutStrategy):
     off_policy = True
 
     def __init__(
-        self, inputs: RolloutInputs, *, start_step: int, total_steps: int, resumed: Mapping[str, Any], decoupled: bool
+        self,
+        inputs: RolloutInputs,
+        *,
+        start_step: int,
+        total_steps: int,
+        resumed: Mapping[str, Any],
+        decoupled: bool,
+        make_worker: Callable[..., RolloutWorker] = RolloutWorker,
     ):
         """``start_step``: the last step trained (the version the servers hold); ``resumed``: the checkpoint's
         extra state (empty for a new run); ``decoupled``: whether the PPO ratio is taken against recomputed
-        proximal logprobs (a warning says what happens without)."""
+        proximal logprobs (a warning says what happens without); ``make_worker``: rank 0's worker class (agent
+        episodes: ``archon.rl.agent.agent_worker.AgentRolloutWorker`` with its episodes bound)."""
         cfg = inputs.rollout
         self.inputs = inputs
         self.k = cfg.max_head_offpolicyness
@@ -426,8 +440,7 @@ class AsyncRollout(RolloutStrategy):
             cast(Any, inputs.weight_sync).pause_mode = cfg.pause_generation_mode if partial else None
 
         def start() -> None:
-            assert inputs.score is not None  # rank 0 started the reward workers at setup
-            self.worker = RolloutWorker(
+            self.worker = make_worker(
                 inputs.client,
                 fork_loader(inputs.loader),
                 sampling=inputs.sampling,
@@ -462,15 +475,17 @@ class AsyncRollout(RolloutStrategy):
                     self.k,
                 )
 
-    def _take(self, step: int, new_step: bool) -> tuple[list[Completion], list[float], dict[str, float]]:
+    def _take(self, step: int, new_step: bool) -> tuple[list[Any], list[float], dict[str, float]]:
+        """The next round: its completions (or agent trajectories), rewards and timings, on every rank."""
         t0 = time.perf_counter()
 
-        def take() -> tuple[list[int], list[Completion], list[float], dict[str, float]]:
+        def take() -> tuple[list[int], list[Any], list[float], dict[str, float]]:
             assert self.worker is not None
             rnd = self.worker.take(new_step)
-            return [p.index for p in rnd.prompts], rnd.completions, rnd.rewards, rnd.timing
+            items = rnd.trajectories if rnd.trajectories is not None else rnd.completions
+            return [p.index for p in rnd.prompts], items, rnd.rewards, rnd.timing
 
-        indices, completions, rewards, timing = run_on_rank0(take, f"rollout of step {step}")
+        indices, items, rewards, timing = run_on_rank0(take, f"rollout of step {step}")
         # Every rank keeps the data position of what was trained; it must be what rank 0 generated.
         expected = [p.index for p in self.inputs.loader.next_rollout_batch()]
         if expected != indices:
@@ -479,21 +494,26 @@ class AsyncRollout(RolloutStrategy):
                 f"data position says {expected[:4]}..; this is a bug in archon.rl.async_rollout"
             )
         self.rounds_taken += 1
-        return completions, rewards, {**timing, "async/wait_s": time.perf_counter() - t0}
+        return items, rewards, {**timing, "async/wait_s": time.perf_counter() - t0}
 
     def next_batch(self, step: int) -> StepRollout:
         """Step ``step``'s completions, rewards and metrics (rollout timings, staleness); its tokens of
         version ``step - 1`` (the one it trains) are the mismatch's."""
         dyn = self.inputs.dynamic_filter
         if dyn.enable:
-            completions, rewards, timing = collect_mixed_groups(
+            items, rewards, timing = collect_mixed_groups(
                 lambda round_idx: self._take(step, new_step=round_idx == 0),
                 group_size=self.inputs.n_samples,
                 max_rounds=dyn.max_num_gen_batches,
             )
         else:
-            completions, rewards, timing = self._take(step, new_step=True)
-        metrics = staleness_metrics(completions, step - 1, self.k)
+            items, rewards, timing = self._take(step, new_step=True)
+        episodes = bool(self.inputs.rollout.workflow)
+        trajectories: list[Trajectory] | None = items if episodes else None
+        if trajectories is not None:
+            metrics = staleness_metrics([t.sampled_versions() for t in trajectories], step - 1, self.k)
+        else:
+            metrics = staleness_metrics([c.output_versions for c in items], step - 1, self.k)
         if metrics.get("async/staleness_max", 0.0) > self.k:
             raise RuntimeError(
                 f"step {step} got a trajectory {metrics['async/staleness_max']:.0f} policy versions "
@@ -506,7 +526,10 @@ class AsyncRollout(RolloutStrategy):
         metrics["async/data_position"] = float(sampler.epoch * sampler.n + sampler.position)
         if self.worker is not None:
             metrics["async/resubmitted"] = float(self.worker.resubmitted)
-        return StepRollout(completions, rewards, {**timing, **metrics}, fresh_version=step - 1)
+        completions = [] if episodes else items
+        return StepRollout(
+            completions, rewards, {**timing, **metrics}, fresh_version=step - 1, trajectories=trajectories
+        )
 
     def _rank0_worker(self) -> RolloutWorker:
         assert self.worker is not None  # rank 0 started it in __init__

@@ -13,28 +13,31 @@ from collections.abc import Sequence
 
 import torch
 
-from archon.rl.rollout_batch import Completion
-
 # Beyond this the ratio is meaningless and exp() overflows float32.
 _MAX_LOG_RATIO = 20.0
 
 
-def head_staleness(completions: Sequence[Completion], trained_version: int) -> list[int]:
-    """Staleness of each completion that has tokens with known versions (first token's version)."""
-    return [trained_version - c.output_versions[0] for c in completions if c.output_versions]
+def head_staleness(versions: Sequence[Sequence[int] | None], trained_version: int) -> list[int]:
+    """Staleness of each trajectory that has tokens with known versions (its first token's version);
+    ``versions``: each trajectory's generated tokens' versions, in order (None: not tracked)."""
+    return [trained_version - vs[0] for vs in versions if vs]
 
 
-def staleness_metrics(completions: Sequence[Completion], trained_version: int, max_staleness: int) -> dict[str, float]:
-    """``async/*`` metrics of a batch trained at policy version ``trained_version``.
+def staleness_metrics(
+    versions: Sequence[Sequence[int] | None], trained_version: int, max_staleness: int
+) -> dict[str, float]:
+    """``async/*`` metrics of a batch trained at policy version ``trained_version``; ``versions``: each
+    trajectory's generated tokens' versions (``Completion.output_versions``, or an agent episode's sampled ids
+    over all its turns).
 
     ``staleness_mean`` / ``staleness_max``: head staleness over the trajectories;
     ``staleness_hist/j``: the fraction of trajectories exactly ``j`` versions stale, for
     ``j = 0 .. max(max_staleness, observed max)``; ``token_staleness_mean``: over every generated
     token; ``partial_frac``: trajectories whose tokens come from more than one version (a weight
-    update interrupted them); ``policy_version``: ``trained_version``.
+    update interrupted them, or came between an episode's turns); ``policy_version``: ``trained_version``.
     """
-    heads = head_staleness(completions, trained_version)
-    tokens = [trained_version - v for c in completions for v in (c.output_versions or [])]
+    heads = head_staleness(versions, trained_version)
+    tokens = [trained_version - v for vs in versions for v in (vs or [])]
     out: dict[str, float] = {"async/policy_version": float(trained_version)}
     if not heads:
         return out
@@ -44,8 +47,7 @@ def staleness_metrics(completions: Sequence[Completion], trained_version: int, m
     for j in range(top + 1):
         out[f"async/staleness_hist/{j}"] = sum(h == j for h in heads) / len(heads)
     out["async/token_staleness_mean"] = sum(tokens) / len(tokens)
-    interrupted = [c for c in completions if c.output_versions and c.output_versions[0] != c.output_versions[-1]]
-    out["async/partial_frac"] = len(interrupted) / len(heads)
+    out["async/partial_frac"] = sum(1 for vs in versions if vs and vs[0] != vs[-1]) / len(heads)
     return out
 
 

@@ -97,28 +97,30 @@ def build_rollout_batch(
         )
         batch[FRESH_MASK] = (versions == fresh_version).float()
     if any(c.routed_experts is not None for c in completions):
-        batch["routed_experts"] = _routed_experts_rows(completions, batch["input_ids"].shape[1])
+        rows = [(c.routed_experts, len(c.prompt_ids) + len(c.output_ids), bool(c.output_ids)) for c in completions]
+        batch["routed_experts"] = routed_experts_rows(rows, batch["input_ids"].shape[1])
     return batch
 
 
-def _routed_experts_rows(completions: Sequence[Completion], width: int) -> torch.Tensor:
-    """``[B, S, n_layers, top_k]`` int16, token-aligned like ``input_ids``; -1 where no routing is known."""
-    shapes = {tuple(c.routed_experts.shape[1:]) for c in completions if c.routed_experts is not None}
+def routed_experts_rows(rows: Sequence[tuple[Any, int, bool]], width: int) -> torch.Tensor:
+    """``[B, S, n_layers, top_k]`` int16, token-aligned like ``input_ids``; -1 where no routing is known.
+
+    ``rows``: each row's routed experts ``[ids - 1, n_layers, top_k]``, its number of ids, and whether it sampled
+    any (a row that sampled nothing has nothing to train on and may carry less routing)."""
+    shapes = {tuple(routed.shape[1:]) for routed, _, _ in rows if routed is not None}
     if len(shapes) != 1:
         raise ValueError(
-            f"completions carry routed experts of different shapes {sorted(shapes)} (or only some "
+            f"rows carry routed experts of different shapes {sorted(shapes)} (or only some "
             "carry them); every server must serve the same model with routed experts on"
         )
-    out = torch.full((len(completions), width, *shapes.pop()), -1, dtype=torch.int16)
-    for b, c in enumerate(completions):
-        if c.routed_experts is None:
-            raise ValueError(f"completion {b} has no routed experts while others do; request them for every one")
-        routed = torch.as_tensor(c.routed_experts)
-        n = len(c.prompt_ids) + len(c.output_ids)
-        # A completion without output tokens has nothing to train on; anything else covers n - 1 tokens.
-        if routed.shape[0] != n - 1 and (c.output_ids or routed.shape[0] > n):
+    out = torch.full((len(rows), width, *shapes.pop()), -1, dtype=torch.int16)
+    for b, (routed, n, sampled) in enumerate(rows):
+        if routed is None:
+            raise ValueError(f"row {b} has no routed experts while others do; request them for every one")
+        routed = torch.as_tensor(routed)
+        if routed.shape[0] != n - 1 and (sampled or routed.shape[0] > n):
             raise ValueError(
-                f"completion {b} has routed experts for {routed.shape[0]} tokens, expected {n - 1} "
+                f"row {b} has routed experts for {routed.shape[0]} tokens, expected {n - 1} "
                 "(prompt + output - 1); was routed_experts_start_len left at 0?"
             )
         out[b, : routed.shape[0]] = routed.to(torch.int16)

@@ -10,8 +10,10 @@ asynchronous (``archon.rl.async_rollout``), which keeps generating while the ran
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -28,10 +30,12 @@ from archon.launch.recovery import ServerSupervisor
 from archon.metrics import MetricsLogger, peak_memory_gb
 from archon.rl.actor import PPOActor, ReferenceModel
 from archon.rl.advantages import check_advantage_options, compute_advantages
-from archon.rl.agent.agent_batch import build_agent_batch
+from archon.rl.agent.agent_batch import agent_metrics, build_agent_batch
 from archon.rl.agent.agent_rollout import AgentRollout
+from archon.rl.agent.agent_worker import AgentRolloutWorker
+from archon.rl.agent.episodes import EpisodeSpec
 from archon.rl.agent.workflow import load_workflow
-from archon.rl.async_rollout import AsyncRollout
+from archon.rl.async_rollout import AsyncRollout, RolloutWorker
 from archon.rl.critic import PPOCritic
 from archon.rl.kl import KLController, kl_estimate
 from archon.rl.losses import aggregate
@@ -219,36 +223,43 @@ class RLTrainer:
             client=self.client,
             score=CompletionScorer(self.rewards, self.tokenizer) if self.rewards is not None else None,
         )
-        if cfg.rollout.workflow:
-            self.rollout = AgentRollout(
-                inputs,
-                workflow=load_workflow(cfg.rollout.workflow),  # a bad name is the same clear error on every rank
-                workflow_kwargs=cfg.rollout.workflow_kwargs,
-                tokenizer=self.tokenizer,
-                max_turns=cfg.rollout.max_turns,
-                max_total_tokens=cfg.rollout.max_total_tokens
-                or cfg.train_dataset.max_length + cfg.rollout.max_turns * cfg.gconfig.max_new_tokens,
-                timeout_s=cfg.rollout.workflow_timeout_s,
-                supervisor=self.supervisor,
-                served_version=served_version,
-            )
-            return
+        # Routing replay runs on Archon's own MoE layers (ArchonEngine), whose shape the servers' experts take.
+        args = cast(ArchonEngine, self.actor_engine).model_args if cfg.actor.moe_routing_replay else None
+        routed = (args.n_layers, args.top_k) if args is not None else None
+        episodes = self._episode_spec(routed) if cfg.rollout.workflow else None
         if self._asynchronous():
+            make_worker: Callable[..., RolloutWorker] = (
+                functools.partial(AgentRolloutWorker, episodes=episodes) if episodes is not None else RolloutWorker
+            )
             self.rollout = AsyncRollout(
                 inputs,
                 start_step=start,
                 total_steps=cfg.total_train_steps,
                 resumed=resumed,
                 decoupled=self._recomputes_proximal(),
+                make_worker=make_worker,
             )
-            return
-        # Routing replay runs on Archon's own MoE layers (ArchonEngine), whose shape the servers' experts take.
-        args = cast(ArchonEngine, self.actor_engine).model_args if cfg.actor.moe_routing_replay else None
-        self.rollout = SyncRollout(
-            inputs,
-            supervisor=self.supervisor,
-            served_version=served_version,
-            routed_experts=(args.n_layers, args.top_k) if args is not None else None,
+        elif episodes is not None:
+            self.rollout = AgentRollout(
+                inputs, episodes=episodes, supervisor=self.supervisor, served_version=served_version
+            )
+        else:
+            self.rollout = SyncRollout(
+                inputs, supervisor=self.supervisor, served_version=served_version, routed_experts=routed
+            )
+
+    def _episode_spec(self, routed: tuple[int, int] | None) -> EpisodeSpec:
+        """How each sample runs as an agent episode (``rollout.workflow``); ``routed``: routing replay's shape."""
+        r = self.cfg.rollout
+        return EpisodeSpec(
+            workflow=load_workflow(r.workflow),  # a bad name is the same clear error on every rank
+            tokenizer=self.tokenizer,
+            max_turns=r.max_turns,
+            max_total_tokens=r.max_total_tokens
+            or self.cfg.train_dataset.max_length + r.max_turns * self.cfg.gconfig.max_new_tokens,
+            timeout_s=r.workflow_timeout_s,
+            workflow_kwargs=dict(r.workflow_kwargs),
+            routed_experts=routed,
         )
 
     # ------------------------------------------------------------------ one step
@@ -324,6 +335,7 @@ class RLTrainer:
         fresh = rollout.fresh_version
         if rollout.trajectories is not None:  # agent episodes: exactly the ids recorded turn by turn
             batch = build_agent_batch(rollout.trajectories, pad_token_id=self.pad_token_id, fresh_version=fresh)
+            rollout.metrics.update(agent_metrics(rollout.trajectories))
             lengths = batch["loss_mask"].sum(dim=1).to(torch.float64)
         else:
             batch = build_rollout_batch(completions, rewards, pad_token_id=self.pad_token_id, fresh_version=fresh)
@@ -430,6 +442,7 @@ class RLTrainer:
                 enabled=self.rank0,
                 headline=("reward_mean", "response_len_mean", "actor/loss"),
                 start_step=first - 1,
+                run_config=cfg,
             )
             try:
                 for step in range(first, cfg.total_train_steps + 1):

@@ -17,28 +17,9 @@ from pathlib import Path
 import pytest
 from dist_utils import pids_mentioning, run_distributed
 from paths import REPO, helpers_pythonpath
-from rl_runs import _run, overrides
+from rl_runs import _run, overrides, train_forced_async
 
 TIMINGS = ("_time_s", "_s", "peak_mem_gb")
-
-
-def _train_forced_async(args: list[str], slow_s: float = 0.0) -> list[dict] | None:
-    """A run through the asynchronous loop whatever k is; ``slow_s`` makes each training step slower."""
-    import torch.distributed as dist
-
-    from archon.config import load_config
-    from archon.rl.trainer import RLTrainer
-
-    class Async(RLTrainer):
-        def _asynchronous(self) -> bool:
-            return True
-
-        def _prepare(self, batch):
-            time.sleep(slow_s)
-            return super()._prepare(batch)
-
-    history = Async(load_config(None, args)).run()
-    return history if dist.get_rank() == 0 else None
 
 
 def _metrics(path: Path) -> list[dict]:
@@ -49,7 +30,7 @@ def test_k0_through_the_asynchronous_loop_equals_the_synchronous_trainer(rl_setu
     model, data, root = rl_setup
     extra = {"total_train_steps": 3, "actor.use_decoupled_loss": True, "actor.ppo_n_minibatches": 2}
     sync = _run(1, overrides(model, data, root / "k0_sync", **extra))
-    async0 = run_distributed(_train_forced_async, 1, overrides(model, data, root / "k0_async", **extra), timeout=600)[0]
+    async0 = run_distributed(train_forced_async, 1, overrides(model, data, root / "k0_async", **extra), timeout=600)[0]
     for s, a in zip(sync, async0):
         assert a["async/staleness_max"] == 0 and a["async/staleness_hist/0"] == 1.0
         # The same prompts, seeds and weights: the same tokens and rewards.
@@ -114,7 +95,7 @@ def test_staleness_stays_within_k_for_a_slow_trainer_with_critic_reference_and_d
         "gconfig.max_new_tokens": 8,
     }
     history = run_distributed(
-        _train_forced_async, 2, overrides(model, data, root / "slow", "archon:d2", **extra), 0.3, timeout=600
+        train_forced_async, 2, overrides(model, data, root / "slow", "archon:d2", **extra), 0.3, timeout=600
     )[0]
     for r in history:
         # Every trajectory (the histogram covers them all) is at most k versions stale.

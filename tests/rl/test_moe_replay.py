@@ -12,22 +12,22 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
 import torch
 from dist_utils import run_distributed
 from engine_utils import make_batch, sft_loss, sft_weight
-from hf_fixtures import decoder, make_tiny_tokenizer, random_tokens, save_tiny_hf
+from hf_fixtures import make_tiny_tokenizer, random_tokens, save_tiny_hf
+from moe_refs import routing_of
 
 import models
 from archon.server.generator import GenerationRequest, Generator
 from archon.server.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from models.common.decoder import TransformerBlock
+    pass
 
 
 @pytest.fixture(scope="module")
@@ -35,22 +35,6 @@ def moe_path(tmp_path_factory) -> str:
     folder = tmp_path_factory.mktemp("qwen3_moe_replay")
     save_tiny_hf(folder, "qwen3_moe", seed=11)
     return str(folder)
-
-
-@torch.no_grad()
-def _routing_of(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
-    """``[len(tokens), n_layers, top_k]`` experts of one plain forward (dense layers 0)."""
-    layers = cast("Mapping[str, TransformerBlock]", decoder(model).layers)
-    moes = {int(i): block.moe for i, block in layers.items() if block.moe_enabled}
-    for moe in moes.values():
-        moe.record_routing = True
-    model(torch.tensor([tokens]))
-    k = next(iter(moes.values())).top_k
-    out = torch.zeros(len(tokens), decoder(model).args.n_layers, k, dtype=torch.int32)
-    for i, moe in moes.items():
-        assert moe.selected_experts is not None
-        out[:, i] = moe.selected_experts[0].int()
-    return out
 
 
 def test_generator_reports_the_experts_of_every_token_it_ran(moe_path):
@@ -68,7 +52,7 @@ def test_generator_reports_the_experts_of_every_token_it_ran(moe_path):
     reference = models.load_hf_model(moe_path)
     for prompt, result, start in zip(prompts, results, (0, 2, 0)):
         fed = prompt + result.output_ids[:-1]  # the last sampled token is never run
-        expected = _routing_of(reference, fed)[start:]
+        expected = routing_of(reference, fed)[start:]
         assert result.routed_experts is not None
         assert result.routed_experts.dtype == torch.int32
         assert result.routed_experts.shape == (len(fed) - start, 2, 2)
@@ -94,7 +78,7 @@ def test_server_returns_routed_experts_as_sglang_does(moe_path):
     # SGLang's decoding (sglang.srt.state_capturer.routed_experts.extract_routed_experts_from_meta_info).
     assert result.routed_experts.dtype == np.int32
     routed = torch.from_numpy(result.routed_experts.reshape(-1, 2, 2).copy())
-    assert torch.equal(routed, _routing_of(models.load_hf_model(moe_path), prompt + result.output_ids[:-1]))
+    assert torch.equal(routed, routing_of(models.load_hf_model(moe_path), prompt + result.output_ids[:-1]))
     assert plain.routed_experts is None
 
 

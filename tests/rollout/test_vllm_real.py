@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +31,7 @@ from hf_fixtures import make_tiny_tokenizer, save_tiny_hf
 from paths import REPO
 from real_vllm import vllm_python
 
+import models as archon_models
 from archon.config import Config, load_config
 from archon.launch.servers import RolloutLauncher, build_launch_specs
 from archon.rl.rollout_batch import Completion, build_rollout_batch
@@ -37,6 +39,9 @@ from archon.rl.weight_check import FLOAT32_TOL, ServerWeightCheck, WeightCheckEr
 from archon.rollout.client import RolloutClient
 from archon.rollout.vllm import VLLMAPI
 from archon.rollout.weight_sync import DiskWeightSync
+from archon.server.app import serve_in_thread
+from archon.server.generator import Generator
+from archon.server.openai_api import load_tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -275,6 +280,51 @@ def test_pause_aborts_running_requests_holds_new_ones_and_resume_releases_them(t
     assert not done.wait(1.0)  # not served while paused
     client.continue_generation()
     assert held.result(timeout=60).finish_reason == "length" and tied_server.get("/is_paused")["is_paused"] is False
+
+
+def _post(url: str, path: str, body: dict[str, Any], api_key: str | None = None) -> dict[str, Any]:
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return json.loads(resp.read().decode())
+    except urllib.error.HTTPError as exc:
+        raise AssertionError(f"{url}{path} answered {exc.code}: {exc.read().decode()[:500]}") from None
+
+
+def test_chat_answers_carry_token_ids_where_the_built_in_server_puts_them(tied_server, models):
+    """vLLM's chat endpoint with ``return_token_ids``: the built-in server (and the agent proxy) answer with the
+    same fields in the same places, for the same prompt ids rendered from the same chat template."""
+
+    model = tied_server.get("/v1/models")["data"][0]["id"]
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "what is 1 + 2 ?"}],
+        "max_tokens": 4,
+        "temperature": 1.0,
+        "seed": 3,
+        "logprobs": True,
+        "return_token_ids": True,
+    }
+    vllm = _post(tied_server.url, "/v1/chat/completions", body, tied_server.launcher.api_key)
+    folder = models["tied"]
+    gen = Generator(archon_models.load_hf_model(folder))
+    server = serve_in_thread(gen, model_path=str(folder), tokenizer=load_tokenizer(folder))
+    try:
+        ours = _post(server.url, "/v1/chat/completions", body)
+    finally:
+        server.stop()
+    for answer in (vllm, ours):
+        choice = answer["choices"][0]
+        assert isinstance(answer["prompt_token_ids"], list) and "prompt_token_ids" not in choice, answer
+        assert 0 < len(choice["token_ids"]) <= 4 and len(choice["logprobs"]["content"]) == len(choice["token_ids"])
+    assert (
+        vllm["prompt_token_ids"]
+        == ours["prompt_token_ids"]
+        == make_tiny_tokenizer().apply_chat_template(
+            body["messages"], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    )
 
 
 def _demo_run(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from dist_utils import run_distributed
@@ -48,6 +49,25 @@ def _train(args: list[str]) -> list[dict] | None:
 
 def _run(world: int, args: list[str]) -> list[dict]:
     return run_distributed(_train, world, args, timeout=600)[0]
+
+
+def train_forced_async(args: list[str], slow_s: float = 0.0) -> list[dict] | None:
+    """A run through the asynchronous loop whatever k is; ``slow_s`` makes each training step slower."""
+    import torch.distributed as dist
+
+    from archon.config import load_config
+    from archon.rl.trainer import RLTrainer
+
+    class Async(RLTrainer):
+        def _asynchronous(self) -> bool:
+            return True
+
+        def _prepare(self, batch):
+            time.sleep(slow_s)
+            return super()._prepare(batch)
+
+    history = Async(load_config(None, args)).run()
+    return history if dist.get_rank() == 0 else None
 
 
 def _train_expecting_failure(args: list[str]) -> str:

@@ -2,10 +2,11 @@
 
 Row ``b`` is trajectory ``b``'s recorded ids (``Trajectory.tokens``): the same keys, dtypes and conventions as
 single-turn completions (``input_ids, attention_mask, loss_mask, logprobs`` ``[B, S]``, ``rewards,
-seq_no_eos_mask`` ``[B]``, ``FRESH_MASK`` with ``fresh_version``), so GRPO groups (each prompt's episodes in
-consecutive rows) and PPO take multi-turn batches unchanged.  ``loss_mask`` is 1 on every sampled id of every
-turn and 0 on context ids (prompt, tool results, user replies, template text), so the episode reward placed on the
-last loss token is on the last sampled id, as for a completion.  Per-turn rewards add ``TURN_REWARDS``.
+seq_no_eos_mask`` ``[B]``, ``FRESH_MASK`` with ``fresh_version``, ``routed_experts`` when the turns carry routing),
+so GRPO groups (each prompt's episodes in consecutive rows) and PPO take multi-turn batches unchanged.
+``loss_mask`` is 1 on every sampled id of every turn and 0 on context ids (prompt, tool results, user replies,
+template text), so the episode reward placed on the last loss token is on the last sampled id, as for a completion.
+Per-turn rewards add ``TURN_REWARDS``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from archon.rl.agent.trajectory import Trajectory
-from archon.rl.rollout_batch import FRESH_MASK, TURN_REWARDS
+from archon.rl.rollout_batch import FRESH_MASK, TURN_REWARDS, routed_experts_rows
 
 
 def build_agent_batch(
@@ -57,6 +58,10 @@ def build_agent_batch(
         versions = torch.full(attention.shape, -1, dtype=torch.long)
         versions[attention] = torch.tensor([v for r in rows for v in r.versions], dtype=torch.long)
         batch[FRESH_MASK] = (versions == fresh_version).float()
+    routings = [t.routed_experts() for t in trajectories]
+    if any(r is not None for r in routings):  # MoE routing replay: each id as a server first routed it
+        routed = [(r, len(row.input_ids), any(row.loss_mask)) for r, row in zip(routings, rows)]
+        batch["routed_experts"] = routed_experts_rows(routed, attention.shape[1])
     if any(t.turn_rewards is not None for t in trajectories):
         batch[TURN_REWARDS] = _turn_reward_rows(trajectories, attention.shape[1])
     return batch

@@ -10,8 +10,9 @@ episode has its own base URL, ``http://127.0.0.1:PORT/episodes/<id>/v1``, so the
 2. renders the new messages onto the recorded ids (``start_messages`` for the first request, ``append_messages``
    after), so nothing recorded is re-tokenised and the servers need no chat template;
 3. sends the ids to the rollout servers through the trainer's ``RolloutClient`` (token-level ``/generate``),
-   records the turn (``Trajectory.add_turn``) and answers in OpenAI's chat shape, with the extras ``token_ids``,
-   ``prompt_token_ids`` (per choice) and ``weight_version``.
+   records the turn (``Trajectory.add_turn``) and answers in OpenAI's chat shape, with the extras vLLM's chat
+   endpoint gives with ``return_token_ids`` (``choices[0].token_ids``; ``prompt_token_ids`` at the top level, as
+   vLLM 0.32's ``ChatCompletionResponse`` has it) and ``weight_version``.
 
 In training (``archon.rl.agent.agent_rollout``) the proxy is given the trainer's ``sampling``: it replaces the
 request's sampling fields (the behaviour logprobs must be the policy's at the trainer's temperature, whatever the
@@ -31,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +41,7 @@ from aiohttp import web
 
 from archon.rl.agent.chat_tokens import append_messages, start_messages
 from archon.rl.agent.trajectory import Segment, Trajectory
-from archon.rl.rollout_batch import Completion
+from archon.rl.rollout_batch import Completion, routed_experts_array
 from archon.rollout.client import GenerateResult, RolloutClient, RolloutError, RolloutRequestError
 
 MAX_TURNS = "max_turns"
@@ -50,6 +51,11 @@ MAX_TOKENS = "max_tokens"
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k")
 """OpenAI request fields passed to the servers under the same name."""
 _SEED_MOD = 2**31 - 1
+
+TurnGenerator = Callable[[list[int], dict[str, Any]], Awaitable[tuple[Completion, str]]]
+"""Generates one turn in the proxy's event loop: prompt ids and the servers' sampling parameters to the
+``Completion`` (per-token versions where tracked) and the weight version that finished it.  Asynchronous RL gives
+the proxy one that holds requests back while new weights load (``archon.rl.agent.agent_worker``)."""
 
 
 def episode_turn_seed(seed: int, turn: int) -> int:
@@ -102,10 +108,14 @@ class RecordingProxy:
         max_total_tokens: int = 4096,
         default_max_tokens: int = 512,
         sampling: Mapping[str, Any] | None = None,
+        routed_experts: tuple[int, int] | None = None,
+        generate: TurnGenerator | None = None,
         host: str = "127.0.0.1",
     ):
         """``sampling``: the servers' sampling parameters, pinned for every request (training; see the module
-        docstring); None passes the request's own fields."""
+        docstring); None passes the request's own fields.  ``routed_experts``: the policy's ``(n_layers, top_k)``
+        when each turn records the experts its tokens were routed to (MoE routing replay).  ``generate``: how a
+        turn is generated (default: one request through ``client``)."""
         if max_turns < 1 or max_total_tokens < 1 or default_max_tokens < 1:
             raise ValueError(
                 f"RecordingProxy limits must be positive, got max_turns={max_turns}, "
@@ -117,6 +127,8 @@ class RecordingProxy:
         self.max_total_tokens = max_total_tokens
         self.default_max_tokens = default_max_tokens
         self.sampling = dict(sampling) if sampling is not None else None
+        self.routed_experts = routed_experts
+        self.generate: TurnGenerator = generate or self._generate_with_client
         self.host = host
         self.port = 0
         self._episodes: dict[str, Episode] = {}
@@ -234,19 +246,25 @@ class RecordingProxy:
         asked = int(body.get("max_completion_tokens") or body.get("max_tokens") or params["max_new_tokens"])
         asked = min(asked, params["max_new_tokens"])
         params["max_new_tokens"] = min(asked, budget)
-        # The client's loop owns its connections: run the request there and await it from this loop.
-        result = await asyncio.wrap_future(self.client.submit(self.client.agenerate(prompt, params)))
+        completion, version = await self.generate(prompt, params)
         if ep.closed:  # the workflow timed out while this turn generated: nothing more is recorded
             raise ProxyRequestError("the episode was closed while this request was generating")
-        ep.trajectory.add_turn(context, _completion(prompt, result))
-        content = self.tokenizer.decode(result.output_ids, skip_special_tokens=True)
+        ep.trajectory.add_turn(context, completion)
+        content = self.tokenizer.decode(completion.output_ids, skip_special_tokens=True)
         if ep.tools is None and tools:
             ep.tools = [dict(t) for t in tools]
         ep.messages = [*messages, {"role": "assistant", "content": content}]
-        finish = "stop" if result.finish_reason == "stop" else "length"
-        if finish == "length" and params["max_new_tokens"] < asked and len(result.output_ids) >= budget:
+        finish = "stop" if completion.finish_reason == "stop" else "length"
+        if finish == "length" and params["max_new_tokens"] < asked and len(completion.output_ids) >= budget:
             ep.end(MAX_TOKENS)
-        return _chat_answer(ep.id, body.get("model") or "policy", prompt, result, content, finish)
+        return _chat_answer(ep.id, body.get("model") or "policy", completion, version, content, finish)
+
+    async def _generate_with_client(self, prompt: list[int], params: dict[str, Any]) -> tuple[Completion, str]:
+        """One request through the trainer's ``RolloutClient`` (``TurnGenerator``)."""
+        # The client's loop owns its connections: run the request there and await it from this loop.
+        pending = self.client.agenerate(prompt, params, return_routed_experts=self.routed_experts is not None)
+        result = await asyncio.wrap_future(self.client.submit(pending))
+        return _completion(prompt, result, self.routed_experts), result.weight_version
 
     def _sampling(self, ep: Episode, body: Mapping[str, Any]) -> dict[str, Any]:
         """The servers' sampling parameters of ``ep``'s next turn (``max_new_tokens``: the most it may ask)."""
@@ -293,18 +311,20 @@ def _message_key(message: Mapping[str, Any]) -> tuple[str, str]:
     return str(message.get("role")), content or ""
 
 
-def _completion(prompt: list[int], result: GenerateResult) -> Completion:
+def _completion(prompt: list[int], result: GenerateResult, routed_experts: tuple[int, int] | None) -> Completion:
     """The server's answer as a ``Completion`` (per-token versions kept when they are integers)."""
     versions = result.output_versions
     ints = [int(v) for v in versions] if versions and all(v.isdecimal() for v in versions) else None
-    return Completion(prompt, list(result.output_ids), list(result.output_logprobs), result.finish_reason, None, ints)
+    routed = routed_experts_array(result.routed_experts, *routed_experts) if routed_experts is not None else None
+    return Completion(prompt, list(result.output_ids), list(result.output_logprobs), result.finish_reason, routed, ints)
 
 
 def _chat_answer(
-    episode_id: str, model: str, prompt: list[int], result: GenerateResult, content: str, finish: str
+    episode_id: str, model: str, completion: Completion, version: str, content: str, finish: str
 ) -> dict[str, Any]:
     """OpenAI's chat completion object, with the token-level extras."""
-    n_out = len(result.output_ids)
+    prompt = completion.prompt_ids
+    n_out = len(completion.output_ids)
     return {
         "id": f"chatcmpl-{episode_id}-{time.monotonic_ns()}",
         "object": "chat.completion",
@@ -315,12 +335,12 @@ def _chat_answer(
                 "index": 0,
                 "message": {"role": "assistant", "content": content},
                 "finish_reason": finish,
-                "token_ids": list(result.output_ids),
-                "prompt_token_ids": prompt,
+                "token_ids": list(completion.output_ids),
             }
         ],
+        "prompt_token_ids": list(prompt),
         "usage": {"prompt_tokens": len(prompt), "completion_tokens": n_out, "total_tokens": len(prompt) + n_out},
-        "weight_version": result.weight_version,
+        "weight_version": version,
     }
 
 

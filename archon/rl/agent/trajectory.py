@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
 
 from archon.rl.rollout_batch import Completion
 
@@ -42,6 +45,9 @@ class Turn:
     """'stop' (EOS or a stop token), 'length' (token budget or context) or 'abort'."""
     output_versions: list[int] | None = None
     """Policy version that sampled each id (asynchronous RL); None when not tracked."""
+    routed_experts: Any = None
+    """MoE routing replay: int array ``[prompt + output - 1, n_layers, top_k]`` of the experts the server ran this
+    request's tokens through (``Completion.routed_experts``), or None."""
 
     def __post_init__(self) -> None:
         if len(self.output_logprobs) != len(self.output_ids):
@@ -69,6 +75,7 @@ class Turn:
             list(completion.output_logprobs),
             completion.finish_reason,
             None if completion.output_versions is None else list(completion.output_versions),
+            completion.routed_experts,
         )
 
 
@@ -182,3 +189,36 @@ class Trajectory:
             pos += len(turn.context_ids) + len(turn.output_ids)
             out.append(pos - 1 if turn.output_ids else None)
         return out
+
+    def sampled_versions(self) -> list[int] | None:
+        """The policy version of every sampled id, turn after turn; None when some turn's are not tracked."""
+        if any(turn.output_versions is None for turn in self.turns):
+            return None
+        return [v for turn in self.turns for v in turn.output_versions or ()]
+
+    def routed_experts(self) -> Any:
+        """``[len(tokens()) - 1, n_layers, top_k]``: the experts each id was routed through when a server first ran it
+        (a turn's request runs the ids before it again; the last id is never run), or None without routing.
+
+        Each id's routing comes from the first turn whose request ran it: turn ``k`` runs every id before its last
+        sampled one, so its new ids (context and sampled) come from its own request, and its last sampled id from
+        turn ``k + 1``'s prefill, as the single-turn completion's routing covers prompt and output but the last id.
+        """
+        if all(turn.routed_experts is None for turn in self.turns):
+            return None
+        parts = []
+        filled = 0
+        end = 0
+        for k, turn in enumerate(self.turns):
+            end += len(turn.context_ids) + len(turn.output_ids)
+            if turn.routed_experts is None:
+                raise ValueError(f"turn {k} has no routed experts while others do; request them for every turn")
+            routed = np.asarray(turn.routed_experts)
+            if routed.shape[0] < end - 1:
+                raise ValueError(
+                    f"turn {k}'s routed experts cover {routed.shape[0]} ids, expected {end - 1} (its prompt and "
+                    "output but the last id)"
+                )
+            parts.append(routed[filled : end - 1])
+            filled = end - 1
+        return np.concatenate(parts, axis=0)

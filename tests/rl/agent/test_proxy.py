@@ -140,7 +140,7 @@ def test_three_turn_episode_records_exact_ids(client, tok, reference):
         ref_lps = logprob_reference(reference, prompt, result.output_ids, 1.0)
         assert torch.allclose(torch.tensor(turn.output_logprobs), ref_lps, atol=ATOL)
         choice = answer["choices"][0]
-        assert choice["token_ids"] == result.output_ids and choice["prompt_token_ids"] == prompt
+        assert choice["token_ids"] == result.output_ids and answer["prompt_token_ids"] == prompt
         assert choice["message"]["content"] == tok.decode(result.output_ids, skip_special_tokens=True)
         assert answer["weight_version"] == result.weight_version
         assert choice["finish_reason"] == ("stop" if result.output_ids[-1] == EOS else "length")

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import torch
 
+from archon.rl.agent.agent_batch import build_agent_batch
 from archon.rl.agent.trajectory import SAMPLED_ROLE, Segment, Trajectory, Turn
 from archon.rl.rollout_batch import Completion
 
@@ -84,3 +87,36 @@ def test_rewards_truncation_and_bad_turns():
         Trajectory([Turn([], [1], [-1.0], "stop")], reward=0.0).tokens()
     with pytest.raises(ValueError, match="no turns"):
         Trajectory(reward=0.0).tokens()
+
+
+def test_routing_of_each_id_comes_from_the_first_request_that_ran_it():
+    traj = _two_turns()  # ids [5, 6, 7, 8, 3 | 9, 10, 11, 12, 3]: turn 0 ran 4 of them, turn 1 ran 9
+    assert traj.routed_experts() is None and traj.sampled_versions() == [4, 4, 5, 5, 5]
+    # Expert ids 100 + position (turn 0's request) and 200 + position (turn 1's), 2 layers, top-1.
+    traj.turns[0].routed_experts = np.array([[[100 + p], [100 + p]] for p in range(4)])
+    traj.turns[1].routed_experts = np.array([[[200 + p], [200 + p]] for p in range(9)])
+    routed = traj.routed_experts()
+    assert routed.shape == (9, 2, 1)
+    # Turn 1's prefill ran turn 0's last sampled id (position 4) first; the last id (9) is never run.
+    assert routed[:, 0, 0].tolist() == [100, 101, 102, 103, 204, 205, 206, 207, 208]
+    traj.turns[1].routed_experts = None
+    with pytest.raises(ValueError, match="turn 1 has no routed experts while others do"):
+        traj.routed_experts()
+    traj.turns[1].routed_experts = np.zeros((5, 2, 1))
+    with pytest.raises(ValueError, match="turn 1's routed experts cover 5 ids, expected 9"):
+        traj.routed_experts()
+    traj.turns[1].output_versions = None
+    assert traj.sampled_versions() is None
+
+
+def test_the_batch_carries_each_episode_routing_token_aligned():
+    a, b = _two_turns(), _two_turns()
+    b.turns = b.turns[:1]  # 5 ids: one turn
+    a.turns[0].routed_experts = np.full((4, 2, 1), 1)
+    a.turns[1].routed_experts = np.full((9, 2, 1), 2)
+    b.turns[0].routed_experts = np.full((4, 2, 1), 3)
+    batch = build_agent_batch([a, b])
+    routed = batch["routed_experts"]
+    assert routed.shape == (2, 10, 2, 1) and routed.dtype == torch.int16
+    assert routed[0, :, 0, 0].tolist() == [1, 1, 1, 1, 2, 2, 2, 2, 2, -1]
+    assert routed[1, :, 0, 0].tolist() == [3, 3, 3, 3, -1, -1, -1, -1, -1, -1]
