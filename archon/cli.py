@@ -86,14 +86,31 @@ def _reports_errors() -> bool:
 
     Every rank usually raises the same error (all parse the same config and data, and rank 0's
     failures are broadcast), so printing it on each would repeat it N times; a rank-local
-    failure must still be printed, by the rank that saw it.  With a process group the ranks
-    agree through its store; before one exists, every rank failed the same way and rank 0 speaks.
+    failure must still be printed, by the rank that saw it.  The ranks agree through the process
+    group's store, or before one exists through torchrun's own store: the first rank to fail
+    prints before it exits, so a launcher that stops the other ranks at the first exit cannot stop
+    the one that speaks (rank 0 speaking while another rank exits first lost the message under
+    load).  With no store to agree through, rank 0 speaks.
     """
-    if dist.is_initialized():
-        try:
-            store = dist.distributed_c10d._get_default_store()
+    try:
+        store = _shared_store()
+        if store is not None:
             store.set_timeout(timedelta(seconds=5))  # the store's host may be gone: never hang here
-            return store.add("archon/error_reported", 1) == 1
-        except Exception:  # noqa: BLE001 - no store to agree through: fall back to rank 0
-            pass
+            # torchrun's store outlives a restarted attempt: each attempt agrees afresh.
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            return store.add(f"archon/error_reported/{attempt}", 1) == 1
+    except Exception:  # noqa: BLE001 - no store to agree through: fall back to rank 0
+        pass
     return os.environ.get("RANK", "0") == "0"
+
+
+def _shared_store() -> Any:
+    """The process group's store, or torchrun's agent store before the group exists; None elsewhere."""
+    if dist.is_initialized():
+        return dist.distributed_c10d._get_default_store()
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and os.environ.get("MASTER_ADDR"):
+        port = int(os.environ["MASTER_PORT"])
+        return dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
+            os.environ["MASTER_ADDR"], port, is_master=False, timeout=timedelta(seconds=5)
+        )
+    return None
