@@ -130,19 +130,22 @@ class SyncRollout(RolloutStrategy):
         self.routed_experts = routed_experts
 
     def next_batch(self, step: int) -> StepRollout:
-        """One rollout round, or with ``dynamic_filter`` as many as it takes (``archon.rl.dynamic_filter``)."""
-        dyn = self.inputs.dynamic_filter
-        if not dyn.enable:
-            completions, rewards, metrics = self._round(step)
-        else:
-            completions, rewards, metrics = collect_mixed_groups(
-                lambda round_idx: self._round(step, round_idx),
-                group_size=self.inputs.n_samples,
-                max_rounds=dyn.max_num_gen_batches,
-            )
+        completions, rewards, metrics = self._rounds(step)
         return StepRollout(completions, rewards, metrics)
 
-    def _round(self, step: int, round_idx: int = 0) -> tuple[list[Completion], list[float], dict[str, float]]:
+    def _rounds(self, step: int) -> tuple[list[Any], list[float], dict[str, float]]:
+        """One rollout round (``_round``), or with ``dynamic_filter`` as many as it takes
+        (``archon.rl.dynamic_filter``)."""
+        dyn = self.inputs.dynamic_filter
+        if not dyn.enable:
+            return self._round(step)
+        return collect_mixed_groups(
+            lambda round_idx: self._round(step, round_idx),
+            group_size=self.inputs.n_samples,
+            max_rounds=dyn.max_num_gen_batches,
+        )
+
+    def _round(self, step: int, round_idx: int = 0) -> tuple[list[Any], list[float], dict[str, float]]:
         """Rank 0 generates and scores; every rank gets the same completions and rewards."""
         inputs = self.inputs
         prompts = inputs.loader.next_rollout_batch()

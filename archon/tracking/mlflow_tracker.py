@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from archon.config.schema import MLflowConfig
+from archon.config.stats_logger import MLflowConfig
 from archon.tracking.base import flatten, import_tracker_library, load_run_id, save_run_id
 
 PARAM_VALUE_MAX = 6000

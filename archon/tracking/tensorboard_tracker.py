@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from archon.config.schema import TensorBoardConfig
+from archon.config.stats_logger import TensorBoardConfig
 from archon.tracking.base import import_tracker_library
 
 

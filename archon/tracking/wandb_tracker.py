@@ -6,7 +6,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from archon.config.schema import WandBConfig
+from archon.config.stats_logger import WandBConfig
 from archon.tracking.base import import_tracker_library, load_run_id, save_run_id
 
 

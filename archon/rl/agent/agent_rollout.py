@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING
 from archon.data.rl_dataset import PromptSample
 from archon.rl.agent.episodes import EpisodeSpec, open_proxy, run_episodes
 from archon.rl.agent.trajectory import Trajectory
-from archon.rl.dynamic_filter import collect_mixed_groups
 from archon.rl.rank0 import run_on_rank0
 from archon.rl.rollout_strategy import RolloutInputs, StepRollout, SyncRollout, rollout_seed
 from archon.rl.server_recovery import generate_or_recover, recover_servers
@@ -58,19 +57,11 @@ class AgentRollout(SyncRollout):
         self.episodes = episodes
 
     def next_batch(self, step: int) -> StepRollout:
-        """One round of episodes, or with ``dynamic_filter`` as many as it takes."""
-        dyn = self.inputs.dynamic_filter
-        if not dyn.enable:
-            trajectories, rewards, metrics = self._episode_round(step)
-        else:
-            trajectories, rewards, metrics = collect_mixed_groups(
-                lambda round_idx: self._episode_round(step, round_idx),
-                group_size=self.inputs.n_samples,
-                max_rounds=dyn.max_num_gen_batches,
-            )
+        """One round of episodes, or with ``dynamic_filter`` as many as it takes (``SyncRollout._rounds``)."""
+        trajectories, rewards, metrics = self._rounds(step)
         return StepRollout([], rewards, metrics, trajectories=trajectories)
 
-    def _episode_round(self, step: int, round_idx: int = 0) -> EpisodeRound:
+    def _round(self, step: int, round_idx: int = 0) -> EpisodeRound:
         """Rank 0 runs a round of samples as episodes; every rank gets the same trajectories."""
         samples = self.inputs.loader.next_rollout_batch()
         first_index = round_idx * len(samples)  # refill rounds of a step sample with seeds of their own
