@@ -5,6 +5,16 @@ VENV ?= .venv
 TORCH_SPEC ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch>=2.12,torch==2.13.0)
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# `make run` on a machine with exactly one NVIDIA GPU: the demo's built-in server and its one training rank take turns
+# on that GPU (rollout.colocate); elsewhere the CPU demo as written (2 training processes + 1 server, CPU slots).
+GPU_COUNT := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
+ifeq ($(GPU_COUNT),1)
+DEMO_NPROC := 1
+DEMO_OVERRIDES := device=cuda cluster.n_gpus_per_node=1 actor.backend=archon:d1 rollout.colocate=true
+else
+DEMO_NPROC := 2
+DEMO_OVERRIDES :=
+endif
 
 .PHONY: install run run-async run-agent test lint bench gpu-check vllm-cpu clean
 
@@ -16,11 +26,12 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-# The CPU demo: local assets (no downloads), GRPO under torchrun with a built-in rollout server, the plot.
+# The CPU demo: local assets (no downloads), GRPO under torchrun with a built-in rollout server, the plot
+# (on one GPU: colocated on it, see DEMO_OVERRIDES).
 run: $(VENV)/.installed
 	$(PY) -m archon.demos.first_letter make-assets outputs/demo/assets
 	rm -rf outputs/demo/grpo
-	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node=2 scripts/train_rl.py --config configs/cpu_demo.toml
+	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node=$(DEMO_NPROC) scripts/train_rl.py --config configs/cpu_demo.toml $(DEMO_OVERRIDES)
 	$(PY) -m archon.tools.plot outputs/demo/grpo
 
 # The multi-token demo, asynchronous RL: repeat a 3-digit number and stop; 1 training rank + 1 server.

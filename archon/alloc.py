@@ -24,8 +24,9 @@ from dataclasses import dataclass, field, replace
 
 from archon.errors import ArchonError
 
-INFERENCE_BACKENDS: dict[str, str] = {"sglang": "dt", "vllm": "dtp", "local": "d"}
-"""Inference backends and the dims they accept (``local`` is Archon's built-in server)."""
+INFERENCE_BACKENDS: dict[str, str] = {"sglang": "dt", "vllm": "dtp", "local": "d", "inprocess": "d"}
+"""Inference backends and the dims they accept (``local`` is Archon's built-in server; ``inprocess`` its engine inside
+the trainer, on the actor's weights: ``archon.rl.inprocess``)."""
 TRAINING_BACKENDS: dict[str, str] = {"fsdp": "dtc", "megatron": "dtpce", "archon": "dtpce"}
 """Training backends and the dims they accept."""
 BACKENDS: dict[str, str] = {**INFERENCE_BACKENDS, **TRAINING_BACKENDS}

@@ -13,12 +13,19 @@ them).  ``plan_cluster`` places them, rollout first and training after, as AReaL
    shares a node with a training rank.
 3. When that does not fit (one node, or too few nodes), the servers are packed the same way
    and the training ranks take every GPU left, node by node in GPU order, so a node may hold
-   both.  If even that does not fit, the run is refused before anything starts: no two
-   processes ever share a GPU.
+   both.  If even that does not fit, the run is refused before anything starts: outside a
+   colocated layout no two processes ever share a GPU.
+
+Colocated (``colocate=True``, ``rollout.colocate``): servers and training ranks take turns on the
+same GPUs.  The training ranks are placed alone (node by node, GPU 0 first) and server ``i`` of
+``size`` GPUs runs on the GPUs of training ranks ``i*size .. (i+1)*size - 1``, which must be on one
+node; the rollout allocation must use exactly the training ranks' GPUs.  The ``inprocess``
+backend places no rollout process at all: it generates inside the training ranks.
 
 On a CPU-only machine a "GPU" is a process slot (``cluster.n_gpus_per_node`` counts the
 processes a node may start) and the same arithmetic applies; a ``local`` server takes a slot
-(on a GPU node it runs on the CPU and its slot stays idle).
+(on a GPU node it runs on the CPU and its slot stays idle), unless colocated: then it shares its
+training rank's slot (or GPU) and takes none of its own.
 
 The plan is what launchers consume::
 
@@ -30,6 +37,7 @@ The plan is what launchers consume::
     plan.train_gpus(n)                       # node n's training GPUs in rank order (CUDA_VISIBLE_DEVICES)
     plan.first_rank(n)                       # global rank of node n's first training rank
     plan.rank(r)                             # training rank r's Process
+    plan.colocated_ranks(server)             # training ranks sharing a colocated server's GPUs
     plan.to_dict()                           # plain data (python -m archon.plan --json)
 
 A Slurm launcher starts one step per rollout node (its servers, each with
@@ -48,6 +56,8 @@ from typing import Literal
 from archon.alloc import AllocationError, ModelAllocation
 
 TRAINING_ENGINES = ("actor", "critic", "ref", "teacher")
+IN_PROCESS_BACKEND = "inprocess"
+"""The rollout backend that generates inside the training ranks (``rollout.backend = 'inprocess:dN'``)."""
 
 Role = Literal["rollout", "train"]
 Job = Literal["rl", "sft"]
@@ -85,9 +95,11 @@ class ClusterPlan:
     processes: tuple[Process, ...]
     """Rollout servers by index, then training ranks by rank."""
     rollout: str = ""
-    """The rollout allocation placed ('' when the run has no servers)."""
+    """The rollout allocation placed ('' when the run has none; 'inprocess:dN' places no process)."""
     train: str = ""
     """The training allocation placed (actor's; critic and ref share its ranks)."""
+    colocated: bool = False
+    """Servers run on the training ranks' GPUs and take turns with them (rollout.colocate)."""
 
     @property
     def servers(self) -> tuple[Process, ...]:
@@ -111,7 +123,7 @@ class ClusterPlan:
 
     @property
     def shared_nodes(self) -> tuple[int, ...]:
-        """Nodes that hold both servers and training ranks (only when the cluster is too small for whole nodes)."""
+        """Nodes that hold both servers and training ranks (colocated, or a cluster too small for whole nodes)."""
         return tuple(sorted(set(self.rollout_nodes) & set(self.train_nodes)))
 
     @property
@@ -120,7 +132,8 @@ class ClusterPlan:
 
     @property
     def used_gpus(self) -> int:
-        return sum(len(p.gpus) for p in self.processes)
+        """GPUs (CPU: slots) holding at least one process; a colocated GPU counts once."""
+        return len({(p.node, g) for p in self.processes for g in p.gpus})
 
     def on_node(self, node: int) -> tuple[Process, ...]:
         """The processes of ``node``, servers first."""
@@ -147,17 +160,27 @@ class ClusterPlan:
         used = {g for p in self.on_node(node) for g in p.gpus}
         return tuple(g for g in range(self.n_gpus_per_node) if g not in used)
 
+    def colocated_ranks(self, server: Process) -> tuple[int, ...]:
+        """Global ranks of the training ranks on ``server``'s GPUs (empty outside a colocated plan)."""
+        if not self.colocated:
+            return ()
+        return tuple(r.index for r in self.train_ranks_on(server.node) if r.gpus[0] in server.gpus)
+
     def to_dict(self) -> dict:
         """The plan as plain data (what ``python -m archon.plan --json`` prints), e.g. for a launcher's script."""
+        processes = []
+        for p in self.processes:
+            row = {"role": p.role, "index": p.index, "node": p.node, "gpus": list(p.gpus), "local_index": p.local_index}
+            if p.role == "rollout" and self.colocated:
+                row["colocated_with_ranks"] = list(self.colocated_ranks(p))
+            processes.append(row)
         return {
             "n_nodes": self.n_nodes,
             "n_gpus_per_node": self.n_gpus_per_node,
             "rollout": self.rollout,
             "train": self.train,
-            "processes": [
-                {"role": p.role, "index": p.index, "node": p.node, "gpus": list(p.gpus), "local_index": p.local_index}
-                for p in self.processes
-            ],
+            "colocated": self.colocated,
+            "processes": processes,
         }
 
     def rank(self, rank: int) -> Process:
@@ -191,10 +214,13 @@ def _training_world(allocs: dict[str, ModelAllocation]) -> tuple[int, str]:
     return next(iter(sizes.values())), str(next(iter(train.values())))
 
 
-def plan_cluster(allocs: dict[str, ModelAllocation], n_nodes: int, n_gpus_per_node: int) -> ClusterPlan:
+def plan_cluster(
+    allocs: dict[str, ModelAllocation], n_nodes: int, n_gpus_per_node: int, colocate: bool = False
+) -> ClusterPlan:
     """Place the rollout servers of ``allocs['rollout']`` (if any) and the training ranks on the cluster.
 
-    Raises ``AllocationError`` (one sentence) when the run does not fit without sharing a GPU.
+    ``colocate``: servers share the training ranks' GPUs (see the module docstring).  Raises
+    ``AllocationError`` (one sentence) when the run does not fit.
     """
     if n_nodes < 1 or n_gpus_per_node < 1:
         raise AllocationError(
@@ -202,16 +228,81 @@ def plan_cluster(allocs: dict[str, ModelAllocation], n_nodes: int, n_gpus_per_no
         )
     n_train, train_str = _training_world(allocs)
     rollout = allocs.get("rollout")
-    n_servers = rollout.parallel.dp_size if rollout is not None else 0
-    size = _server_size(rollout) if rollout is not None else 0
-    cluster = f"cluster.n_nodes={n_nodes} x cluster.n_gpus_per_node={n_gpus_per_node}"
-    total = n_nodes * n_gpus_per_node
-    if n_servers and size > n_gpus_per_node:
+    if rollout is not None and rollout.backend == IN_PROCESS_BACKEND:
+        # Generation runs inside the training ranks: no process of its own to place.
+        plan = _place(None, n_train, train_str, n_nodes, n_gpus_per_node)
+        return ClusterPlan(n_nodes, n_gpus_per_node, plan.processes, str(rollout), train_str)
+    if colocate and rollout is not None:
+        return _place_colocated(rollout, n_train, train_str, n_nodes, n_gpus_per_node)
+    return _place(rollout, n_train, train_str, n_nodes, n_gpus_per_node)
+
+
+def _cluster_text(n_nodes: int, n_gpus_per_node: int) -> str:
+    return f"cluster.n_nodes={n_nodes} x cluster.n_gpus_per_node={n_gpus_per_node}"
+
+
+def _check_server_size(rollout: ModelAllocation, n_gpus_per_node: int) -> int:
+    size = _server_size(rollout)
+    if size > n_gpus_per_node:
         raise AllocationError(
             f"rollout '{rollout}' gives each server {size} GPUs (t*p), more than a node's "
             f"cluster.n_gpus_per_node={n_gpus_per_node}, and a server never spans nodes; lower t/p "
             "(use d for more servers) or use nodes with more GPUs"
         )
+    return size
+
+
+def _place_train_ranks(free: list[tuple[int, int]], n_train: int) -> list[Process]:
+    """Training ranks on the first ``n_train`` of ``free`` (node, GPU) slots, numbered in that order."""
+    ranks = []
+    local: dict[int, int] = {}
+    for rank, (node, gpu) in enumerate(free[:n_train]):
+        ranks.append(Process("train", rank, node, (gpu,), local.get(node, 0)))
+        local[node] = local.get(node, 0) + 1
+    return ranks
+
+
+def _place_colocated(
+    rollout: ModelAllocation, n_train: int, train_str: str, n_nodes: int, n_gpus_per_node: int
+) -> ClusterPlan:
+    """Training ranks alone, then server i on the GPUs of ranks i*size .. (i+1)*size - 1."""
+    size = _check_server_size(rollout, n_gpus_per_node)
+    total = n_nodes * n_gpus_per_node
+    if rollout.world_size != n_train:
+        raise AllocationError(
+            f"a colocated rollout '{rollout}' ({rollout.world_size} GPUs) must use exactly the GPUs of the training "
+            f"ranks, {repr(train_str) if train_str else 'none'} ({n_train}); make their sizes equal"
+        )
+    if n_train > total:
+        raise AllocationError(
+            f"training {train_str!r} needs {n_train} devices, but {_cluster_text(n_nodes, n_gpus_per_node)} gives "
+            f"{total}; add nodes or shrink the allocation"
+        )
+    ranks = _place_train_ranks([(node, g) for node in range(n_nodes) for g in range(n_gpus_per_node)], n_train)
+    servers = []
+    on_node: dict[int, int] = {}
+    for i in range(rollout.parallel.dp_size):
+        mine = ranks[i * size : (i + 1) * size]
+        nodes = sorted({r.node for r in mine})
+        if len(nodes) > 1:
+            raise AllocationError(
+                f"colocated rollout server {i} of '{rollout}' would run on training ranks "
+                f"{mine[0].index}-{mine[-1].index}, which span nodes {nodes[0]}-{nodes[-1]}, and a server never "
+                f"spans nodes; choose a server size t*p ({size}) that divides cluster.n_gpus_per_node={n_gpus_per_node}"
+            )
+        servers.append(Process("rollout", i, nodes[0], tuple(r.gpus[0] for r in mine), on_node.get(nodes[0], 0)))
+        on_node[nodes[0]] = on_node.get(nodes[0], 0) + 1
+    return ClusterPlan(n_nodes, n_gpus_per_node, tuple(servers) + tuple(ranks), str(rollout), train_str, colocated=True)
+
+
+def _place(
+    rollout: ModelAllocation | None, n_train: int, train_str: str, n_nodes: int, n_gpus_per_node: int
+) -> ClusterPlan:
+    """Servers and training ranks on GPUs of their own (rollout first, see the module docstring)."""
+    n_servers = rollout.parallel.dp_size if rollout is not None else 0
+    size = _check_server_size(rollout, n_gpus_per_node) if rollout is not None else 0
+    cluster = _cluster_text(n_nodes, n_gpus_per_node)
+    total = n_nodes * n_gpus_per_node
     per_node = n_gpus_per_node // size if n_servers else 0
     rollout_gpus = n_servers * size
     if n_servers and n_servers > per_node * n_nodes:
@@ -239,11 +330,7 @@ def plan_cluster(allocs: dict[str, ModelAllocation], n_nodes: int, n_gpus_per_no
         used = {(s.node, g) for s in servers for g in s.gpus}
         free = [(node, g) for node in range(n_nodes) for g in range(n_gpus_per_node) if (node, g) not in used]
     assert len(free) >= n_train, "packed servers leave exactly the GPUs the totals check counted"
-    ranks = []
-    local: dict[int, int] = {}
-    for rank, (node, gpu) in enumerate(free[:n_train]):
-        ranks.append(Process("train", rank, node, (gpu,), local.get(node, 0)))
-        local[node] = local.get(node, 0) + 1
+    ranks = _place_train_ranks(free, n_train)
     return ClusterPlan(
         n_nodes, n_gpus_per_node, tuple(servers) + tuple(ranks), str(rollout) if n_servers else "", train_str
     )

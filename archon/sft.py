@@ -18,8 +18,8 @@ from archon.cli import init_run
 from archon.config import Config, ConfigError
 from archon.data.collate import collate
 from archon.data.encoding import load_tokenizer
+from archon.data.from_config import build_sft_dataset, describe_chat_template
 from archon.data.sampler import EpochSampler
-from archon.data.sft_dataset import SFTDataset
 from archon.engine import build_engine
 from archon.metrics import MetricsLogger, peak_memory_gb
 from archon.runtime.gc_freeze import freeze_startup_objects, thaw_startup_objects
@@ -45,7 +45,10 @@ def run_sft(cfg: Config) -> list[dict[str, Any]]:
     if not cfg.actor.path:
         raise ConfigError("actor.path is empty; SFT needs a Hugging Face model folder with a tokenizer")
     if not cfg.train_dataset.path:
-        raise ConfigError('train_dataset.path is empty; point it at a jsonl file of {"prompt", "completion"}')
+        raise ConfigError(
+            'train_dataset.path is empty; point it at a jsonl, json or parquet file of {"prompt", "completion"} '
+            "rows or a dataset folder"
+        )
     init_run(cfg, "sft")
     ckpt = CheckpointManager(cfg.run_dir, cfg.saver.keep_last)
     ckpt.check_writable()
@@ -56,7 +59,9 @@ def run_sft(cfg: Config) -> list[dict[str, Any]]:
     rank0 = dist.get_rank() == 0
     tokenizer = load_tokenizer(cfg.actor.path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    dataset = SFTDataset(cfg.train_dataset.path, tokenizer, max_length=cfg.train_dataset.max_length)
+    dataset = build_sft_dataset(cfg.train_dataset, tokenizer)
+    if rank0:
+        logger.info(describe_chat_template(cfg.train_dataset, tokenizer))
     sampler = EpochSampler(
         len(dataset),
         cfg.train_dataset.batch_size,

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from parallel.dtypes import to_dtype
 from parallel.errors import ParallelConfigError
@@ -60,3 +61,38 @@ def apply_fsdp(
     if shard_root:
         fully_shard(model, mesh=dp_mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=False)
     return model
+
+
+@contextmanager
+def gathered_parameters(model: nn.Module) -> Iterator[None]:
+    """Collective: every FSDP unit of ``model`` holds its whole parameters until the block ends.
+
+    Inside, a forward of ``model`` all-gathers nothing, so one rank may run as many forwards as it
+    likes alone (generation on the training weights: ``archon.rl.inprocess``); the other ranks only
+    wait.  On exit every unit is resharded and gets back its reshard-after-forward setting.  Without
+    FSDP units this does nothing.
+    """
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    # Each unit's own setting (the root keeps its parameters after forward, blocks by policy); FSDP2 exposes no
+    # getter, so it is read from the unit's parameter group.
+    saved = [_reshard_setting(unit) for unit in units]
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+        unit.unshard()
+    try:
+        yield
+    finally:
+        # Forwards without a backward leave per-iteration trackers behind (the post-forward order that backward
+        # prefetching follows) on the ranks that ran them only; training would then prefetch in another order on
+        # each rank.  reset_iter_state clears them and reshards every unit.
+        for unit in units:
+            if unit._get_fsdp_state()._is_root:
+                unit.reset_iter_state()
+        for unit, setting in zip(units, saved):
+            unit.reshard()
+            unit.set_reshard_after_forward(setting, recurse=False)
+
+
+def _reshard_setting(unit: FSDPModule) -> bool:
+    groups = unit._get_fsdp_state()._fsdp_param_groups
+    return bool(groups[0]._reshard_after_forward) if groups else False

@@ -2,7 +2,7 @@
 
     pip install -e ".[bench]"      # TRL is a benchmark-only dependency
     python scripts/bench_grpo.py [--quick] [--prompts 8 --samples 8 --new-tokens 16] [--threads 1 --clock cpu]
-                                 [--async-k 1]
+                                 [--async-k 1] [--modes server,inprocess] [--vocab 64]
 
 Both train the same random Qwen3 (hidden 256, 4 layers by default, a word-level tokenizer;
 nothing is downloaded) on the same prompts: ``--prompts`` prompts x ``--samples``
@@ -11,8 +11,12 @@ group-normalised rewards, token-mean loss, no reference model or KL, one optimiz
 per step (AdamW, same learning rate and clipping), float32 on CPU.
 
 * Archon: ``RLTrainer`` as ``scripts/train_rl.py`` runs it, on one training process
-  (``archon:d1``) with one built-in rollout server (``local:d1``, its own process, reached
-  over HTTP); a step is rollout + rewards + advantages + the update + the weight sync.
+  (``archon:d1``), in each mode of ``--modes``: ``server``, one built-in rollout server
+  (``local:d1``, its own process, reached over HTTP; a step is rollout + rewards + advantages +
+  the update + the weight sync); ``inprocess``, the in-process engine (``inprocess:d1``: the
+  built-in generator inside the trainer, on the training weights; no HTTP, no weight sync);
+  ``colocated``, the server of ``server`` taking turns with the trainer (``rollout.colocate``:
+  it releases its memory while the trainer trains; weights handed over by reference).
 * TRL: ``GRPOTrainer`` generating with ``model.generate`` in the training process; a step
   is generation + rewards + advantages + the update.
 
@@ -114,14 +118,18 @@ def _tree_cpu_seconds() -> float:
     return total
 
 
-def _archon_trainer(root: Path, model: Path, args, k: int = 0):
+ROLLOUT_BACKENDS = {"server": "local:d1", "colocated": "local:d1", "inprocess": "inprocess:d1"}
+"""The rollout backend of each Archon mode."""
+
+
+def _archon_trainer(root: Path, model: Path, args, k: int = 0, mode: str = "server"):
     from archon.config import load_config
     from archon.rl.trainer import RLTrainer
 
     overrides = {
         "experiment_name": "bench",
         "trial_name": "grpo",
-        "output_dir": str(root / f"archon_k{k}"),
+        "output_dir": str(root / f"archon_{mode}_k{k}"),
         "rollout.max_head_offpolicyness": k,
         # Asynchronous steps train on stale rollouts: AReaL's decoupled objective corrects for them.
         "actor.use_decoupled_loss": k > 0,
@@ -129,7 +137,9 @@ def _archon_trainer(root: Path, model: Path, args, k: int = 0):
         "total_train_steps": 10_000,
         "device": "cpu",
         "cluster.n_gpus_per_node": 2,
-        "rollout.backend": "local:d1",
+        "rollout.backend": ROLLOUT_BACKENDS[mode],
+        # Colocated: the server releases its memory while the trainer trains and takes the weights by reference.
+        "rollout.colocate": mode == "colocated",
         "actor.backend": "archon:d1",
         "actor.path": str(model),
         "actor.dtype": "float32",
@@ -161,11 +171,11 @@ def _archon_trainer(root: Path, model: Path, args, k: int = 0):
 def _trl_trainer(root: Path, model_folder: Path, args, callback):
     from datasets import Dataset  # pyright: ignore[reportMissingImports] - benchmark-only dependency
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer  # pyright: ignore[reportMissingImports] - benchmark-only dependency
+    from trl import GRPOConfig, GRPOTrainer  # pyright: ignore - benchmark-only dependency (its exports vary)
 
     rows = [json.loads(line) for line in open(root / "train.jsonl")]
 
-    def reward(prompts, completions, **_):
+    def reward(prompts, completions, **_) -> list[float | None]:
         return [diversity_reward(p, c) for p, c in zip(prompts, completions)]
 
     config = GRPOConfig(
@@ -239,6 +249,11 @@ def main() -> None:
         help="also time asynchronous Archon steps with this rollout.max_head_offpolicyness (0: skip)",
     )
     parser.add_argument(
+        "--modes",
+        default="server,colocated,inprocess",
+        help=f"Archon's rollout modes to time, comma-separated, of {', '.join(ROLLOUT_BACKENDS)}",
+    )
+    parser.add_argument(
         "--clock",
         choices=["wall", "cpu"],
         default="wall",
@@ -246,6 +261,10 @@ def main() -> None:
     )
     args = parser.parse_args()
     args.reps = args.reps or (3 if args.quick else 7)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = sorted(set(modes) - set(ROLLOUT_BACKENDS))
+    if unknown or not modes:
+        parser.error(f"--modes {args.modes!r}: use one or more of {', '.join(ROLLOUT_BACKENDS)}")
     if args.threads:
         torch.set_num_threads(args.threads)
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the rollout server inherits it
@@ -256,8 +275,8 @@ def main() -> None:
     from transformers import TrainerCallback
 
     now = _tree_cpu_seconds if args.clock == "cpu" else CLOCKS["wall"]
-    times: dict[str, list[float]] = {"archon": [], "trl": []}
-    archon_parts: list[dict[str, float]] = []
+    times: dict[str, list[float]] = {"trl": [], **{m: [] for m in modes}}
+    archon_parts: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
     state = {"step": 1}
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -270,13 +289,15 @@ def main() -> None:
             n_rows=args.prompts * (args.reps + 4),
             prompt_len=args.prompt_len,
         )
-        archon = _archon_trainer(root, folder, args)
+        archons = {}
         try:
-            archon.step(state["step"])  # warm-up
+            for mode in modes:
+                archons[mode] = _archon_trainer(root, folder, args, mode=mode)
+                archons[mode].step(state["step"])  # warm-up
             state["step"] += 1
 
             class Interleave(TrainerCallback):
-                """Times each TRL step; after it, times one Archon step (TRL's first step is a warm-up)."""
+                """Times each TRL step; after it, times one Archon step per mode (TRL's first step is a warm-up)."""
 
                 def on_step_begin(self, *_, **__):
                     self.t0 = now()
@@ -284,53 +305,64 @@ def main() -> None:
                 def on_step_end(self, _args, trl_state, *__, **___):
                     if trl_state.global_step > 1:
                         times["trl"].append(now() - self.t0)
-                        t0 = now()
-                        record = archon.step(state["step"])
-                        times["archon"].append(now() - t0)
-                        archon_parts.append(record)
+                        for mode, archon in archons.items():
+                            t0 = now()
+                            record = archon.step(state["step"])
+                            times[mode].append(now() - t0)
+                            archon_parts[mode].append(record)
                         state["step"] += 1
 
             _trl_trainer(root, folder, args, Interleave()).train()
         finally:
-            archon.close()
+            for archon in archons.values():
+                archon.close()
         # Asynchrony saves waiting, not work: with --clock cpu there is nothing to compare.
         timed_async = args.async_k and args.clock == "wall"
         async_times, async_parts = _time_async(root, folder, args) if timed_async else ([], [])
 
     med = {k: statistics.median(v) for k, v in times.items()}
-    sync_ratio = median_ratio(times["archon"], times["trl"])
-    rows = [["GRPO step, synchronous", f"{med['trl']:.3f}", f"{med['archon']:.3f}", f"{sync_ratio:.2f}"]]
+    rows = [
+        [
+            f"GRPO step, synchronous, {mode} ({ROLLOUT_BACKENDS[mode]})",
+            f"{med['trl']:.3f}",
+            f"{med[mode]:.3f}",
+            f"{median_ratio(times[mode], times['trl']):.2f}",
+        ]
+        for mode in modes
+    ]
     async_med = statistics.median(async_times) if async_times else 0.0
     if async_times:
         rows.append(
             [
-                f"GRPO step, asynchronous (k = {args.async_k})",
+                f"GRPO step, asynchronous (k = {args.async_k}), server",
                 f"{med['trl']:.3f}",
                 f"{async_med:.3f}",
                 f"{async_med / med['trl']:.2f}",
             ]
         )
-    parts = {k: statistics.median(r[k] for r in archon_parts) for k in ("rollout_time_s", "train_time_s")}
-    sync_key = next((k for k in archon_parts[0] if "sync" in k and k.endswith("_s")), None)
     print(
-        f"GRPO step, Archon RLTrainer (archon:d1 + local:d1 server) vs TRL {trl.__version__} GRPOTrainer; "
+        f"GRPO step, Archon RLTrainer (archon:d1) vs TRL {trl.__version__} GRPOTrainer; "
         f"qwen3 hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, float32; {args.prompts} prompts x "
         f"{args.samples} completions x {args.new_tokens} tokens (prompt {args.prompt_len}), one update; "
         f"{machine_note(args.clock)}"
     )
     print(markdown_table(["", "TRL s/step", "Archon s/step", "Archon / TRL time"], rows))
-    extra = f", weight sync {statistics.median(r[sync_key] for r in archon_parts):.3f} s" if sync_key else ""
-    print(
-        f"Archon's own split (wall, medians): rollout {parts['rollout_time_s']:.3f} s, "
-        f"train {parts['train_time_s']:.3f} s{extra}"
-    )
+    for mode in modes:
+        parts = archon_parts[mode]
+        split = {k: statistics.median(r[k] for r in parts) for k in ("rollout_time_s", "train_time_s")}
+        sync_key = next((k for k in parts[0] if "sync" in k and k.endswith("_s")), None)
+        extra = f", weight sync {statistics.median(r[sync_key] for r in parts):.3f} s" if sync_key else ""
+        print(
+            f"Archon's own split, {mode} (wall, medians): rollout {split['rollout_time_s']:.3f} s, "
+            f"train {split['train_time_s']:.3f} s{extra}"
+        )
     if async_times:
         stale = max(r.get("async/staleness_max", 0.0) for r in async_parts)
         print(
-            f"Asynchronous (k = {args.async_k}, wall, medians): {async_med:.3f} s/step, "
-            f"{med['archon'] / async_med:.2f}x the synchronous steps/s; the trainer waited "
-            f"{statistics.median(r['async/wait_s'] for r in async_parts):.3f} s/step for rollouts; "
-            f"largest staleness {stale:.0f}"
+            f"Asynchronous (k = {args.async_k}, server, wall, medians): {async_med:.3f} s/step, "
+            f"{med['server'] / async_med if 'server' in med else float('nan'):.2f}x the synchronous server steps/s; "
+            f"the trainer waited {statistics.median(r['async/wait_s'] for r in async_parts):.3f} s/step for "
+            f"rollouts; largest staleness {stale:.0f}"
         )
 
 

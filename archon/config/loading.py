@@ -24,6 +24,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib  # pyright: ignore[reportMissingImports]
 
 from archon.alloc import AllocationError, ModelAllocation, megatron_refusal
+from archon.config.colocate_checks import apply_colocate_defaults, check_colocation
 from archon.config.ranges import check_ranges
 from archon.config.schema import INHERITED_ENGINE_FIELDS, Config, ConfigError, default_norms
 from archon.config.vllm_checks import check_vllm_config
@@ -230,6 +231,7 @@ def load_config(
     cfg = builder.build(Config, tree)
     _inherit_from_actor(cfg, builder.explicit)
     _apply_estimator_defaults(cfg, builder.explicit)
+    apply_colocate_defaults(cfg, builder.explicit)
     if validate:
         validate_config(cfg, sources, job=job)
     return cfg
@@ -279,7 +281,9 @@ def validate_config(cfg: Config, sources: dict[str, str] | None = None, job: str
     for engine, alloc in allocs.items():
         inference = engine == "rollout"
         if alloc.is_inference != inference:
-            kind = "an inference backend (sglang, vllm, local)" if inference else "a training backend (archon, fsdp)"
+            kind = "a training backend (archon, fsdp)"
+            if inference:
+                kind = "an inference backend (sglang, vllm, local, inprocess)"
             raise ConfigError(f"{engine}.backend = '{getattr(cfg, engine).backend}' must use {kind}")
     for engine in ("actor", "critic", "ref", "teacher"):
         if allocs[engine].backend == "megatron":
@@ -292,9 +296,11 @@ def validate_config(cfg: Config, sources: dict[str, str] | None = None, job: str
             f"{sources.get('cluster.gpu_memory_gb', 'the defaults')}) must be positive: the memory "
             "of one GPU in GB, e.g. 80 for an H100 80GB"
         )
+    check_colocation(cfg, allocs, sources, job)
     try:
         placed = {k: a for k, a in allocs.items() if job == "rl" or k != "rollout"}
-        plan_cluster(placed, cfg.cluster.n_nodes, cfg.cluster.n_gpus_per_node)
+        colocate = cfg.rollout.colocate and job == "rl"
+        plan_cluster(placed, cfg.cluster.n_nodes, cfg.cluster.n_gpus_per_node, colocate=colocate)
     except AllocationError as exc:
         raise ConfigError(str(exc)) from None
     _check_rollout_backend(cfg, allocs["rollout"])

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from archon.alloc import AllocationError, ModelAllocation
+from archon.config.dataset import DatasetConfig
 from archon.config.stats_logger import StatsLoggerConfig
 from archon.errors import ArchonError
 from archon.wire.sglang import SGLangSampling
@@ -201,6 +202,8 @@ class DynamicFilterConfig:
 @dataclass
 class ActorConfig(TrainEngineConfig):
     backend: str = "archon:d1"
+    offload: bool = False
+    """Offload the parameters and optimizer state to CPU while colocated servers generate (AReaL's actor.offload)."""
     group_size: int = 0
     """Rows that form one group for group-normalised advantages; 0 uses gconfig.n_samples (must divide it)."""
     ppo_n_minibatches: int = 1
@@ -338,8 +341,12 @@ class GenerationConfig(SGLangSampling):
 @dataclass
 class RolloutConfig:
     backend: str = "local:d1"
-    """Inference allocation: 'sglang:dNtM' (N servers of M GPUs), 'vllm:dNtMpK' (N servers of M*K GPUs) or 'local:dN' (N
-    built-in CPU servers)."""
+    """Inference allocation: 'sglang:dNtM' (N servers of M GPUs), 'vllm:dNtMpK' (N servers of M*K GPUs), 'local:dN' (N
+    built-in CPU servers) or 'inprocess:dN' (the built-in generator inside each of the actor's N ranks, no server)."""
+    colocate: bool = False
+    """Servers and training ranks take turns on the same GPUs (AReaL's "colocation"): server i runs on the GPUs of
+    training ranks i*size..(i+1)*size-1, so the rollout's d*t*p must equal the actor's world size; the servers release
+    their memory while the trainer trains (sglang.mem_fraction_static, vllm.gpu_memory_utilization: 0.5 by default)."""
     server_addrs: list[str] = field(default_factory=list)
     """host:port of servers already running; when set, no servers are launched."""
     request_timeout: float = 3600.0
@@ -348,8 +355,9 @@ class RolloutConfig:
     """Retries (with backoff) of a request after a connection error or a 5xx."""
     setup_timeout: float = 300.0
     """Seconds to wait for launched servers to become healthy."""
-    weight_sync: Literal["distributed", "disk"] = "distributed"
-    """How new weights reach the servers: a broadcast group, or an HF folder on shared disk (vllm: disk only)."""
+    weight_sync: Literal["distributed", "disk", "tensor"] = "distributed"
+    """How new weights reach the servers: a broadcast group, an HF folder on shared disk (vllm: disk only), or, for
+    colocated servers (their default), the trainer's own tensors by reference (CUDA IPC / shared memory)."""
     weight_chunk_mb: int = 512
     """Bucket size of the distributed weight broadcast."""
     weight_load_format: Literal["auto", "tensors", "flattened_bucket"] = "auto"
@@ -412,7 +420,8 @@ class SGLangConfig:
     context_length: int = 0
     """Maximum context of a request; 0 is the model's own (SGLang refuses more, so larger values are clamped to it)."""
     mem_fraction_static: float = 0.8
-    """Fraction of GPU memory SGLang reserves for weights and KV cache."""
+    """Fraction of GPU memory SGLang reserves for weights and KV cache; 0.5 unless set when rollout.colocate is on (the
+    trainer's resident state needs the rest)."""
     dp_size: int = 1
     """SGLang's internal data parallel inside one server (with enable_dp_attention); never changes GPU counts."""
     ep_size: int = 1
@@ -447,7 +456,8 @@ class VLLMConfig:
     max_model_len: int = 0
     """Maximum context of a request; 0 is the model's own (vLLM refuses more, so larger values are clamped to it)."""
     gpu_memory_utilization: float = 0.9
-    """Fraction of GPU memory vLLM uses for weights, activations and KV cache."""
+    """Fraction of GPU memory vLLM uses for weights, activations and KV cache; 0.5 unless set when rollout.colocate is
+    on (the trainer's resident state needs the rest)."""
     max_num_seqs: int = 0
     """Cap on concurrent requests per server; 0 keeps vLLM's default."""
     enforce_eager: bool = False
@@ -459,20 +469,6 @@ class VLLMConfig:
     pins its own torch and transformers); empty: the trainer's interpreter."""
     extra_args: list[str] = field(default_factory=list)
     """Further raw arguments appended to the vLLM server command (`python -m vllm.entrypoints.openai.api_server`)."""
-
-
-@dataclass
-class DatasetConfig:
-    path: str = ""
-    """jsonl file (RL: prompt/answer or GSM8K question/answer; SFT: prompt/completion)."""
-    batch_size: int = 8
-    """Prompts (RL) or sequences (SFT) per step, over all ranks."""
-    shuffle: bool = True
-    """Shuffle every epoch with a seed that depends only on `seed` and the epoch."""
-    max_length: int = 1024
-    """RL: longest prompt kept (longer ones are dropped and counted); SFT: longest sequence."""
-    drop_last: bool = True
-    """Drop the incomplete last batch of an epoch."""
 
 
 @dataclass

@@ -5,7 +5,8 @@ from archon.data.encoding import apply_prompt_template, encode_messages, encode_
 from archon.data.jsonl import load_jsonl
 from archon.data.rl_dataset import PromptLoader, PromptSample, RLPromptDataset, gsm8k_reference
 from archon.data.sampler import EpochSampler, epoch_order, repeat_for_group
-from archon.data.sft_dataset import SFTDataset, build_sft_sample
+from archon.data.sft_dataset import SFTDataset, build_chat_sft_sample, build_sft_sample
+from archon.data.sources import load_rows
 
 __all__ = [
     "EpochSampler",
@@ -14,6 +15,7 @@ __all__ = [
     "RLPromptDataset",
     "SFTDataset",
     "apply_prompt_template",
+    "build_chat_sft_sample",
     "build_sft_sample",
     "collate",
     "encode_messages",
@@ -23,5 +25,6 @@ __all__ = [
     "gsm8k_reference",
     "has_chat_template",
     "load_jsonl",
+    "load_rows",
     "repeat_for_group",
 ]

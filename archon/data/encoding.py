@@ -61,10 +61,14 @@ def encode_prompt(
 
 
 def encode_messages(
-    tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    *,
+    tools: list[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
 ) -> list[int]:
     """Token ids of a chat (``messages``, and the ``tools`` JSON schemas the template shows the model) rendered by
-    the tokenizer's chat template, with the generation prompt."""
+    the tokenizer's chat template, with the generation prompt unless ``add_generation_prompt`` is false."""
     if not has_chat_template(tokenizer):
         raise DataError(
             "chat messages (chat-formatted data, agent episodes) need a tokenizer with a chat_template; use a "
@@ -72,7 +76,7 @@ def encode_messages(
         )
     return _ids(
         tokenizer.apply_chat_template(
-            messages, tools=tools or None, add_generation_prompt=True, tokenize=True, return_dict=False
+            messages, tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
         )
     )
 

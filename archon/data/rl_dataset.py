@@ -1,5 +1,6 @@
-"""Prompts for RL: jsonl rows of ``{"prompt", "answer"}``, GSM8K's ``{"question", "answer"}``, or chat rows
-``{"messages", "tools" (optional), "answer"}`` (multi-turn agents start from the messages and tools)."""
+"""Prompts for RL: rows of ``{"prompt", "answer"}``, GSM8K's ``{"question", "answer"}``, chat rows
+``{"messages", "tools" (optional), "answer"}`` (multi-turn agents start from the messages and tools), verl's
+``{"prompt": [messages], "reward_model": {"ground_truth"}}`` (DAPO-Math-17k), or any fields named in the config."""
 
 from __future__ import annotations
 
@@ -9,14 +10,17 @@ from pathlib import Path
 from typing import Any
 
 from archon.data.encoding import PROMPT_PLACEHOLDER, apply_prompt_template, encode_messages, encode_prompt
-from archon.data.jsonl import load_jsonl
+from archon.data.fields import ANSWER_KEYS, MESSAGES_KEYS, PROMPT_KEYS, find_field, keys_for, missing_field
 from archon.data.sampler import EpochSampler, repeat_for_group
+from archon.data.sources import load_rows
 from archon.errors import DataError
 
 logger = logging.getLogger(__name__)
 
 COMPLETION_IDS = "completion_ids"
 """The keyword under which reward functions get a completion's token ids (TRL's name); no data field may use it."""
+RESERVED_FIELDS = ("prompt", "completion", "answer", COMPLETION_IDS)
+"""Names reward functions get as arguments; a row may hold them only as the fields its prompt and answer come from."""
 
 
 @dataclass(frozen=True)
@@ -44,49 +48,101 @@ def gsm8k_reference(answer: str) -> str:
     return answer.rsplit("####", 1)[1].strip().replace(",", "").replace("$", "").strip()
 
 
-def _row_fields(row: dict[str, Any], where: str) -> tuple[str, str, dict[str, Any]]:
-    if "prompt" in row:
-        text_key = "prompt"
-    elif "question" in row:
-        text_key = "question"
-    else:
-        raise DataError(
-            f"{where} has neither 'prompt' nor 'question' (keys: {sorted(row)}); RL data rows look "
-            'like {"prompt": ..., "answer": ...} or GSM8K\'s {"question": ..., "answer": ...}'
-        )
-    if "answer" not in row:
-        raise DataError(f"{where} has no 'answer'; every RL prompt needs a reference answer for the reward")
-    text, answer = row[text_key], row["answer"]
-    if not isinstance(text, str):
-        raise DataError(f"{where}: '{text_key}' must be a string, got {type(text).__name__}")
-    extra = {k: v for k, v in row.items() if k not in (text_key, "answer")}
-    if COMPLETION_IDS in extra:
-        raise DataError(
-            f"{where} has a '{COMPLETION_IDS}' field, a name the trainer passes to reward functions (the "
-            "generated token ids); rename the field"
-        )
-    return text, str(answer), extra
+def _check_extra(extra: dict[str, Any], where: str) -> None:
+    for name in RESERVED_FIELDS:
+        if name in extra:
+            raise DataError(
+                f"{where} has a '{name}' field besides the fields it was read from, a name the trainer passes to "
+                "reward functions (the prompt, the generated text or token ids, the reference answer); rename the "
+                "field or name it in train_dataset.prompt_key / answer_key"
+            )
 
 
-def _chat_row(row: dict[str, Any], where: str) -> tuple[str, str, dict[str, Any]]:
-    """A chat row's last user text (the sample's ``prompt``), answer, and other fields (``messages`` and ``tools``
-    among them, for agents and reward functions)."""
-    messages, tools = row["messages"], row.get("tools")
+def _answer(row: dict[str, Any], where: str, answer_key: str) -> tuple[str, str]:
+    """The row's reference answer (as text) and the field it came from."""
+    found = find_field(row, keys_for(answer_key, ANSWER_KEYS))
+    if found is None:
+        missing = f"no '{answer_key}'" if answer_key else "no 'answer' (nor verl's 'reward_model.ground_truth')"
+        raise missing_field(
+            where, missing, row, "answer_key", "; every RL prompt needs a reference answer for the reward"
+        )
+    return str(found[1]), found[0]
+
+
+def _check_messages(messages: Any, tools: Any, where: str, key: str) -> list[dict[str, Any]]:
     if not messages or not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
-        raise DataError(f'{where}: \'messages\' must be a non-empty list of {{"role": ..., "content": ...}} objects')
+        raise DataError(f'{where}: \'{key}\' must be a non-empty list of {{"role": ..., "content": ...}} objects')
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         raise DataError(f"{where}: 'tools' must be a list of JSON schema objects (the chat template's tools)")
-    if "answer" not in row:
-        raise DataError(f"{where} has no 'answer'; every RL prompt needs a reference answer for the reward")
-    extra = {k: v for k, v in row.items() if k != "answer"}
-    if COMPLETION_IDS in extra:
-        raise DataError(f"{where} has a '{COMPLETION_IDS}' field, a name the trainer passes to reward functions")
+    return messages
+
+
+@dataclass(frozen=True)
+class PromptRow:
+    """What one data row holds for RL, whichever fields it was read from."""
+
+    text: str
+    """The prompt text (a chat row: its last user message's text)."""
+    answer: str
+    """The reference answer as written."""
+    extra: dict[str, Any]
+    """The other fields (a chat row's messages under 'messages', whatever field they came from)."""
+    messages: list[dict[str, Any]] | None = None
+    """The chat to render with the chat template; None for a text prompt."""
+    tools: list[dict[str, Any]] | None = None
+    """The tools the chat template shows (a chat row's 'tools' field)."""
+
+
+def _prompt_or_chat(row: dict[str, Any], where: str, prompt_key: str, messages_key: str) -> tuple[str, Any, bool]:
+    """The field the prompt is read from, its value, and whether it is a chat (a list of messages)."""
+    chat = find_field(row, keys_for(messages_key, MESSAGES_KEYS))
+    if chat is not None:
+        return chat[0], chat[1], True
+    prompt = find_field(row, keys_for(prompt_key, PROMPT_KEYS))
+    if prompt is None:
+        missing = f"no '{prompt_key}'" if prompt_key else "neither 'prompt' nor 'question'"
+        raise missing_field(
+            where,
+            missing,
+            row,
+            "prompt_key",
+            '; RL rows look like {"prompt": ..., "answer": ...}, GSM8K\'s {"question": ..., "answer": ...} or '
+            'chat rows {"messages": [...], "answer": ...}',
+        )
+    # verl's RL layout (DAPO-Math-17k) keeps the chat messages in 'prompt'.
+    return prompt[0], prompt[1], isinstance(prompt[1], list)
+
+
+def read_prompt_row(
+    row: dict[str, Any], where: str, *, prompt_key: str = "", answer_key: str = "", messages_key: str = ""
+) -> PromptRow:
+    """A row's prompt (text, or chat messages: a ``messages`` field, or a prompt field holding a list of messages
+    as verl's layout has), its answer and other fields; ``DataError`` naming the row's fields if one is missing."""
+    key, value, is_chat = _prompt_or_chat(row, where, prompt_key, messages_key)
+    answer, answer_field = _answer(row, where, answer_key)
+    extra = {k: v for k, v in row.items() if k not in (key, answer_field)}
+    _check_extra(extra, where)
+    if not is_chat:
+        if not isinstance(value, str):
+            raise DataError(f"{where}: '{key}' must be a string, got {type(value).__name__}")
+        return PromptRow(value, answer, extra)
+    tools = row.get("tools")
+    messages = _check_messages(value, tools, where, key)
+    extra["messages"] = messages  # agents start their episodes from it (archon.rl.agent sample_fields)
     users = [m.get("content") for m in messages if m["role"] == "user"]
-    return (users[-1] if users and isinstance(users[-1], str) else ""), str(row["answer"]), extra
+    text = users[-1] if users and isinstance(users[-1], str) else ""
+    return PromptRow(text, answer, extra, messages, tools)
 
 
 class RLPromptDataset:
-    """Tokenised RL prompts; rows whose prompt is longer than ``max_prompt_length`` are dropped."""
+    """Tokenised RL prompts; rows whose prompt is longer than ``max_prompt_length`` are dropped.
+
+    ``rows`` is a list of dicts or a path ``load_rows`` reads (``split`` and ``subset`` pick the part of a
+    dataset folder).  ``prompt_key``, ``answer_key`` and ``messages_key`` name the fields (dotted for nested
+    ones); empty means the usual names (``fields.PROMPT_KEYS`` ...).  A text prompt is wrapped in the chat
+    template when ``use_chat_template`` is true (None: when the tokenizer has one); chat rows are always
+    rendered by the template, with the generation prompt.
+    """
 
     def __init__(
         self,
@@ -97,34 +153,42 @@ class RLPromptDataset:
         system_prompt: str | None = None,
         use_chat_template: bool | None = None,
         max_prompt_length: int | None = None,
+        prompt_key: str = "",
+        answer_key: str = "",
+        messages_key: str = "",
+        split: str = "train",
+        subset: str | None = None,
     ):
         source = str(rows) if isinstance(rows, (str, Path)) else "the given rows"
         if isinstance(rows, (str, Path)):
-            rows = load_jsonl(rows)
+            rows = load_rows(rows, split=split, subset=subset)
         if not rows:
             raise DataError(
                 f'{source} has no rows; write one JSON object per line, e.g. {{"prompt": "1 + 1 =", "answer": "2"}}'
             )
         self.samples: list[PromptSample] = []
         self.n_dropped = 0
+        keys = dict(prompt_key=prompt_key, answer_key=answer_key, messages_key=messages_key)
         for i, row in enumerate(rows):
             where = f"{source} row {i + 1}"
-            if "messages" in row:
-                if prompt_template != PROMPT_PLACEHOLDER or system_prompt or use_chat_template is False:
+            parsed = read_prompt_row(row, where, **keys)
+            if parsed.messages is not None:
+                if prompt_template != PROMPT_PLACEHOLDER or system_prompt:
                     raise DataError(
                         f"{where} is a chat row (messages), which is rendered as is by the chat template; unset "
-                        "prompt_template, system_prompt and use_chat_template = false, or write prompt rows"
+                        "prompt_template and system_prompt, or write prompt rows"
                     )
-                prompt, answer, extra = _chat_row(row, where)
-                ids = encode_messages(tokenizer, row["messages"], tools=row.get("tools"))
+                prompt = parsed.text
+                ids = encode_messages(tokenizer, parsed.messages, tools=parsed.tools)
             else:
-                text, answer, extra = _row_fields(row, where)
-                prompt = apply_prompt_template(text, prompt_template)
+                prompt = apply_prompt_template(parsed.text, prompt_template)
                 ids = encode_prompt(tokenizer, prompt, system_prompt=system_prompt, use_chat_template=use_chat_template)
             if max_prompt_length is not None and len(ids) > max_prompt_length:
                 self.n_dropped += 1
                 continue
-            self.samples.append(PromptSample(i, ids, prompt, gsm8k_reference(answer), answer, extra))
+            self.samples.append(
+                PromptSample(i, ids, prompt, gsm8k_reference(parsed.answer), parsed.answer, parsed.extra)
+            )
         if self.n_dropped:
             logger.warning(
                 "dropped %d of %d prompts from %s longer than max_prompt_length=%d tokens",

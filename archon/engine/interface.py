@@ -32,6 +32,7 @@ from archon.checkpoint.state import TrainState
 from archon.config import TrainEngineConfig
 from archon.engine.checkpointing import EngineCheckpoint
 from archon.engine.microbatch import Batch
+from archon.engine.offload import move_training_state
 from archon.engine.step_loss import LossFn, LossWeightFn, token_count_weight
 
 E = TypeVar("E", bound="TrainEngine")
@@ -133,6 +134,14 @@ class TrainEngine(ABC):
         """Write an HF folder (config.json + sharded safetensors) that ``from_pretrained`` loads; rank 0 writes."""
 
     # Checkpoints are the same for every engine: its parts, composed into an EngineCheckpoint.
+    def offload(self) -> None:
+        """Move parameters, gradients and optimizer state to the CPU (``actor.offload``, colocated servers)."""
+        move_training_state(self.model, self.optimizer, torch.device("cpu"))
+
+    def onload(self) -> None:
+        """Bring back to ``device`` what ``offload`` moved to the CPU."""
+        move_training_state(self.model, self.optimizer, self.device)
+
     def _checkpoint(self) -> EngineCheckpoint:
         assert self.model is not None, "initialize() first"
         return EngineCheckpoint(

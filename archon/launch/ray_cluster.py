@@ -6,8 +6,10 @@ Ray does the placing; Archon only asks for what the plan says:
    placement group there: one bundle ``{"GPU": 1, "CPU": c}`` per GPU the plan uses on it,
    ``STRICT_PACK``, pinned to that node by its ``ray.io/node-id`` label.
 2. One small actor (``ProcessSlot``) holds each bundle's GPU; Ray tells it which GPU id that
-   is.  Every process of the run is started by the slot of its first GPU, as a child process
-   with ``CUDA_VISIBLE_DEVICES`` = the ids Ray gave the process's slots:
+   is.  Colocated (``rollout.colocate``), a GPU's server and training rank share its bundle:
+   two slots of half a GPU each, to which Ray gives the same id.  Every process of the run is
+   started by its slot of its first GPU, as a child process with ``CUDA_VISIBLE_DEVICES`` = the
+   ids Ray gave the process's slots:
 
    * a rollout server: ``python -m archon.launch serve-node --node n --server i`` (the node's
      address and the GPU ids passed along), which publishes its address in the launch's
@@ -219,17 +221,24 @@ class RayLaunch:
         self.namespace = self.ray.get_runtime_context().namespace
         self.address = self.ray.get_runtime_context().gcs_address
         self.groups: dict[int, Any] = {}
-        self.slots: dict[tuple[int, int], Any] = {}
-        self.where: dict[tuple[int, int], dict[str, Any]] = {}
+        # Slot actors by (plan node, GPU, role of the process it holds the GPU for).
+        self.slots: dict[tuple[int, int, str], Any] = {}
+        self.where: dict[tuple[int, int, str], dict[str, Any]] = {}
         self.running: list[_Running] = []
         self.directory: Any = None
         self.report: list[dict[str, Any]] = []
-        self.with_servers = job == "rl" and not cfg.rollout.server_addrs
+        self.with_servers = job == "rl" and not cfg.rollout.server_addrs and bool(plan.servers)
 
     # ------------------------------------------------------------------ placing
+    def _node_procs(self, node: int) -> tuple[Process, ...]:
+        return self.plan.on_node(node) if self.with_servers else self.plan.train_ranks_on(node)
+
     def _node_gpus(self, node: int) -> list[int]:
-        procs = self.plan.on_node(node) if self.with_servers else self.plan.train_ranks_on(node)
-        return sorted({g for p in procs for g in p.gpus})
+        return sorted({g for p in self._node_procs(node) for g in p.gpus})
+
+    def _roles_on(self, node: int, gpu: int) -> list[str]:
+        """Roles of the processes on ``gpu`` of ``node``: one, or a server's and a training rank's when colocated."""
+        return sorted({p.role for p in self._node_procs(node) if gpu in p.gpus})
 
     def assign_nodes(self) -> dict[int, dict[str, Any]]:
         """Plan node -> a distinct alive Ray node with at least the GPUs the plan uses there."""
@@ -289,21 +298,23 @@ class RayLaunch:
                 )
             slot_cls = ray.remote(ProcessSlot)
             for i, gpu in enumerate(gpus):
-                self.slots[(node, gpu)] = slot_cls.options(
-                    num_cpus=0,
-                    num_gpus=1,
-                    name=f"node{node}-gpu{gpu}",
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
-                ).remote()
+                roles = self._roles_on(node, gpu)
+                for role in roles:
+                    self.slots[(node, gpu, role)] = slot_cls.options(
+                        num_cpus=0,
+                        num_gpus=1 / len(roles),  # colocated: the server and the training rank share the bundle
+                        name=f"node{node}-gpu{gpu}" + (f"-{role}" if len(roles) > 1 else ""),
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+                    ).remote()
         keys = list(self.slots)
         self.where = dict(zip(keys, ray.get([self.slots[k].where.remote() for k in keys])))
 
     def _visible(self, proc: Process) -> str:
-        return ",".join(g for gpu in proc.gpus for g in self.where[(proc.node, gpu)]["gpu_ids"])
+        return ",".join(g for gpu in proc.gpus for g in self.where[(proc.node, gpu, proc.role)]["gpu_ids"])
 
     # ------------------------------------------------------------------ starting
     def _start(self, proc: Process, name: str, argv: list[str], env: dict[str, str], echo: bool) -> None:
-        key = (proc.node, proc.gpus[0])
+        key = (proc.node, proc.gpus[0], proc.role)
         log_path = str(self.run_dir / "launch" / f"{name.replace(' ', '-')}.log")
         slot = self.slots[key]
         got = self.ray.get(slot.start.remote(name, argv, env, os.getcwd(), log_path, echo))
@@ -345,12 +356,12 @@ class RayLaunch:
                     "--gpus",
                     visible,
                     "--host",
-                    self.where[(s.node, s.gpus[0])]["ip"],
+                    self.where[(s.node, s.gpus[0], s.role)]["ip"],
                     *self.args,
                 ]
                 self._start(s, f"server {s.index}", argv, {**common, "CUDA_VISIBLE_DEVICES": visible}, echo=True)
         ranks = self.plan.train_ranks
-        master = (ranks[0].node, ranks[0].gpus[0])
+        master = (ranks[0].node, ranks[0].gpus[0], ranks[0].role)
         port = self.ray.get(self.slots[master].free_port.remote())
         train_nodes = self.plan.train_nodes
         for r in ranks:

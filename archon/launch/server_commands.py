@@ -7,6 +7,11 @@ one, clamped to the model's own (``resolve_context_length``): SGLang refuses to 
 SGLang and vLLM pin their own torch and transformers, so they often live in virtual environments
 of their own: ``server_python`` picks the interpreter (``sglang.python``, ``vllm.python``).
 vLLM's command lives in ``archon.rollout.vllm``.
+
+Colocated servers (``rollout.colocate``) can hand their GPU memory back while the trainer trains: SGLang is
+started with ``--enable-memory-saver`` (its ``release_memory_occupation`` / ``resume_memory_occupation`` free
+nothing without it), vLLM with ``--enable-sleep-mode`` (``/sleep`` and ``/wake_up``), and the built-in server runs
+on its training rank's GPU (``local_server_device``) instead of the CPU.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import os
 import shutil
 import sys
 from pathlib import Path
+
+import torch
 
 from archon.config import Config, ConfigError, SGLangConfig
 from archon.config.vllm_checks import vllm_logprobs_mode
@@ -167,7 +174,16 @@ def sglang_command(
     if cfg.actor.moe_routing_replay and "--enable-return-routed-experts" not in sg.extra_args:
         # Routing replay needs the experts SGLang chose for every token.
         cmd += ["--enable-return-routed-experts"]
+    if cfg.rollout.colocate and "--enable-memory-saver" not in sg.extra_args:
+        cmd += ["--enable-memory-saver"]  # release/resume_memory_occupation free nothing without it
     return cmd + list(sg.extra_args)
+
+
+def local_server_device(cfg: Config) -> str:
+    """Where a built-in server runs: on its training rank's GPU when colocated with CUDA training, else the CPU."""
+    if not cfg.rollout.colocate or cfg.device == "cpu":
+        return "cpu"
+    return "cuda" if cfg.device == "cuda" or torch.cuda.is_available() else "cpu"
 
 
 def local_command(
@@ -191,6 +207,8 @@ def local_command(
     ]
     if context_length is not None:
         cmd += ["--context-length", str(context_length)]
+    if local_server_device(cfg) == "cuda":
+        cmd += ["--device", "cuda"]
     return cmd
 
 
@@ -239,6 +257,8 @@ def vllm_command(
         cmd += ["--max-num-seqs", str(v.max_num_seqs)]
     if v.enforce_eager:
         cmd += ["--enforce-eager"]
+    if cfg.rollout.colocate and "--enable-sleep-mode" not in v.extra_args:
+        cmd += ["--enable-sleep-mode"]  # /sleep and /wake_up, to give the GPU to the trainer
     return cmd + list(v.extra_args)
 
 

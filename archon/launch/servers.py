@@ -55,13 +55,14 @@ from archon.errors import ArchonError
 from archon.launch.server_commands import (
     check_sglang_options,
     local_command,
+    local_server_device,
     resolve_context_length,
     sglang_command,
     vllm_command,
     vllm_env,
     vllm_model_view,
 )
-from archon.plan import ClusterPlan, Process, plan_for_config
+from archon.plan import IN_PROCESS_BACKEND, ClusterPlan, Process, plan_for_config
 from archon.rollout.server_api import HEALTH_PROBE_TIMEOUT_S
 from archon.rollout.tied_embeddings import untied_view
 from archon.runtime.cpu_pinning import share_of_slots
@@ -216,9 +217,9 @@ def build_launch_specs(
     through this process's ``CUDA_VISIBLE_DEVICES`` (``visible_devices``) unless
     ``map_visible_devices`` is false (the caller sets each server's devices itself).
     """
-    if cfg.rollout.server_addrs:
-        return []
     rollout = cfg.allocations()["rollout"]
+    if cfg.rollout.server_addrs or rollout.backend == IN_PROCESS_BACKEND:
+        return []
     try:
         plan = plan_for_config(cfg)
     except AllocationError as exc:
@@ -248,10 +249,11 @@ def build_launch_specs(
     specs = []
     for placement, port in zip(servers, ports):
         env = {"PYTHONUNBUFFERED": "1"}
-        # The built-in server's plan slots are CPU slots: it gets no GPU.
+        # The built-in server's plan slots are CPU slots (it gets no GPU) unless it shares a training rank's GPU.
         inherited = None if map_visible_devices else ""
         who = f"rollout server {placement.index}"
-        gpus = visible_devices(placement.gpus, who, inherited) if rollout.backend != "local" else ""
+        on_gpu = rollout.backend != "local" or local_server_device(cfg) == "cuda"
+        gpus = visible_devices(placement.gpus, who, inherited) if on_gpu else ""
         if rollout.backend == "sglang":
             cmd = sglang_command(
                 cfg, model_path, bind, port, cfg.sglang.random_seed + placement.index, tp, context, api_key
@@ -263,7 +265,7 @@ def build_launch_specs(
         else:
             cmd = local_command(cfg, model_path, bind, port, cfg.sglang.random_seed + placement.index, context)
             cmd += _cpu_cores_args(cfg, placement.gpus, placement.index)
-            env["CUDA_VISIBLE_DEVICES"] = ""  # the built-in server is a CPU process
+            env["CUDA_VISIBLE_DEVICES"] = gpus  # empty: a CPU process
             env[API_KEY_ENV] = api_key
         specs.append(
             LaunchSpec(

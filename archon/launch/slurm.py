@@ -21,6 +21,14 @@ training node must hold the same training GPUs; the plan gives that whenever tra
 whole nodes (the usual layout; ``python -m archon.plan`` shows it).  Nodes are never
 shared between jobs (``--exclusive``); steps that share a node (servers and training on one
 node, when the cluster is too small for whole nodes) are started with ``--overlap``.
+
+Colocated runs (``rollout.colocate``) need nothing more: every step asks for the node's GPUs
+(``--gpus-per-node``) with ``--overlap``, which lets steps share CPUs, memory and GRES, so a
+node's serve-node step and its torchrun step see the same GPUs and each process keeps to its
+own by ``CUDA_VISIBLE_DEVICES`` (a server: its training ranks' GPUs).  Asking the serve-node
+step for fewer GPUs (``--gres``) would not help: a step without ``--overlap`` would wait for
+the torchrun step's GPUs, and one with it shares them anyway.  The ``inprocess`` backend has
+no server step.
 """
 
 from __future__ import annotations
@@ -119,15 +127,17 @@ def build_job(
     run_dir = cfg.run_dir.absolute()
     env = {"PYTHONUNBUFFERED": "1", LAUNCH_ID_ENV: "slurm-${SLURM_JOB_ID}"}
     steps = []
-    servers = job == "rl" and not cfg.rollout.server_addrs
+    servers = job == "rl" and not cfg.rollout.server_addrs and bool(plan.servers)
     if servers:
         env[REGISTRY_ENV] = f"file:{run_dir / 'rollout' / 'servers'}"
         for node in plan.rollout_nodes:
             on = plan.servers_on(node)
+            shared = [r for s in on for r in plan.colocated_ranks(s)]
             steps.append(
                 Step(
                     f"node {node}: rollout servers {', '.join(str(s.index) for s in on)} (GPUs "
-                    f"{' | '.join(describe_gpus(s.gpus) for s in on)})",
+                    f"{' | '.join(describe_gpus(s.gpus) for s in on)})"
+                    + (f", colocated with training ranks {shared[0]}-{shared[-1]}" if shared else ""),
                     (node,),
                     [py, "-m", "archon.launch", "serve-node", "--node", str(node), *args],
                 )

@@ -11,7 +11,16 @@
 Only the layout (and the placement below it) is imported here, so reading a config never imports torch.
 """
 
-from archon.placement import TRAINING_ENGINES, ClusterPlan, Job, Process, Role, plan_cluster
+from archon.placement import IN_PROCESS_BACKEND, TRAINING_ENGINES, ClusterPlan, Job, Process, Role, plan_cluster
 from archon.plan.layout import plan_for_config
 
-__all__ = ["TRAINING_ENGINES", "ClusterPlan", "Job", "Process", "Role", "plan_cluster", "plan_for_config"]
+__all__ = [
+    "IN_PROCESS_BACKEND",
+    "TRAINING_ENGINES",
+    "ClusterPlan",
+    "Job",
+    "Process",
+    "Role",
+    "plan_cluster",
+    "plan_for_config",
+]

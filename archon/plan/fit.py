@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from archon.alloc import AllocationError, ModelAllocation
+from archon.plan.colocated_fit import generating_phase, training_phase
 from archon.plan.memory import (
     HELD_TERMS,
     Estimate,
@@ -47,6 +48,8 @@ class FitReport:
     """The fullest training GPU (None for a run without training ranks)."""
     rollout: Estimate | None = None
     """One rollout server GPU (None without SGLang servers)."""
+    generating: Estimate | None = None
+    """Colocated runs: a shared GPU while its server generates (``train`` is then the same GPU while training)."""
     fixes: list[str] = field(default_factory=list)
     """Changes (as overrides) checked to make the training rank fit, each with its estimate."""
     notes: list[str] = field(default_factory=list)
@@ -58,9 +61,17 @@ class FitReport:
     def fits_rollout(self) -> bool:
         return self.rollout is None or self.rollout.total <= (self.rollout.limit or self.gpu_bytes)
 
+    def fits_generating(self) -> bool:
+        return self.generating is None or self.generating.total <= self.gpu_bytes
+
     @property
     def fits(self) -> bool:
-        return self.fits_train() and self.fits_rollout()
+        return self.fits_train() and self.fits_rollout() and self.fits_generating()
+
+    @property
+    def estimates(self) -> list[Estimate]:
+        """Every estimate made, in the order the plan prints them."""
+        return [e for e in (self.train, self.generating, self.rollout) if e is not None]
 
     def verdict(self, est: Estimate) -> str:
         limit = est.limit or self.gpu_bytes
@@ -273,6 +284,22 @@ def check_fit(cfg: Config, job: str = "rl", device_type: str = "cuda") -> FitRep
         report.fixes = _checked_fixes(cfg, job, hf, gpu, device_type)
     if job == "rl" and not cfg.rollout.server_addrs:
         report.rollout = estimate_server_gpu(cfg, hf, gpu)
+    if job == "rl" and cfg.rollout.colocate and report.rollout is not None:
+        # A GPU holds a server and a training rank: each phase's peak, with what the other keeps meanwhile.
+        report.generating = generating_phase(report.train, report.rollout, cfg.actor.offload, device_type)
+        report.train = training_phase(report.train, device_type)
+        report.notes.append(
+            "colocated: the servers release their weights and KV cache before training, and the trainer keeps only "
+            "its states and buffers on the GPU while they generate"
+            + (" (its parameters and optimizer state go to CPU: actor.offload)" if cfg.actor.offload else "")
+        )
+    elif job == "rl" and cfg.allocations()["rollout"].backend == "inprocess":
+        report.notes.append("inprocess: the generator's KV cache beside the training rank is not estimated")
+    elif job == "rl" and cfg.rollout.colocate:
+        report.notes.append(
+            f"colocated {cfg.allocations()['rollout'].backend} servers are not estimated (SGLang's are): leave room "
+            "beside the training rank's peak for them"
+        )
     if device_type == "cuda":
         report.notes.append(
             f"cluster.gpu_memory_gb = {cfg.cluster.gpu_memory_gb:g}: processes can allocate {gpu / GiB:.1f} GiB "

@@ -19,9 +19,11 @@ def plan_for_config(cfg: Config, job: Job = "rl") -> ClusterPlan:
     """The plan of a run of ``cfg``: with its rollout servers for RL, training ranks only for SFT.
 
     Servers given by address (``rollout.server_addrs``) keep their place in the plan: started by
-    hand on the cluster, they belong on the GPUs it reserves for them.
+    hand on the cluster, they belong on the GPUs it reserves for them.  With ``rollout.colocate``
+    the servers share the training ranks' GPUs.
     """
     allocs = cfg.allocations()
     if job == "sft":
         allocs.pop("rollout")
-    return plan_cluster(allocs, cfg.cluster.n_nodes, cfg.cluster.n_gpus_per_node)
+    colocate = cfg.rollout.colocate and job == "rl"
+    return plan_cluster(allocs, cfg.cluster.n_nodes, cfg.cluster.n_gpus_per_node, colocate=colocate)

@@ -41,9 +41,36 @@ def _coordinates(rank: int, alloc: str) -> str:
     return " ".join(f"{n}{v}" for n, v, _ in parts)
 
 
+def _ranks_text(ranks: Sequence[int]) -> str:
+    """'rank 3' or 'ranks 2-3' (a colocated server's ranks are consecutive)."""
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}"
+
+
+def layout_note(plan: ClusterPlan) -> str:
+    """One sentence on how servers and training ranks share the cluster, or '' when they do not."""
+    if plan.rollout and not plan.servers:
+        return (
+            f"rollout '{plan.rollout}' generates inside each training rank, on the weights it trains: no rollout "
+            "process, no weight sync"
+        )
+    if plan.colocated:
+        return (
+            "rollout servers and training ranks take turns on the same GPUs (rollout.colocate): the servers release "
+            "their memory while the trainer trains"
+        )
+    if plan.shared_nodes:
+        return (
+            f"node(s) {', '.join(map(str, plan.shared_nodes))} hold both rollout servers and training "
+            "ranks (the cluster has too few nodes for whole rollout nodes)"
+        )
+    return ""
+
+
 def _describe(proc: Process, plan: ClusterPlan) -> str:
     if proc.role == "rollout":
-        return f"server {proc.index} ({plan.rollout})"
+        ranks = plan.colocated_ranks(proc)
+        shared = f", colocated with training {_ranks_text(ranks)}" if ranks else ""
+        return f"server {proc.index} ({plan.rollout}){shared}"
     coords = _coordinates(proc.index, plan.train)
     return f"rank {proc.index}" + (f" ({coords})" if coords else "")
 
@@ -74,9 +101,7 @@ def _print_memory(console, cfg, job: str, device: str) -> bool:
         f"\n[bold]Memory check[/] against cluster.gpu_memory_gb = {cfg.cluster.gpu_memory_gb:g} GiB per GPU ({device})",
         highlight=False,
     )
-    for est in (report.train, report.rollout):
-        if est is None:
-            continue
+    for est in report.estimates:
         console.print(f"  {est.what}: {est.total / GiB:.1f} GiB", highlight=False)
         for term in est.terms:
             console.print(f"    {term.bytes / GiB:8.2f} GiB  {term.name}", highlight=False)
@@ -132,12 +157,9 @@ def main_plan(argv: Sequence[str]) -> int:
         print(json.dumps(plan.to_dict(), indent=1))
         return 0
     console.print(plan_table(plan))
-    if plan.shared_nodes:
-        console.print(
-            f"node(s) {', '.join(map(str, plan.shared_nodes))} hold both rollout servers and training "
-            "ranks (the cluster has too few nodes for whole rollout nodes)",
-            highlight=False,
-        )
+    note = layout_note(plan)
+    if note:
+        console.print(note, highlight=False)
     try:
         fits = _print_memory(console, cfg, args.job, args.device)
     except user_error_types() as exc:

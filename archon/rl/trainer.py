@@ -14,6 +14,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -23,7 +24,8 @@ from archon.checkpoint.manager import CheckpointManager
 from archon.cli import init_run
 from archon.config import Config, ConfigError
 from archon.data.encoding import load_tokenizer
-from archon.data.rl_dataset import PromptLoader, RLPromptDataset
+from archon.data.from_config import build_rl_dataset, describe_chat_template
+from archon.data.rl_dataset import PromptLoader
 from archon.engine import ArchonEngine, TrainEngine, build_engine
 from archon.launch.discovery import server_source
 from archon.launch.recovery import ServerSupervisor
@@ -36,7 +38,9 @@ from archon.rl.agent.agent_worker import AgentRolloutWorker
 from archon.rl.agent.episodes import EpisodeSpec
 from archon.rl.agent.workflow import load_workflow
 from archon.rl.async_rollout import AsyncRollout, RolloutWorker
+from archon.rl.colocation import ColocatedPhases
 from archon.rl.critic import PPOCritic
+from archon.rl.inprocess import InProcessRollout
 from archon.rl.kl import KLController, kl_estimate
 from archon.rl.losses import aggregate
 from archon.rl.mismatch import MismatchMonitor
@@ -84,7 +88,10 @@ class RLTrainer:
         if not cfg.actor.path:
             raise ConfigError("actor.path is empty; RL starts from a Hugging Face model folder (weights and tokenizer)")
         if not cfg.train_dataset.path:
-            raise ConfigError('train_dataset.path is empty; point it at a jsonl of {"prompt", "answer"} rows')
+            raise ConfigError(
+                'train_dataset.path is empty; point it at a jsonl, json or parquet file of {"prompt", "answer"} rows '
+                "or a dataset folder"
+            )
         self.group_size = resolved_group_size(cfg)
         self.temperature = policy_temperature(cfg)
         self.use_ref = bool(cfg.actor.kl_ctl or cfg.actor.kl_loss_coef)
@@ -106,6 +113,8 @@ class RLTrainer:
         self.supervisor: ServerSupervisor | None = None
         self.rollout: RolloutStrategy | None = None  # built by setup(): where each step's batch comes from
         self.weight_check: ServerWeightCheck | None = None  # built with the weight sync
+        self.inprocess: InProcessRollout | None = None  # rollout.backend = 'inprocess:dN' only
+        self.colocated: ColocatedPhases | None = None  # rollout.colocate only
         self.mismatch_monitor = MismatchMonitor(cfg.rollout.mismatch_warn, cfg.rollout.mismatch_stop)
 
     # ------------------------------------------------------------------ setup
@@ -138,10 +147,9 @@ class RLTrainer:
     def _build_data(self) -> None:
         cfg = self.cfg
         self.tokenizer = load_tokenizer(cfg.actor.path)
-        dataset = RLPromptDataset(
-            cfg.train_dataset.path, self.tokenizer, max_prompt_length=cfg.train_dataset.max_length
-        )
+        dataset = build_rl_dataset(cfg.train_dataset, self.tokenizer)
         if self.rank0:
+            logger.info(describe_chat_template(cfg.train_dataset, self.tokenizer))
             logger.info(
                 "RL data: %d prompts from %s (%d dropped as longer than train_dataset.max_length=%d)",
                 len(dataset),
@@ -170,6 +178,10 @@ class RLTrainer:
         cfg = self.cfg
         rollout_alloc = cfg.allocations()["rollout"]
 
+        if rollout_alloc.backend == "inprocess":
+            self._build_inprocess_rollout()
+            return
+
         def connect() -> None:
             self.launcher = server_source(cfg)
             addrs = self.launcher.start()
@@ -184,6 +196,9 @@ class RLTrainer:
                 "servers only; SGLang's Qwen3-MoE has no field for it and routes without it"
             )
         self.weight_sync = weight_sync_for(cfg, self.actor_engine, self.client, self.actor_engine.device_type)
+        if cfg.rollout.colocate:
+            engines = [self.actor_engine] + [e.engine for e in (self.ref, self.teacher, self.critic) if e is not None]
+            self.colocated = ColocatedPhases(self.client if self.rank0 else None, engines, cfg.actor.offload)
         check_freq = weight_check_freq(cfg.rollout.weight_check_freq, asynchronous=self._asynchronous())
         if check_freq > 0:
             self.weight_check = ServerWeightCheck(
@@ -194,6 +209,15 @@ class RLTrainer:
                 freq=check_freq,
                 pad_token_id=self.pad_token_id,
             )
+
+    def _build_inprocess_rollout(self) -> None:
+        """The one training rank generates on its own weights (``archon.rl.inprocess``): no servers, no sync."""
+        self.inprocess = InProcessRollout(self.actor_engine, self.cfg)
+        self.client = self.inprocess.client
+        self.weight_sync = self.inprocess.weight_sync
+        if self.client is not None:  # rank 0: nothing to restart, but a failure is reported as for servers
+            self.supervisor = ServerSupervisor(self.client)
+        # The weights generated with are the ones trained, so the weight check has nothing to find.
 
     def _build_rewards(self) -> None:
         r = self.cfg.reward
@@ -327,7 +351,8 @@ class RLTrainer:
     def _step(self, step: int) -> dict[str, Any]:
         t_start = time.perf_counter()
         strategy = self._strategy()
-        rollout = strategy.next_batch(step)
+        with self._generation_phase():
+            rollout = strategy.next_batch(step)
         completions, rewards = rollout.completions, rollout.rewards
         # The servers' weights checked before the step trains on what they generated (probed after the last update).
         checked = self.weight_check.finish() if self.weight_check is not None else {}
@@ -364,7 +389,10 @@ class RLTrainer:
         if self.critic is not None:
             record.update(self.critic.ppo_update(batch))
         train_time = time.perf_counter() - t_train
-        sync = strategy.sync_weights(step)
+        with self.colocated.syncing() if self.colocated is not None else nullcontext():
+            sync = strategy.sync_weights(step)
+        if self.colocated is not None:
+            sync.update(self.colocated.take_metrics())
         if self.weight_check is not None and self.weight_check.due(step):
             self.weight_check.start(self.client if self.rank0 else None, str(step))
 
@@ -424,6 +452,8 @@ class RLTrainer:
         if self.weight_check is not None:  # what the servers start from, checked before the first step trains
             self.weight_check.start(self.client if self.rank0 else None, served_version)
         self._build_rollout_strategy(start, served_version, extra or {})
+        if self.colocated is not None:
+            self.colocated.start()
         freeze_startup_objects()
         return start + 1
 
@@ -478,6 +508,13 @@ class RLTrainer:
         """Whether rollout runs ahead of training (k = 0 keeps today's synchronous loop)."""
         return self.cfg.rollout.max_head_offpolicyness > 0
 
+    def _generation_phase(self) -> AbstractContextManager[Any]:
+        """Collective, around a step's rollout: what generating needs that training does not (the in-process
+        engine's whole parameters under data parallel; colocated servers releasing the GPU after it)."""
+        if self.inprocess is not None:
+            return self.inprocess.generating()
+        return self.colocated.generating() if self.colocated is not None else nullcontext()
+
     def _strategy(self) -> RolloutStrategy:
         assert self.rollout is not None, "setup() builds the rollout strategy"
         return self.rollout
@@ -498,4 +535,7 @@ class RLTrainer:
         if self.launcher is not None:
             self.launcher.stop()
             self.launcher = None
+        if self.inprocess is not None:
+            self.inprocess.close()
+            self.inprocess = None
         thaw_startup_objects()

@@ -64,7 +64,7 @@ def api_for_backend(backend: str) -> ServerAPI:
     """The ServerAPI of an inference backend of the allocation grammar (sglang, vllm, local)."""
     if backend == "vllm":
         return VLLMAPI()
-    if backend == "local":
+    if backend in ("local", "inprocess"):  # the built-in server's app, over the network or in process
         return BuiltinServerAPI()
     return ServerAPI()
 
@@ -83,7 +83,10 @@ class RolloutClient:
         down_after: int = 3,
         api: ServerAPI | None = None,
         api_key: str | None = None,
+        app: Any = None,
     ):
+        """``app``: an ASGI app that answers every address in this process instead of the network (the in-process
+        rollout engine, ``archon.rl.inprocess``); None: HTTP."""
         if not addrs:
             raise ConfigError(
                 "RolloutClient needs at least one server address (host:port); launch servers with "
@@ -106,6 +109,7 @@ class RolloutClient:
             backoff_s=backoff_s,
             setup_timeout=setup_timeout,
             down_after=down_after,
+            app=app,
         )
         self._transport = transport
         # Requests made together go to their server as one batch where the API allows it.
@@ -120,8 +124,10 @@ class RolloutClient:
         self._control = ServerControl(transport)
 
     @classmethod
-    def from_config(cls, cfg: RolloutConfig, addrs: Sequence[str], api_key: str | None = None) -> RolloutClient:
-        """A client of ``addrs`` speaking the API of ``cfg.backend``'s servers."""
+    def from_config(
+        cls, cfg: RolloutConfig, addrs: Sequence[str], api_key: str | None = None, app: Any = None
+    ) -> RolloutClient:
+        """A client of ``addrs`` speaking the API of ``cfg.backend``'s servers (``app``: see ``__init__``)."""
         return cls(
             addrs,
             request_timeout=cfg.request_timeout,
@@ -129,6 +135,7 @@ class RolloutClient:
             setup_timeout=cfg.setup_timeout,
             api=api_for_backend(ModelAllocation.from_str(cfg.backend).backend),
             api_key=api_key,
+            app=app,
         )
 
     # ------------------------------------------------------------------ settings
@@ -341,6 +348,13 @@ class RolloutClient:
     def flush_cache(self) -> dict[str, Any]:
         return self._transport.wait(self._control.aflush_cache())
 
+    async def aserver_info(self) -> dict[str, Any]:
+        return await self._control.aserver_info()
+
+    def server_info(self) -> dict[str, Any]:
+        """Every up server's ``/get_server_info``, by URL."""
+        return self._transport.wait(self._control.aserver_info())
+
     async def aupdate_weights_from_disk(
         self, path: str, version: int | str, *, abort_all_requests: bool = False
     ) -> dict[str, Any]:
@@ -403,5 +417,58 @@ class RolloutClient:
         return self._transport.wait(
             self._control.aupdate_weights_from_distributed(
                 names, dtypes, shapes, group_name, version, flush_cache=flush_cache, load_format=load_format
+            )
+        )
+
+    async def arelease_memory_occupation(
+        self, tags: Sequence[str] | None = None, addrs: Sequence[str] | None = None
+    ) -> dict[str, Any]:
+        """Servers give back the memory of ``tags`` (None: all) while the trainer trains
+        (``ServerControl.arelease_memory_occupation``); ``addrs`` None: every up server."""
+        return await self._control.arelease_memory_occupation(tags, addrs)
+
+    def release_memory_occupation(
+        self, tags: Sequence[str] | None = None, addrs: Sequence[str] | None = None
+    ) -> dict[str, Any]:
+        return self._transport.wait(self._control.arelease_memory_occupation(tags, addrs))
+
+    async def aresume_memory_occupation(
+        self, tags: Sequence[str] | None = None, addrs: Sequence[str] | None = None
+    ) -> dict[str, Any]:
+        """Servers take the memory of ``tags`` again (None: all); a weight update must follow a resume of 'weights'."""
+        return await self._control.aresume_memory_occupation(tags, addrs)
+
+    def resume_memory_occupation(
+        self, tags: Sequence[str] | None = None, addrs: Sequence[str] | None = None
+    ) -> dict[str, Any]:
+        return self._transport.wait(self._control.aresume_memory_occupation(tags, addrs))
+
+    async def aupdate_weights_from_tensor(
+        self,
+        named_tensors: Sequence[tuple[str, Any]],
+        version: int | str | None,
+        *,
+        addrs: Sequence[str] | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+    ) -> dict[str, Any]:
+        """Servers on this machine load HF-named tensors from this process's memory, without a copy over HTTP
+        (``ServerControl.aupdate_weights_from_tensor``)."""
+        return await self._control.aupdate_weights_from_tensor(
+            named_tensors, version, addrs=addrs, flush_cache=flush_cache, abort_all_requests=abort_all_requests
+        )
+
+    def update_weights_from_tensor(
+        self,
+        named_tensors: Sequence[tuple[str, Any]],
+        version: int | str | None,
+        *,
+        addrs: Sequence[str] | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+    ) -> dict[str, Any]:
+        return self._transport.wait(
+            self._control.aupdate_weights_from_tensor(
+                named_tensors, version, addrs=addrs, flush_cache=flush_cache, abort_all_requests=abort_all_requests
             )
         )

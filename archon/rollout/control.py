@@ -12,8 +12,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from archon.rollout.server_api import Call, RolloutError
 from archon.rollout.transport import ServerState, Transport
+from archon.wire.tensor_ipc import serialize_named_tensors
 
 
 class ServerControl:
@@ -42,6 +45,10 @@ class ServerControl:
     async def aflush_cache(self) -> dict[str, Any]:
         """Flush every server's prefix cache."""
         return await self.transport.fan_out(self.transport.api.flush_cache(), retry=True)
+
+    async def aserver_info(self) -> dict[str, Any]:
+        """Every up server's ``/get_server_info`` (its settings and state; the built-in server adds its memory)."""
+        return await self.transport.fan_out([Call("GET", "/get_server_info")], retry=True)
 
     async def aupdate_weights_from_disk(
         self, path: str, version: int | str, *, abort_all_requests: bool = False
@@ -140,4 +147,61 @@ class ServerControl:
         if version is not None:
             for s in members:
                 s.weight_version = str(version)
+        return result
+
+    def _targets(self, addrs: Sequence[str] | None) -> list[ServerState]:
+        """The servers at ``addrs`` (None: every up one); a KeyError names an address not of this client."""
+        return self.transport.up_servers() if addrs is None else [self.transport.server(a) for a in addrs]
+
+    async def arelease_memory_occupation(
+        self, tags: Sequence[str] | None = None, addrs: Sequence[str] | None = None
+    ) -> dict[str, Any]:
+        """The servers give back the memory of ``tags`` ('weights', 'kv_cache', 'cuda_graph'; None: all) while the
+        trainer uses the GPUs; requests sent meanwhile wait.  Not retried: a repeated release is not a no-op
+        everywhere (SGLang refuses it)."""
+        calls = self.transport.api.release_memory(None if tags is None else list(tags))
+        return await self.transport.fan_out(calls, servers=self._targets(addrs))
+
+    async def aresume_memory_occupation(
+        self, tags: Sequence[str] | None = None, addrs: Sequence[str] | None = None
+    ) -> dict[str, Any]:
+        """The servers take the memory of ``tags`` again (None: all); resumed weights hold no values until the
+        next weight update, which must follow before requests are served."""
+        calls = self.transport.api.resume_memory(None if tags is None else list(tags))
+        return await self.transport.fan_out(calls, servers=self._targets(addrs))
+
+    async def aupdate_weights_from_tensor(
+        self,
+        named_tensors: Sequence[tuple[str, torch.Tensor]],
+        version: int | str | None,
+        *,
+        addrs: Sequence[str] | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+    ) -> dict[str, Any]:
+        """Servers on this machine load HF-named ``named_tensors`` in place from this process's memory (CUDA IPC
+        handles or shared CPU memory, ``archon.wire.tensor_ipc``): no copy travels over HTTP.
+
+        Each server of ``addrs`` (None: every up one) gets its own handles; the tensors stay referenced here
+        until every server has answered.  As with the distributed update, a sync in several buckets passes
+        ``version`` with the last one only (None for the others).
+        """
+        api = self.transport.api
+        if not api.tensor_weights:
+            raise RolloutError(
+                f"{api.name} rollout servers cannot load weights from tensors shared on the machine; set "
+                "rollout.weight_sync = 'disk' so that new weights reach them through a folder"
+            )
+        targets = self._targets(addrs)
+        version_str = None if version is None else str(version)
+        plans = [
+            api.update_weights_from_tensor(
+                [serialize_named_tensors(named_tensors)], version_str, flush_cache, abort_all_requests
+            )
+            for _ in targets
+        ]
+        result = await self.transport.fan_out(servers=targets, per_server=plans)
+        if version_str is not None:
+            for s in targets:
+                s.weight_version = version_str
         return result

@@ -91,6 +91,8 @@ class ServerAPI:
     """Whether generate requests made together are sent as one batched request (``archon.rollout.batching``)."""
     priority_field = False
     """Whether the servers admit requests by SGLang's ``priority`` field (sent only then)."""
+    tensor_weights = True
+    """Whether the servers load weights from tensors shared on the machine (update_weights_from_tensor)."""
 
     def generate_payload(
         self,
@@ -171,6 +173,29 @@ class ServerAPI:
                 {"model_path": path, "weight_version": version, "abort_all_requests": abort_all_requests},
             )
         ]
+
+    def release_memory(self, tags: list[str] | None) -> list[Call]:
+        """Give the memory of ``tags`` back ('weights', 'kv_cache', 'cuda_graph'; None: all), SGLang's
+        ``/release_memory_occupation``; requests wait until it is resumed."""
+        return [Call("POST", "/release_memory_occupation", {"tags": tags})]
+
+    def resume_memory(self, tags: list[str] | None) -> list[Call]:
+        """Take the memory of ``tags`` again (None: all); resumed weights hold no values until the next update."""
+        return [Call("POST", "/resume_memory_occupation", {"tags": tags})]
+
+    def update_weights_from_tensor(
+        self, serialized: list[str], version: str | None, flush_cache: bool, abort_all_requests: bool
+    ) -> list[Call]:
+        """Load tensors shared on the machine: ``serialized`` holds one ``archon.wire.tensor_ipc`` string per
+        tensor-parallel rank of the server."""
+        payload: dict[str, Any] = {
+            "serialized_named_tensors": serialized,
+            "flush_cache": flush_cache,
+            "abort_all_requests": abort_all_requests,
+        }
+        if version is not None:
+            payload["weight_version"] = version
+        return [Call("POST", "/update_weights_from_tensor", payload)]
 
 
 def token_versions(meta: dict[str, Any], n_tokens: int, default: str = "") -> list[str]:

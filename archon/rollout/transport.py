@@ -8,6 +8,8 @@ a ``concurrent.futures.Future``, ``wait(coro)`` blocks on it.  On that loop it k
 primitives that the client's operations are built from: one HTTP call (``request``), the
 choice of a server (``pick``), failure accounting (``record_failure``), health probes, and
 ``fan_out`` of control calls to every server that is up, failing fast on the first one that fails.
+Given an ASGI ``app`` (the in-process rollout engine), the same calls go to it directly through
+httpx's ASGI transport: same bodies, answers and failure kinds, without a socket or a process.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import aiohttp
+import httpx
 
 from archon.rollout import json_codec
 from archon.rollout.aio import cancel_on_first_error
@@ -90,6 +93,7 @@ class Transport:
         backoff_s: float,
         setup_timeout: float,
         down_after: int,
+        app: Any = None,
     ):
         assert urls, "a Transport needs at least one server"
         self.servers = [ServerState(i, u) for i, u in enumerate(urls)]
@@ -102,6 +106,9 @@ class Transport:
         self.down_after = max(1, down_after)
         self._headers = headers
         self._healthy = False
+        # An ASGI app (the in-process rollout engine's built-in server) is called directly: no socket, no process.
+        self._app = app
+        self._asgi: httpx.AsyncClient | None = None
 
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name="archon-rollout-client", daemon=True)
@@ -129,6 +136,8 @@ class Transport:
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=_KEEPALIVE_S), headers=self._headers
         )
         self._health_lock = asyncio.Lock()
+        if self._app is not None:
+            self._asgi = httpx.AsyncClient(transport=httpx.ASGITransport(app=self._app), headers=self._headers)
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Run a coroutine on the loop; the future holds its result."""
@@ -153,6 +162,8 @@ class Transport:
             return
         if self._session is not None:
             asyncio.run_coroutine_threadsafe(self._session.close(), self._loop).result()
+        if self._asgi is not None:
+            asyncio.run_coroutine_threadsafe(self._asgi.aclose(), self._loop).result()
         self._closed = True
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
@@ -226,6 +237,9 @@ class Transport:
         """One HTTP call; 4xx -> RolloutRequestError, retryable failures -> ServerStateFailure."""
         assert self._session is not None
         timeout_s = self.request_timeout if timeout is None else timeout
+        if self._asgi is not None:
+            status, raw = await self._call_app(server, method, path, payload, timeout_s)
+            return self._answer(server, path, status, raw)
         try:
             async with self._session.request(
                 method,
@@ -242,6 +256,31 @@ class Transport:
             raise ServerStateFailure(f"cannot connect ({exc.os_error or exc})", refused=True) from None
         except aiohttp.ClientError as exc:
             raise ServerStateFailure(f"{type(exc).__name__}: {exc or 'connection lost'}") from None
+        return self._answer(server, path, status, raw)
+
+    async def _call_app(
+        self, server: ServerState, method: str, path: str, payload: Any, timeout_s: float
+    ) -> tuple[int, bytes]:
+        """One call of the in-process app, with the same timeout and failure kinds as over the network."""
+        assert self._asgi is not None
+        try:
+            resp = await asyncio.wait_for(
+                self._asgi.request(
+                    method,
+                    server.url + path,
+                    content=None if payload is None else json_codec.dumps(payload),
+                    headers=None if payload is None else json_codec.JSON_HEADERS,
+                ),
+                timeout_s,
+            )
+        except asyncio.TimeoutError:
+            raise ServerStateFailure(f"no answer to {path} within {timeout_s:g} s", timed_out=True) from None
+        except httpx.HTTPError as exc:
+            raise ServerStateFailure(f"{type(exc).__name__}: {exc or 'in-process call failed'}") from None
+        return resp.status_code, resp.content
+
+    def _answer(self, server: ServerState, path: str, status: int, raw: bytes) -> Any:
+        """The parsed body of an answer; 4xx -> RolloutRequestError, 5xx -> ServerStateFailure."""
         text = raw.decode(errors="replace") if status >= 400 else ""
         try:
             body: Any = json_codec.loads(raw) if raw else None

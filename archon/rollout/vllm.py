@@ -26,6 +26,17 @@ Written against vLLM 0.33.0's own source (``vllm/entrypoints/openai/completion``
   endpoints: vLLM serves them only with ``VLLM_SERVER_DEV_MODE=1``, which the launcher sets.
   If a reload fails the server stays paused, so it never generates from half-loaded weights.
   Completions report the weights that produced them (``return_weight_versions``).
+- Memory (``vllm/entrypoints/serve/dev/sleep/api_router.py``, also development endpoints; sleep mode needs
+  ``--enable-sleep-mode`` and a GPU, vLLM's CPU worker ignores it): releasing the weights is
+  ``/sleep?level=2&mode=wait`` (running requests finish first; level 2 discards weights and KV cache, as
+  SGLang's release does, level 1 would keep a CPU copy of the weights that the next update overwrites
+  anyway); releasing only the KV cache is ``/release_kv_cache_memory``.  Resuming the weights alone is
+  ``/wake_up?tags=weights`` (room to load new weights before the KV cache returns), anything else is
+  ``/wake_up``, which wakes everything.
+- Weights from tensors: vLLM has no SGLang-style ``/update_weights_from_tensor``; its IPC weight-transfer
+  engine (``vllm/distributed/weight_transfer/ipc_engine.py``: ``/init_weight_transfer_engine``,
+  ``/update_weights`` with pickled CUDA IPC handles keyed by GPU UUID) is CUDA-only and not driven here, so
+  colocated vLLM servers get their weights through a folder (``rollout.weight_sync = 'disk'``).
 - Per-request seeds are always honoured by vLLM's sampler, but the logits themselves depend on
   the batch unless ``VLLM_BATCH_INVARIANT=1`` (``vllm.batch_invariant``).
 """
@@ -67,6 +78,7 @@ _DEFAULTS = {
     "repetition_penalty": 1.0,
 }
 _TOKEN_ID_PREFIX = "token_id:"
+_MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
 
 class VLLMAPI(ServerAPI):
@@ -75,6 +87,7 @@ class VLLMAPI(ServerAPI):
     name = "vLLM"
     generate_path = "/v1/completions"
     distributed_weights = False
+    tensor_weights = False
     missing_endpoint_hint = (
         "; vLLM serves its pause, resume and weight-reload endpoints only with "
         "VLLM_SERVER_DEV_MODE=1 (set for launched servers; set it yourself for "
@@ -204,3 +217,36 @@ class VLLMAPI(ServerAPI):
             Call("POST", "/update_weight_version", {"new_version": version}),
             Call("POST", "/resume"),
         ]
+
+    def release_memory(self, tags: list[str] | None) -> list[Call]:
+        released = _check_tags(tags)
+        if "weights" in released:
+            return [Call("POST", "/sleep?level=2&mode=wait")]
+        if "kv_cache" in released:
+            return [Call("POST", "/release_kv_cache_memory")]
+        raise RolloutError(
+            "vLLM releases its CUDA graphs only with its weights (sleep); release 'weights' or 'kv_cache' as well"
+        )
+
+    def resume_memory(self, tags: list[str] | None) -> list[Call]:
+        if set(_check_tags(tags)) == {"weights"}:
+            return [Call("POST", "/wake_up?tags=weights")]
+        return [Call("POST", "/wake_up")]
+
+    def update_weights_from_tensor(
+        self, serialized: list[str], version: str | None, flush_cache: bool, abort_all_requests: bool
+    ) -> list[Call]:
+        raise RolloutError(
+            "vLLM servers cannot load weights from shared tensors over HTTP (its IPC weight-transfer engine is "
+            "CUDA-only and not driven by Archon); set rollout.weight_sync = 'disk' for colocated vLLM servers"
+        )
+
+
+def _check_tags(tags: list[str] | None) -> list[str]:
+    """SGLang's memory tags (None or empty: all); a RolloutError names an unknown one."""
+    if not tags:
+        return list(_MEMORY_TAGS)
+    unknown = sorted(set(tags) - set(_MEMORY_TAGS))
+    if unknown:
+        raise RolloutError(f"unknown memory tag(s) {unknown}; use any of {list(_MEMORY_TAGS)} (None: all)")
+    return list(tags)

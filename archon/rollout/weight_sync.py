@@ -1,6 +1,7 @@
 """Trainer side of weight sync: new actor weights reach every rollout server.
 
-Two ways, chosen by ``rollout.weight_sync``:
+Three ways, chosen by ``rollout.weight_sync`` (the third, ``tensor``, for colocated servers, lives in
+``archon.rollout.tensor_weight_sync``):
 
 - ``distributed``: the trainer's rank 0 and every server process form a weight-update group
   (``weight_group.py``).  Per sync, all trainer ranks iterate ``engine.named_full_tensors()``
@@ -43,7 +44,16 @@ import torch.distributed as dist
 
 from archon.alloc import ModelAllocation
 from archon.config import Config, ConfigError
-from archon.errors import ArchonError
+from archon.rollout.sync_common import (
+    WeightSyncError,
+    broadcast_object,
+    extras_kw,
+    log_sync_stats,
+    nbytes_of,
+    raise_if_failed,
+    trainer_rank,
+)
+from archon.rollout.tensor_weight_sync import TensorWeightSync
 from archon.rollout.tied_embeddings import ties_word_embeddings, untie_in_place
 from archon.runtime.drill import drill_point
 from archon.wire.weight_group import (
@@ -83,42 +93,9 @@ def weight_group_backend(server_backend: str, trainer_device_type: str) -> str:
     return "nccl" if trainer_device_type == "cuda" and server_backend in ("sglang", "vllm") else "gloo"
 
 
-def _extras_kw(extras: bool) -> dict[str, bool]:
-    # Only passed when asked for, so engines without the option keep working.
-    return {"extras": True} if extras else {}
-
-
-class WeightSyncError(ArchonError, RuntimeError):
-    """New weights did not reach the rollout servers; the message says where it failed."""
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _broadcast_object(obj: Any) -> Any:
-    """Rank 0's ``obj`` on every rank (identity without a process group)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _raise_if_failed(error: str | None) -> None:
-    """Collective: every rank raises rank 0's error (None: success)."""
-    error = _broadcast_object(error)
-    if error is not None:
-        raise WeightSyncError(error if _rank() == 0 else f"weight sync failed on trainer rank 0: {error}")
-
-
 def dtype_name(dtype: torch.dtype) -> str:
     """torch.bfloat16 -> 'bfloat16' (what SGLang's update_weights_from_distributed expects)."""
     return str(dtype).removeprefix("torch.")
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def reachable_address(server_url: str) -> str:
@@ -133,17 +110,6 @@ def reachable_address(server_url: str) -> str:
             return s.getsockname()[0]
         except OSError:
             return socket.gethostbyname(socket.gethostname())
-
-
-def _log_stats(kind: str, version: str, stats: dict[str, float]) -> None:
-    if _rank() == 0:
-        logger.info(
-            "%s weight sync to version %s: %.1f MiB in %.2f s",
-            kind,
-            version,
-            stats["weight_sync_bytes"] / _MIB,
-            stats["weight_sync_time_s"],
-        )
 
 
 class DiskWeightSync:
@@ -172,12 +138,12 @@ class DiskWeightSync:
     def setup(self) -> None:
         """Nothing to prepare beyond the folder (collective, for symmetry with DistributedWeightSync)."""
         error = None
-        if _rank() == 0:
+        if trainer_rank() == 0:
             try:
                 self.folder.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
                 error = f"cannot create weight folder {self.folder}: {exc}; set a writable folder"
-        _raise_if_failed(error)
+        raise_if_failed(error)
 
     def sync(self, version: int | str, servers_quiet: bool = False) -> dict[str, float]:
         """Collective: export, publish as ``<folder>/v<version>``, make every server load it.
@@ -187,18 +153,18 @@ class DiskWeightSync:
         version = str(version)
         t0 = time.perf_counter()
         tmp, error = None, None
-        if _rank() == 0:
+        if trainer_rank() == 0:
             try:
                 self.folder.mkdir(parents=True, exist_ok=True)
                 # Inside the target folder, so the final rename stays on one filesystem (atomic).
                 tmp = tempfile.mkdtemp(prefix=f".v{version}.tmp-", dir=self.folder)
             except OSError as exc:
                 error = f"cannot create a temp dir in weight folder {self.folder}: {exc}; set a writable folder"
-        _raise_if_failed(error)
-        tmp = _broadcast_object(tmp)
-        self.engine.export_hf(tmp, dtype=self.dtype, **_extras_kw(self.extras))
+        raise_if_failed(error)
+        tmp = broadcast_object(tmp)
+        self.engine.export_hf(tmp, dtype=self.dtype, **extras_kw(self.extras))
         nbytes = 0
-        if _rank() == 0:
+        if trainer_rank() == 0:
             final = self.folder / f"v{version}"
             drill_point("weight_sync")
             try:
@@ -215,9 +181,9 @@ class DiskWeightSync:
             finally:
                 if os.path.isdir(tmp):
                     shutil.rmtree(tmp, ignore_errors=True)
-        _raise_if_failed(error)
-        stats = {"weight_sync_time_s": time.perf_counter() - t0, "weight_sync_bytes": float(_broadcast_object(nbytes))}
-        _log_stats("disk", version, stats)
+        raise_if_failed(error)
+        stats = {"weight_sync_time_s": time.perf_counter() - t0, "weight_sync_bytes": float(broadcast_object(nbytes))}
+        log_sync_stats("disk", version, stats)
         return stats
 
     def rebuild(self) -> None:
@@ -279,12 +245,12 @@ class DistributedWeightSync:
     def setup(self) -> None:
         """Collective: rank 0 creates the group with every server (both sides join concurrently)."""
         error = None
-        if _rank() == 0:
+        if trainer_rank() == 0:
             try:
                 self._setup_rank0()
             except Exception as exc:  # noqa: BLE001 - reported on every rank below
                 error = str(exc)
-        _raise_if_failed(error)
+        raise_if_failed(error)
 
     def rebuild(self) -> None:
         """Collective: abandon the group and form a new one with the servers that are up now.
@@ -292,7 +258,7 @@ class DistributedWeightSync:
         Called after servers were lost or restarted.  The new group gets a new name: a surviving
         server still holds the old one, and a restarted server has none.
         """
-        if _rank() == 0:
+        if trainer_rank() == 0:
             self._abandon_group()
         base, n = self._rebuilds or (self.group_name, 0)
         self._rebuilds = (base, n + 1)
@@ -355,7 +321,7 @@ class DistributedWeightSync:
         """
         version = str(version)
         t0 = time.perf_counter()
-        rank0 = _rank() == 0
+        rank0 = trainer_rank() == 0
         error: str | None = None
         if rank0 and self._pg is None:
             error = (
@@ -376,8 +342,8 @@ class DistributedWeightSync:
             except Exception as exc:  # noqa: BLE001 - reported on every rank below
                 error = f"could not pause the rollout servers before weight sync {version}: {exc}"
         # Every rank walks the whole generator (it is collective) even if rank 0 already failed.
-        for name, tensor in self.engine.named_full_tensors(self.dtype, **_extras_kw(self.extras)):
-            size = _nbytes(tensor)
+        for name, tensor in self.engine.named_full_tensors(self.dtype, **extras_kw(self.extras)):
+            size = nbytes_of(tensor)
             total += size
             if not rank0 or error is not None:
                 continue
@@ -398,13 +364,13 @@ class DistributedWeightSync:
                 self.client.continue_generation()
             except Exception as exc:  # noqa: BLE001 - reported on every rank below
                 error = error or f"could not resume the rollout servers after weight sync {version}: {exc}"
-        _raise_if_failed(error)
+        raise_if_failed(error)
         stats = {
             "weight_sync_time_s": time.perf_counter() - t0,
             "weight_sync_bytes": float(total),
-            "weight_sync_buckets": float(_broadcast_object(n_buckets)),
+            "weight_sync_buckets": float(broadcast_object(n_buckets)),
         }
-        _log_stats("distributed", version, stats)
+        log_sync_stats("distributed", version, stats)
         return stats
 
     def _send_safely(self, bucket: list[tuple[str, torch.Tensor]], version: str, flush: bool) -> str | None:
@@ -502,11 +468,21 @@ class DistributedWeightSync:
             self._pg = None
 
 
-WeightSync = DiskWeightSync | DistributedWeightSync
+class WeightSync(Protocol):
+    """What the RL loop asks of a weight sync (``DiskWeightSync``, ``DistributedWeightSync``, ``TensorWeightSync``,
+    and the in-process engine's ``archon.rl.inprocess.InProcessWeightSync``); every method is collective."""
+
+    def setup(self) -> None: ...
+
+    def sync(self, version: int | str, servers_quiet: bool = False) -> dict[str, float]: ...
+
+    def rebuild(self) -> None: ...
+
+    def close(self) -> None: ...
 
 
 def build_weight_sync(
-    mode: Literal["distributed", "disk"],
+    mode: Literal["distributed", "disk", "tensor"],
     engine: WeightSyncEngine,
     client: Any,
     *,
@@ -544,7 +520,9 @@ def build_weight_sync(
                 "rollout.weight_sync = 'disk' needs a folder the servers can read (e.g. <run_dir>/weights)"
             )
         return DiskWeightSync(engine, client, folder, dtype=dtype, extras=extras, untie_embeddings=untie_embeddings)
-    raise ConfigError(f"rollout.weight_sync = '{mode}' must be 'distributed' or 'disk'")
+    if mode == "tensor":
+        return TensorWeightSync(engine, client, chunk_mb=int(chunk_mb), dtype=dtype, extras=extras)
+    raise ConfigError(f"rollout.weight_sync = '{mode}' must be 'distributed', 'disk' or 'tensor'")
 
 
 def server_dtype(cfg: Config) -> str:

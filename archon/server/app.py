@@ -8,7 +8,8 @@ client drives either (inference backend ``local``)::
 Endpoints: ``/generate``, ``/health``, ``/health_generate``, ``/get_model_info``,
 ``/get_server_info``, ``/flush_cache``, ``/pause_generation``, ``/continue_generation``,
 ``/abort_request``, ``/update_weights_from_disk``, ``/init_weights_update_group``,
-``/update_weights_from_distributed``, ``/destroy_weights_update_group``, and OpenAI's
+``/update_weights_from_distributed``, ``/destroy_weights_update_group``, ``/release_memory_occupation``,
+``/resume_memory_occupation`` and ``/update_weights_from_tensor`` (``archon.server.memory_routes``), and OpenAI's
 ``/v1/completions``, ``/v1/chat/completions`` and ``/v1/models`` (``archon.server.openai_api``; text
 needs the tokenizer of the model folder, loaded unless ``--skip-tokenizer-init``).  Generation runs in
 the ``Generator`` thread (see ``archon.server.generator`` for the exact semantics of pause,
@@ -45,6 +46,7 @@ from archon.runtime.gc_freeze import freeze_startup_objects
 from archon.server import openai_api, protocol
 from archon.server.generator import PAUSE_MODES, GenerationRequest, Generator
 from archon.server.http_limits import BodyLimitMiddleware, add_error_handlers
+from archon.server.memory_routes import add_memory_routes
 from archon.server.protocol import ProtocolError
 from archon.server.sampling import SamplingParams
 from archon.server.weight_update import probe_rendezvous
@@ -234,7 +236,7 @@ def create_app(server: RolloutServer) -> FastAPI:
     async def health_generate() -> PlainTextResponse:
         # Bypasses a pause: health checks must not hang while the trainer holds generation.
         request = GenerationRequest([0], SamplingParams(max_new_tokens=1, temperature=0.0))
-        if gen.paused:
+        if gen.paused or gen.memory_held:
             return PlainTextResponse("ok (paused)")
         await asyncio.wrap_future(gen.submit(request))
         return PlainTextResponse("ok")
@@ -431,6 +433,7 @@ def create_app(server: RolloutServer) -> FastAPI:
         await asyncio.to_thread(destroy_weight_update_group, group)
         return _outcome(True, f"destroyed weight update group {name!r}.")
 
+    add_memory_routes(app, gen)
     return app
 
 

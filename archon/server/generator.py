@@ -27,6 +27,8 @@ Control semantics (the server's endpoints map onto these one to one):
   running requests finish normally (or are aborted when ``abort_running``), then the update
   runs on the engine thread, ``weight_version`` changes, and admission resumes.  So without a
   retract no request mixes two weight versions.
+* ``release_memory(tags)`` / ``resume_memory(tags)`` (``archon.server.memory``) run the same way; while
+  memory is released, or resumed weights await their next update, requests queue (as when paused).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -58,8 +61,9 @@ from archon.server.generation_types import (  # noqa: F401 - GenerationResult is
     resolve_future,
 )
 from archon.server.kv_cache import BatchedKVCache
+from archon.server.memory import EngineMemory
 from archon.server.sampling import sample_tokens, suppress_tokens, token_logprobs
-from archon.server.weight_update import load_weights_from_disk, read_eos_token_ids, receive_weights
+from archon.server.weight_update import load_named_tensors, load_weights_from_disk, read_eos_token_ids, receive_weights
 from models.common.inference import InferenceForward
 
 logger = logging.getLogger(__name__)
@@ -81,6 +85,12 @@ class Generator:
         random_seed: seeds requests without ``sampling_seed`` (with a request counter).
         weight_version: initial version string reported in results.
         max_prefill_tokens: padded prompt tokens per prefill forward (at least one request).
+        shared_weights: ``model`` is also trained in this process (the in-process rollout engine): its
+            Parameters are left as they are (no fused projections, no ``requires_grad_(False)``, no ``eval()``),
+            so the optimizer keeps stepping the very tensors generation reads.
+        compute: a context manager factory every forward runs under (e.g. the trainer's autocast, so that
+            generation computes in the training dtype); None: none.
+        cache_dtype: the KV cache's dtype; default the parameters' (set it to the compute dtype under autocast).
     """
 
     def __init__(
@@ -92,6 +102,9 @@ class Generator:
         random_seed: int = 0,
         weight_version: str = "default",
         max_prefill_tokens: int = 8192,
+        shared_weights: bool = False,
+        compute: Callable[[], AbstractContextManager[Any]] | None = None,
+        cache_dtype: torch.dtype | None = None,
     ) -> None:
         args: Any = getattr(model, "args", None)
         missing = [a for a in ("n_layers", "n_kv_heads", "head_dim", "vocab_size") if not hasattr(args, a)]
@@ -102,9 +115,15 @@ class Generator:
             )
         if max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}.")
-        self.model = model.eval().requires_grad_(False)
-        # The lean forward of a stock Decoder (fused projections, few kernels); None: call the model.
-        self._lean = InferenceForward.for_model(self.model)
+        self.model = model if shared_weights else model.eval().requires_grad_(False)
+        # The lean forward of a stock Decoder (fused projections, few kernels); None: call the model.  Shared weights
+        # are not fused (fusing re-points the Parameters, which the optimizer holds), and a compute context (autocast)
+        # gets the model's own forward, whose casts it was written for.
+        self._lean = None if compute is not None else InferenceForward.for_model(self.model, fuse=not shared_weights)
+        self._compute = compute or nullcontext
+        # A tensor the model caches during an inference-mode forward (a longer RoPE table, say) would be an inference
+        # tensor, which training's autograd refuses: a shared model generates under no_grad only.
+        self._no_grad = torch.no_grad if shared_weights else torch.inference_mode
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.vocab_size = int(args.vocab_size)
         self.context_length = int(context_length if context_length is not None else args.max_seq_len)
@@ -117,12 +136,14 @@ class Generator:
             int(args.n_layers),
             int(args.n_kv_heads),
             int(args.head_dim),
-            dtype=param.dtype,
+            dtype=cache_dtype or param.dtype,
             device=param.device,
             initial_rows=min(8, max_running_requests),
             max_rows=max_running_requests,
             max_length=self.context_length,
         )
+        # Released memory and resumed-but-empty weights hold admission (archon.server.memory).
+        self._memory = EngineMemory(self.model, self.cache, self._lean, shared_weights)
         self._weight_version = weight_version
         self._request_counter = 0
         # MoE blocks keep their last routing, which requests may ask for (routing replay).
@@ -172,8 +193,14 @@ class Generator:
         """True between ``pause()`` and ``resume()``."""
         return self._paused
 
-    def stats(self) -> dict[str, int]:
-        """Requests running and queued, KV-cache rows in use and bytes held (a snapshot, for monitoring and tests)."""
+    @property
+    def memory_held(self) -> bool:
+        """True while requests wait for memory: some is released, or resumed weights await their update."""
+        return self._memory.holds_requests
+
+    def stats(self) -> dict[str, Any]:
+        """Requests running and queued, KV-cache rows in use, bytes the weights and KV cache hold, and the memory
+        released (a snapshot, for monitoring and tests)."""
         with self._cond:
             queued = len(self._inbox) + len(self._waiting)
             running = len(self.progress())
@@ -181,7 +208,7 @@ class Generator:
                 "num_running_reqs": running,
                 "num_queued_reqs": queued,
                 "kv_cache_rows": self.cache.num_rows,
-                "kv_cache_bytes": self.cache.nbytes,
+                **self._memory.stats(),
             }
 
     def progress(self) -> dict[str, int]:
@@ -280,11 +307,39 @@ class Generator:
             self._cond.notify()
         return future
 
+    def publish_weights(self, weight_version: str) -> Future:
+        """The model's weights were changed in place by their owner (the in-process engine's optimizer): once no
+        request runs, drop what the lean forward derived from them and report ``weight_version``."""
+        lean = self._lean
+        return self.run_exclusive(lambda model: lean.reset() if lean is not None else None, weight_version)
+
+    def release_memory(self, tags: Sequence[str] | None = None) -> Future:
+        """Once no request runs, free the memory of ``tags`` ('weights', 'kv_cache', 'cuda_graph'; None: all) and
+        hold new requests until it is resumed (``archon.server.memory``); resolves to the tags released now."""
+        return self.run_exclusive(lambda model: self._memory.release(tags))
+
+    def resume_memory(self, tags: Sequence[str] | None = None) -> Future:
+        """Take the memory of ``tags`` again (None: all); resumed weights have no contents, so requests wait for the
+        next weight update.  Resolves to the tags resumed now."""
+        return self.run_exclusive(lambda model: self._memory.resume(tags))
+
     def update_weights_from_disk(
         self, path: str | Path, weight_version: str | None = None, abort_running: bool = False
     ) -> Future:
         """Load the Hugging Face folder ``path`` into the model (same architecture and shapes)."""
-        return self.run_exclusive(lambda model: load_weights_from_disk(model, path), weight_version, abort_running)
+        load = self._memory.weight_update(lambda model: load_weights_from_disk(model, path))  # None: all written
+        return self.run_exclusive(load, weight_version, abort_running)
+
+    def update_weights_from_tensors(
+        self,
+        named_tensors: Sequence[tuple[str, torch.Tensor]],
+        weight_version: str | None = None,
+        abort_running: bool = False,
+    ) -> Future:
+        """Copy HF-named tensors into the model (names and shapes checked before any is applied); the caller keeps
+        them alive until the future resolves."""
+        load = self._memory.weight_update(lambda model: load_named_tensors(model, named_tensors))
+        return self.run_exclusive(load, weight_version, abort_running)
 
     def update_weights_from_group(
         self,
@@ -297,9 +352,13 @@ class Generator:
         flattened: bool = False,
     ) -> Future:
         """Receive HF-named tensors broadcast from rank 0 of ``group`` (in order, or ``flattened``) into the model."""
-        return self.run_exclusive(
-            lambda model: receive_weights(model, group, names, dtypes, shapes, flattened), weight_version, abort_running
-        )
+
+        def receive(model: nn.Module) -> None:
+            # Received even into released weights (the sender broadcasts regardless), then refused.
+            refuse = "the server's weights are released" if "weights" in self._memory.released else None
+            self._memory.weights_written(receive_weights(model, group, names, dtypes, shapes, flattened, refuse))
+
+        return self.run_exclusive(receive, weight_version, abort_running)
 
     def close(self) -> None:
         """Abort everything still queued or running and stop the engine thread."""
@@ -324,7 +383,7 @@ class Generator:
             or self._pause_waiters
             or self._exclusive
             or self._running
-            or (self._waiting and not self._paused)
+            or (self._waiting and not self._paused and not self._memory.holds_requests)
         )
 
     def _loop(self) -> None:
@@ -341,7 +400,7 @@ class Generator:
                 abort_rids, self._abort_rids = self._abort_rids, set()
                 abort_everything, self._abort_everything = self._abort_everything, False
                 pause_waiters, self._pause_waiters = self._pause_waiters, []
-                paused = self._paused
+                paused = self._paused or self._memory.holds_requests
                 exclusive = self._exclusive[0] if self._exclusive else None
 
             self._drop_cancelled()
@@ -484,7 +543,7 @@ class Generator:
     def _step(self, fn: Callable[[], None], new: list[ActiveSequence] | None = None) -> None:
         """Run one forward; on an error fail the requests involved and keep serving."""
         try:
-            with torch.inference_mode():
+            with self._no_grad(), self._compute():
                 fn()
         except Exception as e:  # noqa: BLE001  a model error must not kill the server
             logger.exception("generation step failed")

@@ -81,6 +81,7 @@ class BatchedKVCache:
         self.k = [self._zeros(self._rows, self._capacity) for _ in range(n_layers)]
         self.v = [self._zeros(self._rows, self._capacity) for _ in range(n_layers)]
         self._fwd: _Forward | None = None
+        self._freed = False
 
     # ---- sizes ------------------------------------------------------------------------
     @property
@@ -177,10 +178,32 @@ class BatchedKVCache:
         memory until the next burst.
         """
         self.clear()
-        if (self._rows, self._capacity) != self._initial:
+        if not self._freed and (self._rows, self._capacity) != self._initial:
             self._rows, self._capacity = self._initial
             self.k = [self._zeros(self._rows, self._capacity) for _ in self.k]
             self.v = [self._zeros(self._rows, self._capacity) for _ in self.v]
+
+    @property
+    def freed(self) -> bool:
+        """True between ``free()`` and ``restore()``: the cache holds no storage at all."""
+        return self._freed
+
+    def free(self) -> None:
+        """Drop every row and all key and value storage (zero bytes held) until ``restore()``.
+
+        For a server that gives its memory back while the trainer trains; ``release()`` keeps it freed.
+        """
+        self.clear()
+        self._rows = self._capacity = 0
+        self.k = [self._zeros(0, 0) for _ in self.k]
+        self.v = [self._zeros(0, 0) for _ in self.v]
+        self._freed = True
+
+    def restore(self) -> None:
+        """Take storage again after ``free()``: the initial size, growing on demand as before."""
+        if self._freed:
+            self._freed = False
+            self.release()
 
     # ---- one forward ------------------------------------------------------------------
     def begin_forward(self, start: int, stop: int, n_new: int, valid: list[int] | None = None) -> None:

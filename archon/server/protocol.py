@@ -517,3 +517,38 @@ def parse_update_from_distributed(payload: Any) -> UpdateFromDistributedArgs:
 def parse_group_name(payload: Any, endpoint: str) -> str:
     """``group_name`` of a body (default ``weight_update_group``)."""
     return _group_name(_object(payload, endpoint), endpoint)
+
+
+def parse_memory_tags(payload: Any, endpoint: str) -> list[str] | None:
+    """The ``tags`` of a ``/release_memory_occupation`` or ``/resume_memory_occupation`` body (None: all)."""
+    tags = _field(_object(payload, endpoint), "tags", list, endpoint, None)
+    if tags is not None and not all(type(t) is str for t in tags):
+        raise ProtocolError(f"{endpoint}: tags must be a list of strings, got {tags!r}.")
+    return tags
+
+
+@dataclass
+class UpdateFromTensorArgs(UpdateOptions):
+    """A parsed ``/update_weights_from_tensor`` body."""
+
+    serialized: str
+    """The one rank's ``serialized_named_tensors`` entry (``archon.wire.tensor_ipc``)."""
+
+
+def parse_update_from_tensor(payload: Any) -> UpdateFromTensorArgs:
+    ep = "/update_weights_from_tensor"
+    obj = _object(payload, ep)
+    entries = _field(obj, "serialized_named_tensors", list, ep)
+    if len(entries) != 1 or type(entries[0]) is not str:
+        raise ProtocolError(
+            f"{ep}: serialized_named_tensors must hold one string (one per tensor-parallel rank, and the built-in "
+            f"server runs one), got {len(entries)} entries."
+        )
+    load_format = _field(obj, "load_format", str, ep, None)
+    if load_format is not None:
+        raise ProtocolError(
+            f"{ep}: load_format {load_format!r} is not supported; send (name, tensor) pairs under Hugging Face "
+            "names without a load_format."
+        )
+    _field(obj, "flush_cache", bool, ep, True)  # accepted: no prefix cache is kept across requests
+    return UpdateFromTensorArgs(serialized=entries[0], **_update_options(obj, ep))

@@ -136,14 +136,16 @@ def receive_weights(
     dtypes: Sequence[torch.dtype],
     shapes: Sequence[Sequence[int]],
     flattened: bool = False,
-) -> None:
+    refuse: str | None = None,
+) -> list[torch.Tensor]:
     """Receive each tensor by broadcast from rank 0 of ``group``, in order, and copy it into ``model``.
 
     Names are Hugging Face names; a per-expert tensor fills one slice of a grouped expert
     tensor.  Every tensor is received even when the names do not fit the model (so the
     sender, which broadcasts regardless, does not hang); then nothing is applied and a
     ``ValueError`` lists the problems.  ``flattened``: the tensors come as one broadcast of
-    their bytes (``weight_group.flatten_bucket``).
+    their bytes (``weight_group.flatten_bucket``).  ``refuse``: a reason to receive everything and apply
+    nothing (the model's weights are released, say).  Returns the model's tensors written.
     """
     if not len(names) == len(dtypes) == len(shapes):
         raise ValueError(
@@ -151,7 +153,7 @@ def receive_weights(
         )
     adapter = models.adapter_for(model)
     targets = model.state_dict(keep_vars=True)
-    problems = _plan_received(adapter, targets, names, shapes)
+    problems = [refuse] if refuse else _plan_received(adapter, targets, names, shapes)
     device = next(model.parameters()).device
     if flattened:
         flat = torch.empty(bucket_nbytes(list(dtypes), [list(s) for s in shapes]), dtype=torch.uint8, device=device)
@@ -159,15 +161,44 @@ def receive_weights(
         received: Iterable[torch.Tensor] = unflatten_bucket(flat, list(dtypes), [list(s) for s in shapes])
     else:
         received = _receive_each(group, dtypes, shapes, device)
+    written = []
     for name, tensor in zip(names, received):
         if problems:
             continue  # every tensor is still received
         for archon_name, expert, value in adapter.from_hf_tensor(name, tensor):
             dst = targets[archon_name]
             (dst if expert is None else dst[expert]).copy_(value)
+            written.append(dst)
     if problems:
         raise ValueError(
             f"{len(problems)} received tensor(s) do not fit the served model, so none was applied: "
             + "; ".join(problems[:5])
             + (" ..." if len(problems) > 5 else "")
         )
+    return written
+
+
+def load_named_tensors(model: nn.Module, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+    """Copy HF-named tensors (``update_weights_from_tensor``) into ``model`` in place; returns the model's
+    tensors written (a grouped expert tensor counts as written by any of its experts).
+
+    Every name and shape is checked first, so a mismatch raises ``ValueError`` and leaves the
+    model unchanged.  Tensors on another device or in another dtype are converted by the copy.
+    """
+    names = [name for name, _ in named_tensors]
+    adapter = models.adapter_for(model)
+    targets = model.state_dict(keep_vars=True)
+    problems = _plan_received(adapter, targets, names, [tuple(t.shape) for _, t in named_tensors])
+    if problems:
+        raise ValueError(
+            f"{len(problems)} tensor(s) do not fit the served model, so none was applied: "
+            + "; ".join(problems[:5])
+            + (" ..." if len(problems) > 5 else "")
+        )
+    written = []
+    for name, tensor in named_tensors:
+        for archon_name, expert, value in adapter.from_hf_tensor(name, tensor):
+            dst = targets[archon_name]
+            (dst if expert is None else dst[expert]).copy_(value)
+            written.append(dst)
+    return written

@@ -7,7 +7,9 @@ positions, cache=cache)`` computes, with:
 
 * one matmul for q, k, v and one for the gate and up projections: their weights are moved
   into one buffer per block, and the module Parameters become views of it, so weight updates
-  (which copy into the Parameters in place) keep the fused weights current;
+  (which copy into the Parameters in place) keep the fused weights current.  ``fuse=False``
+  leaves the Parameters alone (a model that is also trained: its optimizer holds them) and runs
+  one matmul per projection;
 * on CPU in float32, oneDNN weights packed for small batches (``PackedLinear``: re-packed
   when a weight's version counter shows an in-place update) and residual adds fused into
   the output projections;
@@ -76,19 +78,35 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
+class _Joined:
+    """Linears applied to one input, outputs concatenated: a fused projection without moving the weights."""
+
+    def __init__(self, linears: list[nn.Linear]) -> None:
+        self.parts = [PackedLinear(lin.weight, lin.bias) for lin in linears]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+    def reset(self) -> None:
+        for part in self.parts:
+            part.reset()
+
+
 class _Block:
     """One block's fused weights and the tensors and settings its forward reads (no module lookups)."""
 
-    def __init__(self, block: TransformerBlock) -> None:
+    def __init__(self, block: TransformerBlock, fuse: bool = True) -> None:
         attn = block.attention
         self.layer_id = attn.layer_id
         self.head_dim = attn.head_dim
         self.scale = attn.core.scale
         self.n_q, self.n_kv = attn.wq.out_features, attn.wk.out_features
-        self.qkv = PackedLinear(*_fuse_linears([attn.wq, attn.wk, attn.wv]))
+        qkv: list[nn.Linear] = [attn.wq, attn.wk, attn.wv]
+        self.qkv = PackedLinear(*_fuse_linears(qkv)) if fuse else _Joined(qkv)
         self.moe = block.moe if block.moe_enabled else None
         if self.moe is None:
-            self.gate_up = PackedLinear(_fuse_linears([block.feed_forward.w1, block.feed_forward.w3])[0])
+            gate_up: list[nn.Linear] = [block.feed_forward.w1, block.feed_forward.w3]
+            self.gate_up = PackedLinear(_fuse_linears(gate_up)[0]) if fuse else _Joined(gate_up)
             self.w2 = PackedLinear(block.feed_forward.w2.weight)
         # Parameters held directly: module attribute lookups cost microseconds each.
         self.attention_norm, self.ffn_norm = _norm(block.attention_norm), _norm(block.ffn_norm)
@@ -96,6 +114,13 @@ class _Block:
         self._qk_norm: tuple[tuple[int, int], torch.Tensor] | None = None
         self.wo = PackedLinear(attn.wo.weight, attn.wo.bias)
         self.params = _block_params(block)
+
+    def reset(self) -> None:
+        """Forget what was derived from the weights (packed matmul weights, the q/k norm rows)."""
+        linears = [self.qkv, self.wo] + ([] if self.moe is not None else [self.gate_up, self.w2])
+        for linear in linears:
+            linear.reset()
+        self._qk_norm = None
 
     def _qk_norm_weight(self) -> torch.Tensor:
         """q_norm's weight for every query head, then k_norm's for every KV head: one ``[heads, head_dim]``."""
@@ -145,27 +170,29 @@ def _block_params(block: TransformerBlock) -> list[nn.Parameter]:
 class InferenceForward:
     """``Decoder.forward`` with a KV cache, for generation (see the module docstring)."""
 
-    def __init__(self, model: Decoder) -> None:
+    def __init__(self, model: Decoder, fuse: bool = True) -> None:
         self.model = model
+        self.fuse = fuse
         with torch.no_grad():
-            self.blocks = [_Block(block) for block in model._blocks()]
+            self.blocks = [_Block(block, fuse) for block in model._blocks()]
         self.output = PackedLinear(model.output.weight)
 
     @classmethod
-    def for_model(cls, model: nn.Module) -> InferenceForward | None:
+    def for_model(cls, model: nn.Module, fuse: bool = True) -> InferenceForward | None:
         """The lean forward of ``model``, or None when ``model`` is not a plain single-device ``Decoder``.
 
-        One per model: fusing re-points the model's projection Parameters, so a second call
-        returns the first instance (refreshed) rather than fusing again.
+        One per model and ``fuse``: fusing re-points the model's projection Parameters, so a second
+        call returns the first instance (refreshed) rather than fusing again.
         """
         if not _is_plain_decoder(model):
             return None
-        existing = model.__dict__.get("_inference_forward")
+        key = "_inference_forward" if fuse else "_inference_forward_unfused"
+        existing = model.__dict__.get(key)
         if existing is not None:
             existing.refresh()
             return existing
-        forward = cls(model)
-        model.__dict__["_inference_forward"] = forward
+        forward = cls(model, fuse)
+        model.__dict__[key] = forward
         return forward
 
     def refresh(self) -> None:
@@ -176,11 +203,18 @@ class InferenceForward:
         """
         with torch.no_grad():
             self.blocks = [
-                b if all(x is y for x, y in zip(b.params, _block_params(block))) else _Block(block)
+                b if all(x is y for x, y in zip(b.params, _block_params(block))) else _Block(block, self.fuse)
                 for b, block in zip(self.blocks, self.model._blocks())
             ]
         if self.output.weight is not self.model.output.weight:
             self.output = PackedLinear(self.model.output.weight)
+
+    def reset(self) -> None:
+        """Derive everything from the weights again on the next call: they changed in place without moving their
+        version counters (a fused optimizer's step on a model that is also trained)."""
+        for block in self.blocks:
+            block.reset()
+        self.output.reset()
 
     @torch.no_grad()
     def __call__(

@@ -131,6 +131,11 @@ class PackedLinear:
         # (``copy.deepcopy`` of a model that has served, say) packs its own on first use.
         return {**self.__dict__, "_version": -1, "_packed": None}
 
+    def reset(self) -> None:
+        """Re-pack on the next call: the weight changed in place without moving its version counter (fused
+        optimizers, e.g. AdamW(fused=True), write parameters that way)."""
+        self._packed = None
+
     def _weight_for(self, x: torch.Tensor) -> torch.Tensor | None:
         if not _use_onednn(x, self.weight):
             return None

@@ -92,6 +92,26 @@ def test_fused_weights_follow_updates(folders):
     )
 
 
+def test_unfused_forward_leaves_a_trained_model_alone_and_follows_its_optimizer(folders):
+    model = models.load_hf_model(folders / "qwen3")
+    params = dict(model.named_parameters())
+    lean = InferenceForward.for_model(model, fuse=False)
+    assert lean is not None and InferenceForward.for_model(model, fuse=False) is lean
+    # Nothing re-pointed: an optimizer built before still steps the tensors the lean forward reads.
+    assert all(p is params[n] for n, p in model.named_parameters())
+    ref = _run(_reference(model), model, torch.float32)
+    torch.testing.assert_close(_run(lambda t, c, last: lean(t, c.positions(), c, last), model, torch.float32), ref)
+    # A fused AdamW step writes the Parameters without moving their version counters: reset() picks it up.
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    new_ref = _run(_reference(model), model, torch.float32)
+    assert not torch.allclose(new_ref, ref)
+    lean.reset()
+    torch.testing.assert_close(_run(lambda t, c, last: lean(t, c.positions(), c, last), model, torch.float32), new_ref)
+
+
 def test_models_it_cannot_run_are_left_to_their_forward(folders):
     model = models.load_hf_model(folders / "qwen3")
     block_of(model, 1).attention.register_forward_hook(lambda *args: None)

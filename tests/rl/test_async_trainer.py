@@ -36,11 +36,13 @@ def test_k0_through_the_asynchronous_loop_equals_the_synchronous_trainer(rl_setu
         # The same prompts, seeds and weights: the same tokens and rewards.
         for key in ("reward_mean", "reward_std", "response_len_mean", "n_samples", "epoch"):
             assert a[key] == s[key], key
-        # The server batches requests as they arrive, so logprobs may differ in the last bits.
+        # The server batches requests as they arrive, so logprobs may differ in the last bits (~1e-7). AdamW's
+        # per-coordinate step turns that into weights ~1e-5 apart (relative) after the first update, which all that
+        # is computed after it carries (the second minibatch's grad norm, later entropies, both ~3): relative past 0.1.
         for key, value in s.items():
             # Weight checks run after every synchronous update, every 10th asynchronous one.
             if isinstance(value, float) and not key.endswith(TIMINGS) and not key.startswith("weight_check/"):
-                assert a[key] == pytest.approx(value, abs=1e-5), key
+                assert a[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
 
 
 def test_async_runs_are_reproducible_and_do_not_depend_on_the_allocation(rl_setup):

@@ -95,6 +95,9 @@ def test_dynamic_filter_adaptive_kl_and_shuffled_epochs_resume_exactly_on_anothe
     model, data, root = rl_setup
     extra = {
         "total_train_steps": 3,
+        # The prompts wrapped in the tiny tokenizer's chat template: with them, step 1's completions give groups of
+        # equal rewards, so the filter drops and refills before the checkpoint (asserted below).
+        "train_dataset.apply_chat_template": True,
         "reward.fn": "reward_fns:crc_quarter",
         "dynamic_filter.enable": True,
         "dynamic_filter.max_num_gen_batches": 3,

@@ -343,7 +343,7 @@ def test_factory_and_dtype_names():
     assert dtype_name(torch.bfloat16) == "bfloat16" and dtype_name(torch.float32) == "float32"
     with pytest.raises(ValueError, match="needs a folder"):
         build_weight_sync("disk", cast("WeightSyncEngine", ShardedEngine()), None)
-    with pytest.raises(ValueError, match="must be 'distributed' or 'disk'"):
+    with pytest.raises(ValueError, match="must be 'distributed', 'disk' or 'tensor'"):
         build_weight_sync("nfs", ShardedEngine(), None)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="weight_chunk_mb = 0 must be positive"):
         build_weight_sync("distributed", cast("WeightSyncEngine", ShardedEngine()), None, chunk_mb=0)
