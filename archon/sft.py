@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from archon.checkpoint.manager import CheckpointManager
+from archon.checkpoint.schedule import SaveSchedule
 from archon.cli import init_run
 from archon.config import Config, ConfigError
 from archon.data.collate import collate
@@ -84,6 +85,7 @@ def run_sft(cfg: Config) -> list[dict[str, Any]]:
     )
     history = []
     freeze_startup_objects()
+    schedule = SaveSchedule(cfg.saver, cfg.total_train_steps)
     try:
         while engine.step < cfg.total_train_steps:
             t0 = time.perf_counter()
@@ -106,8 +108,7 @@ def run_sft(cfg: Config) -> list[dict[str, Any]]:
             record.update({k: v for k, v in stats.items() if k.startswith("moe/")})
             history.append(record)
             metrics_log.log(record)
-            freq = cfg.saver.freq_steps
-            if (freq and engine.step % freq == 0) or engine.step == cfg.total_train_steps:
+            if schedule.due(engine.step):
                 ckpt.save(engine.step, {"actor": engine}, {"sampler": sampler.state_dict()})
     finally:
         metrics_log.close()

@@ -42,6 +42,13 @@ def _type_name(tp: Any) -> str:
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
 
 
+LITERAL_ALIASES: dict[str, dict[str, str]] = {
+    # The short schedule names of the Archon document (seed 003) and AReaL's docs, for torch's class names.
+    "pp_schedule": {"I1F1B": "Interleaved1F1B", "IZB": "InterleavedZeroBubble", "ZBV": "ZBVZeroBubble"}
+}
+"""Other spellings a choice field accepts, by field name: what they stand for."""
+
+
 def did_you_mean(word: str, options: typing.Iterable[str]) -> str:
     """ "; did you mean ..." naming the closest of ``options`` to ``word``, or "" when none is close."""
     match = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
@@ -114,6 +121,7 @@ class _Builder:
             return self.build(typing.cast(type, tp), value, key + ".")
         if origin is Literal:
             choices = typing.get_args(tp)
+            value = LITERAL_ALIASES.get(key.rsplit(".", 1)[-1], {}).get(value, value)
             if value not in choices:
                 hint = did_you_mean(str(value), [str(c) for c in choices])
                 raise ConfigError(

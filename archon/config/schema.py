@@ -78,7 +78,7 @@ class ArchonEngineConfig:
     pp_schedule: Literal["1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV", "GPipe"] = (
         "Interleaved1F1B"
     )
-    """Pipeline schedule used when the allocation has p > 1."""
+    """Pipeline schedule used when the allocation has p > 1 (the short names I1F1B, IZB and ZBV are accepted)."""
     pp_layers_per_stage: int = 0
     """Transformer blocks per pipeline stage; 0 derives it from the layer count and schedule."""
     enable_compile: bool = True
@@ -486,7 +486,10 @@ class RewardConfig:
 @dataclass
 class SaverConfig:
     freq_steps: int = 0
-    """Save a resumable checkpoint every N steps; 0 only at the end."""
+    """Save a resumable checkpoint every N steps (0: not by steps); a run always saves at its end."""
+    freq_secs: float = 3600.0
+    """Save a resumable checkpoint after this many seconds of training since the last one (AReaL's name), so that an
+    interrupted run loses at most that much; 0: not by time."""
     keep_last: int = 2
     """Complete checkpoints kept on disk (older ones are deleted once a newer one is complete)."""
     export_hf: bool = True

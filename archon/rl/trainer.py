@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from archon.checkpoint.manager import CheckpointManager
+from archon.checkpoint.schedule import SaveSchedule
 from archon.cli import init_run
 from archon.config import Config, ConfigError
 from archon.data.encoding import load_tokenizer
@@ -474,14 +475,14 @@ class RLTrainer:
                 start_step=first - 1,
                 run_config=cfg,
             )
+            schedule = SaveSchedule(cfg.saver, cfg.total_train_steps)
             try:
                 for step in range(first, cfg.total_train_steps + 1):
                     record = self.step(step)
                     history.append(record)
                     metrics_log.log(record)
                     self.mismatch_monitor.observe(step, record.get(MISMATCH))
-                    freq = cfg.saver.freq_steps
-                    if (freq and step % freq == 0) or step == cfg.total_train_steps:
+                    if schedule.due(step):
                         self.ckpt.save(
                             step,
                             self.engines,

@@ -339,3 +339,16 @@ def test_cli_error_is_one_sentence_without_traceback():
     )
     assert out.returncode == 2
     assert "Traceback" not in out.stderr and "config error" in out.stderr and "d4t2" in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("short", "schedule"), [("I1F1B", "Interleaved1F1B"), ("IZB", "InterleavedZeroBubble"), ("ZBV", "ZBVZeroBubble")]
+)
+def test_pp_schedule_takes_the_archon_documents_short_names(short, schedule):
+    # Seed 003 and AReaL's docs write I1F1B, IZB and ZBV; I1F1B used to be refused with "did you mean '1F1B'", another
+    # schedule.
+    cfg = load_config(None, [f"actor.archon.pp_schedule={short}", "critic.archon.pp_schedule=IZB"])
+    assert cfg.actor.archon.pp_schedule == schedule
+    assert cfg.critic.archon.pp_schedule == "InterleavedZeroBubble"
+    with pytest.raises(ConfigError, match="did you mean 'ZBVZeroBubble'"):
+        load_config(None, ["actor.archon.pp_schedule=ZBVZeroBubbl"])

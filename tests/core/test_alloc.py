@@ -138,7 +138,7 @@ BAD = [
     ("sglang.d4p2+d4", "'vllm:d4p2+archon:d4'"),
     ("sglang:d2+d4", "'d4' has no backend"),
     ("archn:d4", "did you mean 'archon'"),
-    ("pytorch:d4", "known backends are sglang, vllm, local, fsdp, megatron, archon"),
+    ("pytorch:d4", "known backends are sglang, vllm, local, inprocess, fsdp, megatron, archon"),
     ("archon:d4x2", "'x' is not a dimension"),
     ("archon:d", "dimension 'd' has no size"),
     ("archon:d0", "size 0"),
