@@ -21,7 +21,7 @@ endif
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test,ray,lint,track]"
+	$(PY) -m pip install -q -e ".[test,ray,lint,track,lora]"
 	touch $@
 
 install: $(VENV)/.installed

@@ -13,8 +13,10 @@ from typing import Any, NoReturn
 import torch.distributed as dist
 
 from archon.config import Config, load_config
+from archon.config.scheduler import check_launched
 from archon.engine.dist import init_distributed, plan_gpu, resolve_device_type, shutdown_distributed
 from archon.errors import JobError, user_error_types  # noqa: F401 - JobError is public here
+from archon.launch.discovery import LAUNCH_ID_ENV
 from archon.plan import Job, plan_for_config
 from archon.runtime.cpu_pinning import pin_to_slot
 
@@ -42,7 +44,10 @@ def run_job(
         logging.getLogger(name).setLevel(logging.WARNING)
     ok = False
     try:
-        job(load_config(args.config, args.overrides, job=kind))
+        cfg = load_config(args.config, args.overrides, job=kind)
+        # scheduler.type 'ray'/'slurm' runs are started by python -m archon.launch, which marks its processes.
+        check_launched(cfg.scheduler, args.config, args.overrides, launched=bool(os.environ.get(LAUNCH_ID_ENV)))
+        job(cfg)
         ok = True
     except user_error_types() as exc:
         if _reports_errors():

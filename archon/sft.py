@@ -16,12 +16,14 @@ import torch.distributed as dist
 from archon.checkpoint.manager import CheckpointManager
 from archon.checkpoint.schedule import SaveSchedule
 from archon.cli import init_run
-from archon.config import Config, ConfigError
+from archon.config import Config
+from archon.config.preflight import preflight
 from archon.data.collate import collate
 from archon.data.encoding import load_tokenizer
 from archon.data.from_config import build_sft_dataset, describe_chat_template
 from archon.data.sampler import EpochSampler
 from archon.engine import build_engine
+from archon.engine.final_export import export_final
 from archon.metrics import MetricsLogger, peak_memory_gb
 from archon.runtime.gc_freeze import freeze_startup_objects, thaw_startup_objects
 
@@ -43,13 +45,7 @@ def loss_token_count(mb: dict[str, torch.Tensor]) -> float:
 def run_sft(cfg: Config) -> list[dict[str, Any]]:
     """Train ``cfg.actor`` on ``cfg.train_dataset`` for ``cfg.total_train_steps``; returns the metrics."""
 
-    if not cfg.actor.path:
-        raise ConfigError("actor.path is empty; SFT needs a Hugging Face model folder with a tokenizer")
-    if not cfg.train_dataset.path:
-        raise ConfigError(
-            'train_dataset.path is empty; point it at a jsonl, json or parquet file of {"prompt", "completion"} '
-            "rows or a dataset folder"
-        )
+    report = preflight(cfg, "sft")  # what `python -m archon.config --job sft` checks; resolves hub ids in cfg
     init_run(cfg, "sft")
     ckpt = CheckpointManager(cfg.run_dir, cfg.saver.keep_last)
     ckpt.check_writable()
@@ -58,6 +54,8 @@ def run_sft(cfg: Config) -> list[dict[str, Any]]:
     ).initialize()
     ckpt.check_space({"actor": engine})
     rank0 = dist.get_rank() == 0
+    if rank0:
+        logger.info("start checks: %s", "; ".join(report))
     tokenizer = load_tokenizer(cfg.actor.path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     dataset = build_sft_dataset(cfg.train_dataset, tokenizer)
@@ -113,8 +111,5 @@ def run_sft(cfg: Config) -> list[dict[str, Any]]:
     finally:
         metrics_log.close()
         thaw_startup_objects()
-    if cfg.saver.export_hf:
-        engine.export_hf(cfg.run_dir / "hf")
-        if rank0:
-            tokenizer.save_pretrained(cfg.run_dir / "hf")
+    export_final(cfg, engine, tokenizer, rank0)
     return history

@@ -29,7 +29,7 @@ from typing import Any
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from parallel.errors import ParallelConfigError
 
@@ -153,9 +153,70 @@ class ExpertTensorParallel(ParallelStyle):
         return distribute_module(module, device_mesh, partition, input_fn=input_fn)  # pyright: ignore[reportArgumentType]
 
 
+def _distribute_parameters(module: nn.Module, mesh: DeviceMesh, placements: dict[str, Placement], src: Any) -> None:
+    for pname, param in list(module.named_parameters(recurse=False)):
+        placement = placements.get(pname, Replicate())
+        module.register_parameter(
+            pname,
+            nn.Parameter(
+                distribute_tensor(param, mesh, [placement], src_data_rank=src), requires_grad=param.requires_grad
+            ),
+        )
+
+
+class LoRAColwiseParallel(ColwiseParallel):
+    """``ColwiseParallel`` that also places a LoRA adapter: ``lora_b [out, r]`` split on ``out``, ``lora_a`` replicated.
+
+    ``x A^T`` is then computed whole on every rank and ``(x A^T) B^T`` gives this rank's output columns, the
+    same split as the base layer's.  On a layer without adapters it is ``ColwiseParallel``.
+    """
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        if not hasattr(module, "lora_a"):
+            return super()._partition_linear_fn(name, module, device_mesh)
+        placements: dict[str, Placement] = {"weight": Shard(0), "bias": Shard(0), "lora_b": Shard(0)}
+        _distribute_parameters(module, device_mesh, placements, self.src_data_rank)
+
+
+class LoRARowwiseParallel(RowwiseParallel):
+    """``RowwiseParallel`` that also places a LoRA adapter: ``lora_a [r, in]`` split on ``in``, ``lora_b`` replicated.
+
+    Each rank's ``x_local A_local^T`` is a partial sum, and so is ``(.) B^T``: the adapter's output is
+    reduced with the base layer's partial output.  On a layer without adapters it is ``RowwiseParallel``.
+    """
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        if not hasattr(module, "lora_a"):
+            return super()._partition_linear_fn(name, module, device_mesh)
+        placements: dict[str, Placement] = {"weight": Shard(1), "lora_a": Shard(1)}
+        _distribute_parameters(module, device_mesh, placements, self.src_data_rank)
+
+
+def with_lora_placements(style: ParallelStyle) -> ParallelStyle:
+    """``style`` with LoRA adapters placed by their base layer's split (column- and row-wise styles only)."""
+    for base, lora in ((ColwiseParallel, LoRAColwiseParallel), (RowwiseParallel, LoRARowwiseParallel)):
+        if type(style) is base:
+            # Same settings (layouts, local output, source rank), one more rule for adapter parameters.
+            out = lora()
+            vars(out).update(vars(style))
+            return out
+    return style
+
+
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyle]) -> nn.Module:
-    """``parallelize_module`` with a plan whose keys are module paths (wildcards allowed)."""
-    return parallelize_module(model, tp_mesh, plan)
+    """``parallelize_module`` with a plan whose keys are module paths (wildcards allowed).
+
+    Column- and row-wise styles also place the LoRA adapters of the layers they split (``LoRAColwiseParallel``,
+    ``LoRARowwiseParallel``), so a model's plan needs no entries for adapters.  Frozen parameters stay frozen.
+    """
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    model = parallelize_module(model, tp_mesh, {key: with_lora_placements(style) for key, style in plan.items()})
+    # Some of torch's styles (SequenceParallel) make every parameter they distribute trainable: keep frozen ones
+    # (a LoRA model's base) frozen.
+    for name, param in model.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
+    return model
 
 
 def check_divisible(sizes: dict[str, int], tp: int, model_name: str) -> None:

@@ -23,6 +23,7 @@ LAZY_IMPORTS: dict[tuple[str, str], str] = {
     ("archon.errors", "pipeline.split"): _TORCH_FREE,
     ("archon.plan.fit", "pipeline.split"): _PLAN_TORCH_FREE,
     ("archon.plan.memory", "models"): _PLAN_TORCH_FREE,
+    ("archon.plan.memory", "models.lora"): _PLAN_TORCH_FREE,
     ("archon.plan.memory", "pipeline.placement"): _PLAN_TORCH_FREE,
     ("archon.plan.memory", "pipeline.schedules"): _PLAN_TORCH_FREE,
     ("archon.plan.memory", "pipeline.split"): _PLAN_TORCH_FREE,

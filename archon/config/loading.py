@@ -1,4 +1,4 @@
-"""Reading a config: defaults, then a TOML file, then ``dotted.key=value`` overrides; then checks.
+"""Reading a config: defaults, then a TOML or YAML file, then ``dotted.key=value`` overrides; then checks.
 
 Precedence is overrides > TOML > defaults.  Overrides are ``dotted.key=value`` where the
 value is a TOML literal (``=false``, ``=1e-3``, ``='archon:d4'``); ``True``/``False`` are
@@ -6,13 +6,16 @@ accepted too, and a value that is not valid TOML is taken as a plain string, so
 ``actor.backend=archon:d2t2`` works without quotes.  A leading ``+`` on a key is accepted
 (``+actor.archon.enable_compile=False``) for compatibility with AReaL command lines.
 Unknown keys and wrong types are errors that name the key, where it came from, and the
-closest valid key.
+closest valid key.  A ``.yaml``/``.yml`` file is read as AReaL writes one (``archon.config.yaml_files``: its
+``${a.b}`` references resolved after the overrides), and AReaL's keys that Archon lacks are translated, dropped
+with a warning or refused with one sentence each (``archon.config.areal_keys``), whatever the file's format.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import sys
 import typing
 from pathlib import Path
@@ -24,11 +27,17 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib  # pyright: ignore[reportMissingImports]
 
 from archon.alloc import AllocationError, ModelAllocation, megatron_refusal
+from archon.config.areal_keys import find_areal_key
+from archon.config.areal_translate import apply_warmup_proportions, translate_areal_keys
 from archon.config.colocate_checks import apply_colocate_defaults, check_colocation
+from archon.config.device_defaults import apply_device_defaults
 from archon.config.ranges import check_ranges
 from archon.config.schema import INHERITED_ENGINE_FIELDS, Config, ConfigError, default_norms
 from archon.config.vllm_checks import check_vllm_config
+from archon.config.yaml_files import YAML_SUFFIXES, read_yaml, resolve_references
 from archon.placement import plan_cluster
+
+logger = logging.getLogger("archon.config")
 
 
 def _type_name(tp: Any) -> str:
@@ -102,6 +111,9 @@ class _Builder:
                         f"config key '{dotted}' (from {self.where(dotted)}) was replaced by "
                         f"{_RENAMED[dotted]} (AReaL's rejection_sampling options)"
                     )
+                areal = find_areal_key(dotted)
+                if areal:  # load_config translates these first; other callers still get the table's sentence
+                    raise ConfigError(f"config key '{dotted}' (from {self.where(dotted)}): {areal[0].note}")
                 # Suggest full dotted keys, so the suggestion can be pasted as it is.
                 near = did_you_mean(dotted, [prefix + n for n in names]) or did_you_mean(dotted, _all_keys(Config))
                 raise ConfigError(f"unknown config key '{dotted}' (from {self.where(dotted)}){near}")
@@ -209,7 +221,7 @@ def _record_sources(tree: dict[str, Any], source: str, sources: dict[str, str], 
 def read_toml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file '{path}' does not exist; pass an existing TOML file to --config")
+        raise ConfigError(f"config file '{path}' does not exist; pass an existing TOML or YAML file to --config")
     try:
         with path.open("rb") as fh:
             return tomllib.load(fh)
@@ -217,10 +229,20 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file '{path}' is not valid TOML: {exc}") from None
 
 
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The tree of a config file: YAML for a ``.yaml``/``.yml`` name, else TOML (references not yet resolved)."""
+    path = Path(path)
+    if path.suffix.lower() in YAML_SUFFIXES:
+        if not path.is_file():
+            raise ConfigError(f"config file '{path}' does not exist; pass an existing TOML or YAML file to --config")
+        return read_yaml(path)
+    return read_toml(path)
+
+
 def load_config(
     config_path: str | Path | None = None, overrides: typing.Sequence[str] = (), validate: bool = True, job: str = "rl"
 ) -> Config:
-    """Defaults, then the TOML file, then the overrides; then inheritance and validation.
+    """Defaults, then the TOML or YAML file, then the overrides; then AReaL's keys, inheritance and validation.
 
     ``job`` ('rl' or 'sft') says which processes the cluster check counts: an SFT run starts
     no rollout server.
@@ -228,16 +250,23 @@ def load_config(
     tree: dict[str, Any] = {}
     sources: dict[str, str] = {}
     if config_path:
-        tree = read_toml(config_path)
+        tree = read_config_file(config_path)
         _record_sources(tree, f"'{config_path}'", sources)
     for arg in overrides:
         key, value = parse_override(arg)
         _set_dotted(tree, key, value)
         _record_sources({key: value}, "the command line", sources)
         sources[key] = "the command line"
+    if config_path and Path(config_path).suffix.lower() in YAML_SUFFIXES:
+        tree = resolve_references(tree, f"'{config_path}'")
+    translation = translate_areal_keys(tree, sources)
     builder = _Builder(sources)
     cfg = builder.build(Config, tree)
+    apply_warmup_proportions(cfg, translation, builder.explicit)
+    _warn_inherited_critic_path(cfg, builder.explicit)
+    apply_device_defaults(cfg, builder.explicit)  # before critic/ref/teacher inherit actor's dtype and compile
     _inherit_from_actor(cfg, builder.explicit)
+    _pad_under_compile(cfg, builder.explicit)
     _apply_estimator_defaults(cfg, builder.explicit)
     apply_colocate_defaults(cfg, builder.explicit)
     if validate:
@@ -257,6 +286,43 @@ def _inherit_from_actor(cfg: Config, explicit: set[str]) -> None:
             elif dataclasses.is_dataclass(value):
                 # A partially set section (e.g. ref.archon.ac_mode) inherits its other keys.
                 setattr(target, name, _merge_section(getattr(cfg.actor, name), value, f"{engine}.{name}", explicit))
+
+
+def _warn_inherited_critic_path(cfg: Config, explicit: set[str]) -> None:
+    """A critic that trains (adv_estimator 'gae') and names no model of its own starts from actor.path: say so."""
+    if cfg.actor.adv_estimator != "gae" or ("critic.path" in explicit and cfg.critic.path):
+        return
+    logger.warning(
+        "critic.path is not set, so the critic starts from actor.path = '%s' with a new value head; set critic.path "
+        "to a value or reward model folder to start from one (AReaL's examples write critic.path: ${actor.path})",
+        cfg.actor.path,
+    )
+
+
+def _pad_under_compile(cfg: Config, explicit: set[str]) -> None:
+    """pad_to_maximum on for every engine that compiles and has a microbatch bound (torch.compile wants fixed
+    shapes; the engine pads under compile either way), said once for the actor at start."""
+    for engine in ("actor", "critic", "ref", "teacher"):
+        section = getattr(cfg, engine)
+        bound = section.mb_spec.max_tokens_per_mb
+        if not section.archon.enable_compile or section.pad_to_maximum or bound <= 0:
+            continue
+        section.pad_to_maximum = True
+        if engine != "actor":
+            continue
+        if f"{engine}.pad_to_maximum" in explicit:
+            logger.warning(
+                "actor.pad_to_maximum = false is overridden: actor.archon.enable_compile pads every microbatch to "
+                "actor.mb_spec.max_tokens_per_mb = %d for torch.compile's fixed shapes; turn compile off to train "
+                "without padding",
+                bound,
+            )
+        else:
+            logger.info(
+                "actor.pad_to_maximum set to true: actor.archon.enable_compile is on, so every microbatch is padded "
+                "to actor.mb_spec.max_tokens_per_mb = %d (fixed shapes for torch.compile)",
+                bound,
+            )
 
 
 def _apply_estimator_defaults(cfg: Config, explicit: set[str]) -> None:

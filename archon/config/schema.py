@@ -14,6 +14,9 @@ from typing import Any, Literal
 
 from archon.alloc import AllocationError, ModelAllocation
 from archon.config.dataset import DatasetConfig
+from archon.config.evaluator import EvaluatorConfig, ValidDatasetConfig
+from archon.config.lora import LoRAConfig
+from archon.config.scheduler import SchedulerConfig
 from archon.config.stats_logger import StatsLoggerConfig
 from archon.errors import ArchonError
 from archon.wire.sglang import SGLangSampling
@@ -82,7 +85,7 @@ class ArchonEngineConfig:
     pp_layers_per_stage: int = 0
     """Transformer blocks per pipeline stage; 0 derives it from the layer count and schedule."""
     enable_compile: bool = True
-    """torch.compile each block (after activation checkpointing, before FSDP); leave off on CPU."""
+    """torch.compile each block (after activation checkpointing, before FSDP); unset: on for CUDA, off for CPU."""
     ac_mode: Literal["none", "full", "selective", "memory_budget"] = "selective"
     """Activation checkpointing mode, applied only when `gradient_checkpointing` is true."""
     selective_ac_option: str = "op"
@@ -118,19 +121,23 @@ class TrainEngineConfig:
     model_config: str = ""
     """Folder or config.json used to build an uninitialised model when `path` is empty."""
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
-    """Parameter dtype for compute (FSDP mixed precision); master weights stay float32."""
+    """Parameter dtype for compute (FSDP mixed precision; master weights stay float32); unset: bfloat16 on CUDA,
+    float32 on CPU."""
     grad_reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """dtype of gradient reduce-scatter/all-reduce."""
     gradient_checkpointing: bool = False
     """Turn on activation checkpointing with `archon.ac_mode`."""
     pad_to_maximum: bool = False
-    """Pad every microbatch to `mb_spec.max_tokens_per_mb` (fixed shapes; forced on under compile)."""
+    """Pad every microbatch to `mb_spec.max_tokens_per_mb` (fixed shapes); set automatically, with a note at start,
+    when `archon.enable_compile` is on and `mb_spec.max_tokens_per_mb` is set."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     """Optimizer and learning-rate schedule."""
     mb_spec: MicroBatchSpec = field(default_factory=MicroBatchSpec)
     """How a data-parallel rank's share of the batch is cut into packed microbatches."""
     archon: ArchonEngineConfig = field(default_factory=ArchonEngineConfig)
     """Engine options; the fsdp: engine reads the activation checkpointing, compile, FSDP and determinism ones too."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """Low-rank adapters (LoRA) on the archon: and fsdp: engines: base frozen, adapters trained and exported."""
 
 
 @dataclass
@@ -509,18 +516,27 @@ class Config:
     total_train_steps: int = 100
     """Optimizer steps (RL steps) to run."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Device type; auto picks CUDA when available."""
+    """Device type; auto: cuda for an SGLang/vLLM rollout or a machine with a GPU, else cpu (picks dtype/compile)."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     """Cluster size used to check that the allocations fit."""
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    """Which launcher starts the run (AReaL's scheduler.type): torchrun here, or `python -m archon.launch ray|slurm`."""
     actor: ActorConfig = field(default_factory=ActorConfig)
     """Policy model: training engine and PPO/GRPO options."""
     critic: CriticConfig = field(default_factory=CriticConfig)
-    """Value model (used by adv_estimator = 'gae'); inherits actor's engine fields."""
+    """Value model (used by adv_estimator = 'gae'). Every engine field it does not set is actor's: backend,
+    path (with a warning: a critic usually starts from a value or reward model), model_config, dtype,
+    grad_reduce_dtype, gradient_checkpointing, pad_to_maximum, optimizer, mb_spec, archon, lora (an empty backend or
+    path inherits too; a partly set section such as critic.archon.ac_mode takes its other keys from actor's)."""
     ref: TrainEngineConfig = field(default_factory=TrainEngineConfig)
-    """Reference model for the KL terms; inherits actor's engine fields."""
+    """Reference model for the KL terms. Every engine field it does not set is actor's: backend, path,
+    model_config, dtype, grad_reduce_dtype, gradient_checkpointing, pad_to_maximum, optimizer, mb_spec, archon, lora
+    (an empty backend or path inherits too; a partly set section takes its other keys from actor's)."""
     teacher: TrainEngineConfig = field(default_factory=TrainEngineConfig)
-    """Teacher for on-policy distillation (used when actor.kd_coef > 0; forward only); inherits
-    actor's engine fields."""
+    """Teacher for on-policy distillation (used when actor.kd_coef > 0; forward only). Every engine field it does
+    not set is actor's: backend, path, model_config, dtype, grad_reduce_dtype, gradient_checkpointing,
+    pad_to_maximum, optimizer, mb_spec, archon, lora (an empty backend or path inherits too; a partly set section takes
+    its other keys from actor's)."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Rollout servers."""
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
@@ -531,6 +547,10 @@ class Config:
     """Sampling of completions."""
     train_dataset: DatasetConfig = field(default_factory=DatasetConfig)
     """Training data."""
+    valid_dataset: ValidDatasetConfig = field(default_factory=ValidDatasetConfig)
+    """Evaluation prompts, train_dataset's fields (AReaL's name; empty path: no evaluation): every row, in order."""
+    evaluator: EvaluatorConfig = field(default_factory=EvaluatorConfig)
+    """When and how the policy is evaluated on valid_dataset (greedy accuracy, sampled pass@k), logged as eval/*."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """Reward function."""
     saver: SaverConfig = field(default_factory=SaverConfig)

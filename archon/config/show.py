@@ -12,6 +12,7 @@ import sys
 import typing
 from typing import Any
 
+from archon.config.device_defaults import describe_device_choice
 from archon.config.loading import did_you_mean, load_config
 from archon.config.schema import Config, ConfigError
 from archon.field_docs import field_docs
@@ -84,7 +85,11 @@ def describe_section(section: str) -> str:
     return "\n".join(lines)
 
 
-def main(argv: typing.Sequence[str] | None = None) -> int:
+def main(
+    argv: typing.Sequence[str] | None = None, check: typing.Callable[[Config, str], list[str]] | None = None
+) -> int:
+    """The CLI; ``check(cfg, job)`` (``__main__`` passes the preflight) runs after loading and its lines are
+    printed (it is passed in because the preflight imports the data layer, which imports this package)."""
     from rich.console import Console
     from rich.syntax import Syntax
 
@@ -108,9 +113,11 @@ def main(argv: typing.Sequence[str] | None = None) -> int:
             console.print(describe_section(args.describe), highlight=False)
             return 0
         cfg = load_config(args.config, args.overrides, job=args.job)
+        checked = check(cfg, args.job) if check is not None else [describe_device_choice(cfg)]
     except ConfigError as exc:
         Console(stderr=True).print(f"[bold red]config error:[/] {exc}", highlight=False)
         return 2
     console.print(Syntax(to_toml(cfg), "toml", theme="ansi_dark", background_color="default"))
     console.print(allocation_table(cfg))
+    console.print("Checked:\n" + "\n".join(f"  {line}" for line in checked), highlight=False)
     return 0

@@ -33,6 +33,7 @@ from archon.engine.archon_runner import ArchonModelRunner
 from archon.engine.errors import EngineError
 from archon.engine.interface import TrainEngine
 from archon.engine.layout import init_layout, load_model_config
+from archon.engine.lora import add_adapters, init_adapters, lora_adapter, peft_config, peft_tensors, write_peft_folder
 from archon.engine.microbatch import Batch, on_host, to_device
 from archon.engine.microbatch_loop import (
     forward_microbatches,
@@ -53,7 +54,8 @@ from archon.engine.step_loss import (
 from archon.engine.step_runner import StepRunner
 from archon.engine.token_outputs import CollectedRows, output_keys
 from archon.engine.weights import hf_full_tensors, init_from_seed, init_unloaded, write_hf_folder
-from models import get_model_spec, load_hf_weights
+from models import BaseStateDictAdapter, get_model_spec, load_hf_weights
+from models.lora import apply_lora, is_lora_name
 from parallel.errors import ParallelConfigError
 from pipeline import PipelineConfigError, PipelinedModel
 
@@ -106,6 +108,8 @@ class ArchonEngine(TrainEngine):
         # Set by initialize(): the optimizer side of a step (trainable engines) and the microbatch runner.
         self.stepper: StepRunner | None = None
         self.runner: ArchonModelRunner | None = None
+        # Under LoRA (config.lora.enabled): {Archon module name: HF module name} of the adapted layers.
+        self.lora_targets: dict[str, str] = {}
 
     @property
     def step(self) -> int:
@@ -137,6 +141,16 @@ class ArchonEngine(TrainEngine):
         self.model_args = self.spec.model_args_class.from_hf_config(self.hf_config, is_critic=self.is_critic)
         with torch.device("meta"):
             model = self.spec.model_class(self.model_args)
+        if cfg.lora.enabled:
+            # Before any parallel technique, so that TP, FSDP, pipeline stages, AC and compile see the adapters.
+            self.lora_targets = add_adapters(
+                model,
+                self.spec.state_dict_adapter_class(self.model_args),
+                cfg.lora,
+                cfg.dtype,
+                f"{self.name}.lora",
+                trainable_head=self.is_critic,
+            )
         if self.parallel_dims.pp_enabled:
             self.pipeline = self._split_into_stages(model)
             model, parts = self.pipeline.model, self.pipeline.parts
@@ -175,6 +189,8 @@ class ArchonEngine(TrainEngine):
         if not self.trainable:
             self.model.requires_grad_(False)
         else:
+            # Under LoRA only the adapters (and a critic's value head) require grad: the optimizer holds no
+            # state for the frozen base (``build_optimizer`` keeps trainable parameters only).
             self.stepper = StepRunner.for_model(self.model, cfg, self.name, self.train_state, self.total_steps)
             self.optimizer, self.lr_scheduler = self.stepper.optimizer, self.stepper.lr_scheduler
         return self
@@ -199,22 +215,35 @@ class ArchonEngine(TrainEngine):
         except (PipelineConfigError, ParallelConfigError) as exc:  # what the layout cannot do to this model
             raise EngineError(f"{self.name}.backend = '{self.config.backend}': {exc}") from None
 
+    def _state_dict_adapter(self) -> BaseStateDictAdapter:
+        """The model's HF name map; under LoRA it knows the adapters (optional in HF checkpoints, not HF fields)."""
+        adapter = self.spec.state_dict_adapter_class(self.model_args)
+        return lora_adapter(adapter) if self.lora_targets else adapter
+
+    def _build_full(self) -> torch.nn.Module:
+        """A single-device model with this engine's parameter names (adapters included), for seeded init."""
+        model = self.spec.model_class(self.model_args)
+        if self.lora_targets:
+            lora = self.config.lora
+            adapter = self.spec.state_dict_adapter_class(self.model_args)
+            apply_lora(model, adapter, list(self.lora_targets), rank=lora.rank, alpha=lora.alpha)
+        return model
+
     @torch.no_grad()
     def _init_weights(self) -> None:
         assert self.model is not None
         # Buffers (RoPE tables) and anything a checkpoint lacks (a critic's value head).
         cast(Any, self.model).init_weights(buffer_device=self.device)  # an Archon model (models/)
         if self.config.path:
-            result = load_hf_weights(
-                self.model, self.config.path, self.spec.state_dict_adapter_class(self.model_args), strict=True
-            )
-            init_unloaded(
-                self.model, result.initialised, self.seed, std=getattr(self.model_args, "initializer_range", 0.02)
-            )
-            return
-        # From scratch: initialise the full model identically on every rank from the seed, then
-        # shard it, so that the initial weights do not depend on the allocation.
-        init_from_seed(self.model, lambda: self.spec.model_class(self.model_args), self.seed)
+            result = load_hf_weights(self.model, self.config.path, self._state_dict_adapter(), strict=True)
+            unloaded = [name for name in result.initialised if not is_lora_name(name)]
+            init_unloaded(self.model, unloaded, self.seed, std=getattr(self.model_args, "initializer_range", 0.02))
+        else:
+            # From scratch: initialise the full model identically on every rank from the seed, then
+            # shard it, so that the initial weights do not depend on the allocation.
+            init_from_seed(self.model, self._build_full, self.seed)
+        if self.lora_targets:
+            init_adapters(self.model, self.seed, self.config.lora)
 
     # ------------------------------------------------------------------ helpers
     def _plan(self, batch: Batch) -> list[list[int]]:
@@ -350,11 +379,13 @@ class ArchonEngine(TrainEngine):
 
         Parameters are cast to ``dtype``.  ``extras`` adds the persistent buffers HF formats may
         lack (the MoE routing bias, in float32) under the names Archon's own server reads;
-        without it only the fields of the model's HF architecture come out.
+        without it only the fields of the model's HF architecture come out.  Under LoRA the
+        adapted layers come merged (``W + alpha / r * B @ A``).
         """
         assert self.model is not None, "initialize() the engine first"
-        adapter = self.spec.state_dict_adapter_class(self.model_args)
-        yield from hf_full_tensors(self.model, adapter, self.pipeline, dtype, extras)
+        scales = {module: self.config.lora.scale for module in self.lora_targets}
+        # Under LoRA the adapters are merged into their layers' weights (what servers without adapters load).
+        yield from hf_full_tensors(self.model, self._state_dict_adapter(), self.pipeline, dtype, extras, scales)
 
     def export_hf(
         self,
@@ -375,3 +406,13 @@ class ArchonEngine(TrainEngine):
             source=self.config.path,
             max_shard_size=max_shard_size,
         )
+
+    def export_peft(self, path: str | Path) -> bool:
+        """Write the LoRA adapters as a PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``)
+        that ``peft.PeftModel.from_pretrained`` loads onto the transformers model of ``path``'s base; rank 0 writes."""
+        assert self.model is not None, "initialize() the engine first"
+        if not self.lora_targets:
+            raise EngineError(f"{self.name}.lora.enabled is false: there are no adapters to export as a PEFT folder")
+        config = peft_config(self.config.lora, self.lora_targets, self.config.path)
+        write_peft_folder(peft_tensors(self.model, self.pipeline, self.lora_targets), config, path)
+        return True

@@ -49,6 +49,7 @@ from archon.alloc import ModelAllocation
 from archon.checkpoint.state import TrainState
 from archon.config import TrainEngineConfig
 from archon.engine.errors import EngineError
+from archon.engine.fsdp_lora import inject_lora, merge_peft_tensors
 from archon.engine.fsdp_runner import TransformersRunner
 from archon.engine.interface import TrainEngine
 from archon.engine.layout import init_layout, load_model_config
@@ -164,8 +165,16 @@ class FSDPEngine(TrainEngine):
         if self.is_critic:
             build_config = critic_config(build_config)
         attn = register_ulysses_attention() if pd.cp_enabled else None
+        if cfg.lora.enabled and pd.tp_enabled:
+            raise EngineError(
+                f"{self.name}.backend = '{cfg.backend}' with {self.name}.lora: the fsdp: engine runs PEFT adapters "
+                "under d and c only; use t1, or the archon: engine (its adapters follow tensor parallel)"
+            )
         try:
             model, buffers = build_meta_model(build_config, self.is_critic, attn)
+            if cfg.lora.enabled:
+                # PEFT's adapters before FSDP wraps the blocks (frozen base and adapters share a unit).
+                inject_lora(model, cfg.lora, trainable_head="score" if self.is_critic else None)
             self._parallelize(model)
         except (TransformersModelError, ParallelConfigError) as exc:
             raise EngineError(f"{self.name}.backend = '{cfg.backend}': {exc}") from None
@@ -282,6 +291,9 @@ class FSDPEngine(TrainEngine):
                     )
             else:
                 model, missing = cls._from_config(build_config, dtype=torch.float32), []
+            if self.config.lora.enabled:
+                # The same adapters as the engine's model; PEFT's init drawn from the seeded generator.
+                inject_lora(model, self.config.lora)
         finally:
             torch.set_rng_state(torch_state)
         state = model.state_dict()
@@ -380,8 +392,14 @@ class FSDPEngine(TrainEngine):
         ``extras`` is accepted for the weight-sync interface; a transformers model has nothing beyond its HF fields.
         """
         assert self.model is not None, "initialize() the engine first"
-        for name, tensor in named_state(self.model, buffers=False):
-            full = (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
+        tensors = (
+            (name, (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach())
+            for name, tensor in named_state(self.model, buffers=False)
+        )
+        if self.config.lora.enabled:
+            # PEFT's adapters merged into their layers, under the base model's names.
+            tensors = merge_peft_tensors(tensors, self.config.lora.scale)
+        for name, full in tensors:
             yield name, full.to(dtype) if dtype is not None else full
 
     def export_hf(

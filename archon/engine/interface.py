@@ -133,6 +133,11 @@ class TrainEngine(ABC):
     ) -> None:
         """Write an HF folder (config.json + sharded safetensors) that ``from_pretrained`` loads; rank 0 writes."""
 
+    def export_peft(self, path: str | Path) -> bool:
+        """Write the LoRA adapters as a PEFT adapter folder (rank 0 writes); False where this engine cannot, in which
+        case ``export_hf``'s merged weights are the only export."""
+        return False
+
     # Checkpoints are the same for every engine: its parts, composed into an EngineCheckpoint.
     def offload(self) -> None:
         """Move parameters, gradients and optimizer state to the CPU (``actor.offload``, colocated servers)."""

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from archon.config import ConfigError
 from models import get_model_spec, read_hf_config, save_hf_tensors
+from models.lora import merge_adapters
 from parallel.fqn import clean_fqn
 from pipeline import PipelinedModel
 
@@ -81,28 +82,39 @@ def init_unloaded(model: torch.nn.Module, names: Iterable[str], seed: int, std: 
         copy_full_into(target, full)
 
 
+def full_tensors(
+    model: torch.nn.Module, pipeline: PipelinedModel | None
+) -> tuple[set[str], Iterator[tuple[str, torch.Tensor]]]:
+    """The names of the persistent buffers, and (Archon name, full tensor) of every parameter and persistent
+    buffer of the full model, one at a time in one order on every rank; a collective."""
+    local = dict(named_state(model, buffers=False))
+    local.update(persistent_buffers(model))
+    if pipeline is not None:
+        buffers = {info.name for info in pipeline.full_tensors if info.is_buffer}
+        # Each tensor comes from the stage holding it, in the full model's order.
+        return buffers, pipeline.named_full_tensors(local)
+    buffers = set(persistent_buffers(model))
+    return buffers, ((name, t.full_tensor() if isinstance(t, DTensor) else t) for name, t in local.items())
+
+
 def hf_full_tensors(
     model: torch.nn.Module,
     adapter: Any,
     pipeline: PipelinedModel | None,
     dtype: torch.dtype | None = None,
     extras: bool = False,
+    lora_scales: dict[str, float] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) of ``model`` one at a time, through its state-dict ``adapter``; a collective.
 
     Parameters are cast to ``dtype``.  ``extras`` adds the persistent buffers HF formats may
     lack (the MoE routing bias, in float32) under the names Archon's own server reads;
-    without it only the fields of the model's HF architecture come out.
+    without it only the fields of the model's HF architecture come out.  ``lora_scales`` (adapted
+    module name -> scale) merges LoRA adapters into their layers' weights (``models.lora.merge_adapters``).
     """
-    local = dict(named_state(model, buffers=False))
-    local.update(persistent_buffers(model))
-    if pipeline is not None:
-        buffers = {info.name for info in pipeline.full_tensors if info.is_buffer}
-        # Each tensor comes from the stage holding it, in the full model's order.
-        tensors = pipeline.named_full_tensors(local)
-    else:
-        buffers = set(persistent_buffers(model))
-        tensors = ((name, t.full_tensor() if isinstance(t, DTensor) else t) for name, t in local.items())
+    buffers, tensors = full_tensors(model, pipeline)
+    if lora_scales:
+        tensors = merge_adapters(tensors, lora_scales)
     for name, full in tensors:
         full = full.detach()
         if name in buffers:

@@ -16,7 +16,6 @@ on its training rank's GPU (``local_server_device``) instead of the CPU.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -26,19 +25,11 @@ from pathlib import Path
 import torch
 
 from archon.config import Config, ConfigError, SGLangConfig
+from archon.config.preflight import model_context_length
 from archon.config.vllm_checks import vllm_logprobs_mode
 from archon.rollout.tied_embeddings import ties_word_embeddings
 
 logger = logging.getLogger("archon.launch.servers")
-
-# SGLang's get_context_length (vLLM's rule is alike): the first of these keys, times a rope scaling factor.
-_CONTEXT_LENGTH_KEYS = (
-    "max_sequence_length",
-    "seq_length",
-    "max_seq_len",
-    "model_max_length",
-    "max_position_embeddings",
-)
 
 
 def check_sglang_options(sg: SGLangConfig, tp_size: int, alloc: str) -> None:
@@ -67,24 +58,6 @@ def check_sglang_options(sg: SGLangConfig, tp_size: int, alloc: str) -> None:
             f"sglang.enable_dp_attention needs more than one GPU per server, but {where}; use "
             "a t > 1 in rollout.backend or turn it off"
         )
-
-
-def model_context_length(model_path: str) -> int | None:
-    """The context SGLang derives from ``<model_path>/config.json``; None if there is no such file here."""
-    path = Path(model_path) / "config.json"
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    cfg = {**cfg, **(cfg.get("text_config") or {})}
-    factor = 1.0
-    rope = cfg.get("rope_scaling")
-    if isinstance(rope, dict) and "original_max_position_embeddings" not in rope and rope.get("rope_type") != "llama3":
-        factor = float(rope.get("factor", 1))
-    for key in _CONTEXT_LENGTH_KEYS:
-        if cfg.get(key) is not None:
-            return int(factor * cfg[key])
-    return 2048
 
 
 def resolve_context_length(requested: int, model_path: str, key: str) -> int | None:

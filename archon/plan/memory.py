@@ -159,6 +159,23 @@ def param_groups(spec: Any, args: Any) -> list[ParamGroup]:
     return [ParamGroup(u, n, k) for (u, k), n in groups.items()]
 
 
+def lora_param_groups(spec: Any, args: Any, lora: Any) -> list[ParamGroup]:
+    """The LoRA adapters' parameters (``lora`` is a ``LoRAConfig``) by FSDP unit, counted as replicated over TP
+    (half of each adapter is split like its base layer: a small over-estimate)."""
+    import torch
+
+    from models.lora import lora_targets
+
+    with torch.device("meta"):
+        model = spec.model_class(args)
+    groups: dict[str, int] = {}
+    for name in lora_targets(model, spec.state_dict_adapter_class(args), list(lora.target_modules)):
+        layer = model.get_submodule(name)
+        unit = ".".join(name.split(".")[:2]) if name.startswith("layers.") else "head"
+        groups[unit] = groups.get(unit, 0) + lora.rank * (layer.in_features + layer.out_features)
+    return [ParamGroup(u, n, "replicated") for u, n in groups.items()]
+
+
 # ---------------------------------------------------------------------------------- workload
 
 
@@ -463,6 +480,10 @@ def estimate_training_rank(
     first, last = 0 in stages, n_stages - 1 in stages
     held = {f"layers.{i}" for i in layers} | ({"tok_embeddings"} if first else set()) | ({"head"} if last else set())
     mine = [g for g in groups if g.unit.split(".experts")[0] in held]
+    lora = engine.lora
+    # Under LoRA the adapters are float32 master weights with gradients and AdamW state; the frozen base has neither.
+    adapters = [g for g in lora_param_groups(spec, args, lora) if g.unit in held] if lora.enabled else []
+    mine += adapters
     n_local = sum(lay.split(g.kind, g.numel, fsdp=True) for g in mine)
     n_tp = sum(lay.split(g.kind, g.numel, fsdp=False) for g in mine)
     units: dict[str, float] = {}
@@ -472,10 +493,20 @@ def estimate_training_rank(
     b = pb  # activations are in the compute dtype (FSDP mixed precision or autocast)
     offload = engine.archon.offload_params
     terms = []
+    if lora.enabled:
+        n_train = sum(lay.split(g.kind, g.numel, fsdp=True) for g in adapters)
+        n_train_tp = sum(lay.split(g.kind, g.numel, fsdp=False) for g in adapters)
+        n_frozen = n_local - n_train
+        if not offload:
+            terms.append(
+                Term(f"parameters (frozen base in {engine.dtype}, sharded)", int(pb * n_frozen), "raise t, e or p")
+            )
+    else:
+        n_train, n_train_tp = n_local, n_tp
     if not offload:
-        terms.append(Term("parameters (float32, sharded)", int(4 * n_local), "raise t, e or p (or d, under FSDP)"))
+        terms.append(Term("parameters (float32, sharded)", int(4 * n_train), "raise t, e or p (or d, under FSDP)"))
         if trainable:
-            terms.append(Term("optimizer state (AdamW, float32)", int(8 * n_local), "raise t, e or p (or d)"))
+            terms.append(Term("optimizer state (AdamW, float32)", int(8 * n_train), "raise t, e or p (or d)"))
     if device_type == "cuda" and any(nccl_communicators(lay)):
         terms.append(nccl_term(lay))  # held for the engine's life, like its states
     # Unsharded parameters while a unit computes.
@@ -505,7 +536,7 @@ def estimate_training_rank(
         terms.append(
             Term(
                 "gradients (float32" + (", unsharded until the last microbatch)" if unsharded else ")"),
-                int(4 * (n_tp if unsharded else n_local)),
+                int(4 * (n_train_tp if unsharded else n_train)),
                 "raise t, e or p",
             )
         )
@@ -570,8 +601,8 @@ def estimate_training_rank(
         return compute
     # The optimizer step: sharded gradients, and foreach AdamW's float32 temporaries (fused on CUDA: none).
     states = [t for t in terms if t.name.startswith(HELD_TERMS)]
-    step = states + [Term("gradients (float32, sharded)", int(4 * n_local), "raise t, e, p or d")]
+    step = states + [Term("gradients (float32, sharded)", int(4 * n_train), "raise t, e, p or d")]
     if device_type != "cuda":
-        step.append(Term("optimizer step temporaries (foreach AdamW)", int(4 * n_local), "raise t, e, p or d"))
+        step.append(Term("optimizer step temporaries (foreach AdamW)", int(4 * n_train), "raise t, e, p or d"))
     step_estimate = Estimate(where + ", optimizer step", step)
     return compute if compute.total >= step_estimate.total else step_estimate

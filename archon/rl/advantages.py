@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from archon.config import ActorConfig, NormConfig
+from archon.config.preflight import check_group_normalisation
 from archon.rl.kl import KL_ESTIMATORS, kl_estimate
 from archon.rl.rollout_batch import TURN_REWARDS
 
@@ -301,20 +302,7 @@ def check_advantage_options(actor: ActorConfig, *, group_size: int) -> None:
         raise ValueError(
             f"adv_estimator = '{actor.adv_estimator}' is unknown; choose one of {', '.join(ADV_ESTIMATORS)}"
         )
-    used = [("adv_norm", actor.adv_norm)]
-    if actor.adv_estimator in ("grpo", "gae"):
-        used.insert(0, ("reward_norm", actor.reward_norm))
-    for name, norm in used:
-        if "group" not in (norm.mean_level, norm.std_level):
-            continue
-        if (norm.group_size or group_size) == 1:
-            raise ValueError(
-                f"{name} normalises over groups of samples of one prompt, but every group has "
-                "one sample, so each value would be normalised against itself (GRPO would learn "
-                "nothing); sample several completions per prompt (gconfig.n_samples > 1, and "
-                f"actor.group_size 0 or > 1) or set {name}.mean_level/std_level to 'batch' or "
-                "'none'"
-            )
+    check_group_normalisation(actor, group_size)  # also run by the preflight before any process starts
     if actor.kl_estimator not in KL_ESTIMATORS:
         raise ValueError(f"kl_estimator = '{actor.kl_estimator}' is unknown; choose one of {', '.join(KL_ESTIMATORS)}")
     if group_size < 1:

@@ -3,7 +3,9 @@
 A reward function is called as ``fn(prompt, completion, answer, **kw)`` and returns a
 number (a bool counts as 1.0 / 0.0; a string, None or NaN is a failure).  Built-ins:
 ``math`` (answer equivalence with ``math-verify``) and ``exact_match``; any other
-importable function is named ``"package.module:function"``.
+importable function is named ``"package.module:function"``.  A function written for TRL,
+``fn(completions, **kwargs) -> list[float]``, is called with one-element lists
+(``archon.config.reward_check`` tells the two apart).
 
 ``RewardComputer`` runs the calls in worker processes, one call per worker at a time, so
 that whatever a reward function does (raise, hang, ``os._exit``, segfault) costs only that
@@ -17,7 +19,7 @@ parent, so modules importable in the trainer are importable there.
 
 from __future__ import annotations
 
-import importlib
+import functools
 import logging
 import math
 import multiprocessing as mp
@@ -27,12 +29,13 @@ import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from archon.config import ConfigError
+from archon.config.reward_check import BUILTIN_REWARDS, import_reward_fn, reward_style
 from archon.errors import ArchonError
 
 logger = logging.getLogger(__name__)
@@ -135,36 +138,36 @@ def exact_match_reward(prompt: str, completion: str, answer: str, **_: Any) -> f
 
 
 BUILTIN_REWARD_FNS: dict[str, RewardFn] = {"math": math_reward, "exact_match": exact_match_reward}
+assert tuple(BUILTIN_REWARD_FNS) == BUILTIN_REWARDS  # the names the config check accepts without importing
 
 
 def get_reward_fn(name: str | RewardFn) -> RewardFn:
-    """A built-in by name, a ``"package.module:function"`` import, or a callable as is."""
-    if callable(name):
-        return name
-    if name in BUILTIN_REWARD_FNS:
+    """A built-in by name, a ``"package.module:function"`` import, or a callable, called as
+    ``fn(prompt, completion, answer, **kw) -> float`` (a TRL-style function is adapted to that)."""
+    if not callable(name) and name in BUILTIN_REWARD_FNS:
         return BUILTIN_REWARD_FNS[name]
-    usage = (
-        f"use a built-in ({', '.join(BUILTIN_REWARD_FNS)}) or 'package.module:function' naming an "
-        "importable function fn(prompt, completion, answer, **kw) -> float"
-    )
-    if ":" not in name:
-        raise ConfigError(f"unknown reward function '{name}'; {usage}")
-    module_name, _, attr = name.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(
-            f"reward function '{name}': cannot import module '{module_name}' ({exc}); "
-            f"make it importable (installed or on PYTHONPATH); {usage}"
-        ) from None
-    fn = module
-    for part in attr.split("."):
-        fn = getattr(fn, part, None)
-        if fn is None:
-            raise ConfigError(f"reward function '{name}': module '{module_name}' has no attribute '{attr}'; {usage}")
-    if not callable(fn):
-        raise ConfigError(f"reward function '{name}' is not callable; {usage}")
-    return fn
+    fn = name if callable(name) else import_reward_fn(name)
+    style = reward_style(fn, getattr(fn, "__qualname__", str(fn)) if callable(name) else name)
+    if not style.trl:
+        return fn
+    return functools.partial(call_trl_style, fn, style.accepts)
+
+
+def call_trl_style(
+    fn: RewardFn, accepts: tuple[str, ...] | None, prompt: str, completion: str, answer: str, **kw: Any
+) -> Any:
+    """One sample through a TRL-style ``fn(completions, **kwargs) -> list[float]``: every argument as a list of
+    one, by name (only the names ``accepts`` lists when it is not None); its one reward."""
+    batch = {"prompts": [prompt], "completions": [completion], "answer": [answer], **{k: [v] for k, v in kw.items()}}
+    if accepts is not None:
+        batch = {k: v for k, v in batch.items() if k in accepts}
+    result = fn(**batch)
+    if isinstance(result, (str, bytes)) or not isinstance(result, Sequence) or len(result) != 1:
+        raise TypeError(
+            f"the TRL-style reward function returned {result!r} for one completion; it must return a list with "
+            "one reward per completion"
+        )
+    return result[0]
 
 
 def _to_reward(value: Any) -> float:

@@ -24,10 +24,13 @@ from archon.checkpoint.manager import CheckpointManager
 from archon.checkpoint.schedule import SaveSchedule
 from archon.cli import init_run
 from archon.config import Config, ConfigError
+from archon.config.preflight import preflight, resolved_group_size  # noqa: F401 - resolved_group_size is public here
 from archon.data.encoding import load_tokenizer
 from archon.data.from_config import build_rl_dataset, describe_chat_template
 from archon.data.rl_dataset import PromptLoader
 from archon.engine import ArchonEngine, TrainEngine, build_engine
+from archon.engine.final_export import export_final
+from archon.eval.periodic import PeriodicEvaluation
 from archon.launch.discovery import server_source
 from archon.launch.recovery import ServerSupervisor
 from archon.metrics import MetricsLogger, peak_memory_gb
@@ -64,11 +67,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("archon.rl")
 
 
-def resolved_group_size(cfg: Config) -> int:
-    """Rows per normalisation group: ``actor.group_size``, or ``gconfig.n_samples`` when 0."""
-    return cfg.actor.group_size or cfg.gconfig.n_samples
-
-
 def policy_temperature(cfg: Config) -> float:
     """What the trainer divides logits by, matching what the server reports (1 when greedy).
 
@@ -86,13 +84,8 @@ class RLTrainer:
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        if not cfg.actor.path:
-            raise ConfigError("actor.path is empty; RL starts from a Hugging Face model folder (weights and tokenizer)")
-        if not cfg.train_dataset.path:
-            raise ConfigError(
-                'train_dataset.path is empty; point it at a jsonl, json or parquet file of {"prompt", "answer"} rows '
-                "or a dataset folder"
-            )
+        # What `python -m archon.config` checks, on every rank before any process group; resolves hub ids in cfg.
+        self.preflight_report = preflight(cfg, "rl")
         self.group_size = resolved_group_size(cfg)
         self.temperature = policy_temperature(cfg)
         self.use_ref = bool(cfg.actor.kl_ctl or cfg.actor.kl_loss_coef)
@@ -116,6 +109,7 @@ class RLTrainer:
         self.weight_check: ServerWeightCheck | None = None  # built with the weight sync
         self.inprocess: InProcessRollout | None = None  # rollout.backend = 'inprocess:dN' only
         self.colocated: ColocatedPhases | None = None  # rollout.colocate only
+        self.evaluation: PeriodicEvaluation | None = None  # valid_dataset.path set only
         self.mismatch_monitor = MismatchMonitor(cfg.rollout.mismatch_warn, cfg.rollout.mismatch_stop)
 
     # ------------------------------------------------------------------ setup
@@ -427,9 +421,13 @@ class RLTrainer:
         cfg = self.cfg
         init_run(cfg, "rl")
         self.rank0 = dist.get_rank() == 0
+        if self.rank0:
+            logger.info("start checks: %s", "; ".join(self.preflight_report))
         self.ckpt = CheckpointManager(cfg.run_dir, cfg.saver.keep_last)
         self.ckpt.check_writable()
         self._build_data()
+        if cfg.valid_dataset.path:
+            self.evaluation = PeriodicEvaluation(cfg, self.tokenizer, self.sampling)
         self._build_engines()
         self.ckpt.check_space(self.engines)
         extra = self.ckpt.load(self.engines)
@@ -477,8 +475,13 @@ class RLTrainer:
             )
             schedule = SaveSchedule(cfg.saver, cfg.total_train_steps)
             try:
+                if self.evaluation is not None and first == 1:  # the policy before any update: a record of its own
+                    history.append({"step": 0, **self._evaluate(0)})
+                    metrics_log.log(history[-1])
                 for step in range(first, cfg.total_train_steps + 1):
                     record = self.step(step)
+                    if self.evaluation is not None and self.evaluation.due(step):
+                        record.update(self._evaluate(step))  # the weights the servers got at the end of the step
                     history.append(record)
                     metrics_log.log(record)
                     self.mismatch_monitor.observe(step, record.get(MISMATCH))
@@ -497,13 +500,16 @@ class RLTrainer:
                     self.weight_check.finish()  # the last update's probes
             finally:
                 metrics_log.close()
-            if cfg.saver.export_hf:
-                self.actor_engine.export_hf(cfg.run_dir / "hf")
-                if self.rank0:
-                    self.tokenizer.save_pretrained(cfg.run_dir / "hf")
+            export_final(cfg, self.actor_engine, self.tokenizer, self.rank0)
         finally:
             self.close()
         return history
+
+    def _evaluate(self, step: int) -> dict[str, float]:
+        """Collective: the ``eval/*`` metrics of the current policy (``archon.eval.periodic``)."""
+        assert self.evaluation is not None
+        with self.inprocess.generating() if self.inprocess is not None else nullcontext():
+            return self.evaluation.run(step, self.client, self.rewards, self.tokenizer)
 
     def _asynchronous(self) -> bool:
         """Whether rollout runs ahead of training (k = 0 keeps today's synchronous loop)."""

@@ -16,7 +16,8 @@ from archon.errors import ArchonError
 
 logger = logging.getLogger("archon.rollout.weight_sync")
 
-_MIB = 1 << 20
+MIB = 1 << 20
+"""Bytes in a mebibyte: weight_chunk_mb and the sync logs count in MiB."""
 
 
 def extras_kw(extras: bool) -> dict[str, bool]:
@@ -58,6 +59,6 @@ def log_sync_stats(kind: str, version: str, stats: dict[str, float]) -> None:
             "%s weight sync to version %s: %.1f MiB in %.2f s",
             kind,
             version,
-            stats["weight_sync_bytes"] / _MIB,
+            stats["weight_sync_bytes"] / MIB,
             stats["weight_sync_time_s"],
         )

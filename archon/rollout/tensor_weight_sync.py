@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from archon.rollout.sync_common import (
+    MIB,
     broadcast_object,
     extras_kw,
     log_sync_stats,
@@ -25,8 +26,6 @@ from archon.rollout.sync_common import (
     trainer_rank,
 )
 from archon.runtime.drill import drill_point
-
-_MIB = 1 << 20
 
 
 class TensorWeightSync:
@@ -37,7 +36,7 @@ class TensorWeightSync:
     ):
         self.engine = engine
         self.client = client
-        self.chunk_bytes = max(1, chunk_mb) * _MIB
+        self.chunk_bytes = max(1, chunk_mb) * MIB
         self.dtype = dtype
         self.extras = extras
 

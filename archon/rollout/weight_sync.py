@@ -45,6 +45,7 @@ import torch.distributed as dist
 from archon.alloc import ModelAllocation
 from archon.config import Config, ConfigError
 from archon.rollout.sync_common import (
+    MIB,
     WeightSyncError,
     broadcast_object,
     extras_kw,
@@ -69,7 +70,6 @@ from parallel.dtypes import to_dtype
 
 logger = logging.getLogger("archon.rollout.weight_sync")
 
-_MIB = 1 << 20
 # Broadcast polling starts short (a small model's bucket is received in about a millisecond) and
 # backs off to _POLL_S.
 _FIRST_POLL_S = 0.0001
@@ -223,7 +223,7 @@ class DistributedWeightSync:
             raise ConfigError(f"rollout.weight_chunk_mb = {chunk_mb} must be positive")
         self.engine = engine
         self.client = client
-        self.chunk_bytes = int(chunk_mb * _MIB)
+        self.chunk_bytes = int(chunk_mb * MIB)
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.master_address = master_address
         self.ranks_per_server = ranks_per_server

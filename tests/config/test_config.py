@@ -22,7 +22,8 @@ def test_defaults_load_and_validate():
     cfg = load_config()
     assert cfg.actor.backend == "archon:d1"
     assert cfg.ref.backend == "archon:d1"  # empty means inherit actor.backend
-    assert cfg.actor.archon.enable_compile is True  # the seeds' default
+    assert cfg.actor.archon.enable_compile is (cfg.actor.dtype == "bfloat16")  # both follow the device's defaults
+    assert load_config(None, ["device=cuda"]).actor.archon.enable_compile is True  # the seeds' default on CUDA
     assert cfg.actor.archon.pp_schedule == "Interleaved1F1B"
     assert cfg.actor.archon.ac_mode == "selective"
     assert cfg.actor.archon.reshard_after_forward_policy == "default"

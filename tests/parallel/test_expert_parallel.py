@@ -63,7 +63,6 @@ JOBS: dict[int, list[tuple[str, str]]] = {
         ("archon:d4e2", "hsdp"),
         ("archon:d4e4", "base"),
         ("archon:d2t2e2", "base"),
-        ("archon:d2t2e2", "ac_full_n_mbs_3"),
         (HYBRID_ETP_TP, "base"),
         (HYBRID_ETP_TP, "ac_selective_op"),
         (HYBRID_ETP_TP, "n_mbs_3"),
@@ -73,7 +72,6 @@ JOBS: dict[int, list[tuple[str, str]]] = {
         (ETP_OVER_DP, "base"),
         (ETP_OVER_DP, "ac_full_n_mbs_3"),
         (ETP_WIDER_THAN_TP, "base"),
-        (ETP_WIDER_THAN_TP, "n_mbs_3"),
         ("archon:(attn:d2c2|ffn:t2e2)", "base"),
     ],
 }

@@ -360,21 +360,20 @@ def _vllm_demo_overrides(vllm_py: Path) -> list[str]:
     ]
 
 
-def test_the_rl_demo_learns_with_vllm_as_with_the_built_in_server(vllm_py, tmp_path):
+def test_the_rl_demo_learns_with_vllm(vllm_py, tmp_path):
+    """The CPU demo with vLLM serving: the servers compute what the trainer computes after every reload, and the
+    policy learns the rule within the steps the built-in server needs (tests/rl/test_learning.py)."""
     subprocess.run(
         [sys.executable, "-m", "archon.demos.first_letter", "make-assets", str(tmp_path / "assets")], check=True
     )
-    vllm = _demo_run(tmp_path / "vllm", tmp_path / "assets", *_vllm_demo_overrides(vllm_py))
-    builtin = _demo_run(tmp_path / "builtin", tmp_path / "assets")
-    for run in (vllm, builtin):
-        assert len(run) == 20
-        # The servers compute what the trainer computes after every reload (the LM head included).
-        assert max(r["behav_prox_logprob_diff"] for r in run) < 1e-5
-        assert max(r["weight_check/logprob_diff"] for r in run) < 1e-5
-    start = [sum(r["reward_mean"] for r in run[:3]) / 3 for run in (vllm, builtin)]
-    end = [sum(r["reward_mean"] for r in run[-5:]) / 5 for run in (vllm, builtin)]
-    assert max(start) < 0.25 and min(end) > 0.45, (start, end)  # chance is 1/14; both learn the rule
-    assert abs(end[0] - end[1]) < 0.3, end  # at the same pace, up to sampling noise
+    run = _demo_run(tmp_path / "vllm", tmp_path / "assets", *_vllm_demo_overrides(vllm_py))
+    assert len(run) == 20
+    # The servers compute what the trainer computes after every reload (the LM head included).
+    assert max(r["behav_prox_logprob_diff"] for r in run) < 1e-5
+    assert max(r["weight_check/logprob_diff"] for r in run) < 1e-5
+    start = sum(r["reward_mean"] for r in run[:3]) / 3
+    end = sum(r["reward_mean"] for r in run[-5:]) / 5
+    assert start < 0.25 and end > 0.45, (start, end)  # chance is 1/14: the rule was learned
 
 
 def test_agent_episodes_through_vllm_train_on_the_ids_vllm_sampled(vllm_py, tmp_path):
