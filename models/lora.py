@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -104,6 +105,26 @@ def apply_lora(
 def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
     """The ``LoRALinear`` layers of ``model`` by module name (wrapper parts kept)."""
     return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Within it, every ``LoRALinear`` of ``model`` computes its frozen base layer alone (``W x``, adapters off).
+
+    The base model without a second copy of its weights: the RL reference of a LoRA actor.  The switch is a
+    Python attribute of each layer, so it acts the same under FSDP2, tensor parallel and pipeline stages (each
+    rank turns off its own layers; a pipeline stage without adapted layers has nothing to do); under torch.compile
+    it is a guard, so the first use recompiles once.
+    """
+    layers = list(lora_modules(model).values())
+    before = [layer.adapter_enabled for layer in layers]
+    for layer in layers:
+        layer.adapter_enabled = False
+    try:
+        yield
+    finally:
+        for layer, enabled in zip(layers, before, strict=True):
+            layer.adapter_enabled = enabled
 
 
 def peft_names(hf_module: str) -> dict[str, str]:

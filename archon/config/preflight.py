@@ -271,6 +271,11 @@ def check_before_start(cfg: Config, job: str) -> list[str]:
     if job == "sft":
         return []
     check_group_normalisation(cfg.actor, resolved_group_size(cfg))
+    if cfg.actor.lora.enabled and not cfg.actor.lora.init_lora_weights:
+        raise ConfigError(
+            "actor.lora.init_lora_weights = false starts RL from non-zero adapters, but the rollout servers load "
+            "actor.path without them, so the first rollout would come from another policy; keep it true for RL"
+        )
     lines = [f"normalisation groups of {resolved_group_size(cfg)} samples"]
     if not cfg.rollout.workflow:
         lines.append(check_reward_fn(cfg.reward.fn))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, ClassVar, cast
 
@@ -55,7 +56,7 @@ from archon.engine.step_runner import StepRunner
 from archon.engine.token_outputs import CollectedRows, output_keys
 from archon.engine.weights import hf_full_tensors, init_from_seed, init_unloaded, write_hf_folder
 from models import BaseStateDictAdapter, get_model_spec, load_hf_weights
-from models.lora import apply_lora, is_lora_name
+from models.lora import adapters_disabled, apply_lora, is_lora_name
 from parallel.errors import ParallelConfigError
 from pipeline import PipelineConfigError, PipelinedModel
 
@@ -370,6 +371,13 @@ class ArchonEngine(TrainEngine):
             # The last stage computed the outputs; every rank returns them.
             result = self.pipeline.broadcast_from_last_stage(result)
         return result
+
+    def adapters_off(self) -> AbstractContextManager[None]:
+        """A context in which ``forward`` computes the base model alone (every ``LoRALinear``'s adapter off)."""
+        assert self.model is not None, "initialize() the engine first"
+        if not self.lora_targets:
+            return super().adapters_off()
+        return adapters_disabled(self.model)
 
     # ------------------------------------------------------------------ weights out
     def named_full_tensors(

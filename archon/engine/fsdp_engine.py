@@ -36,6 +36,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -49,7 +50,7 @@ from archon.alloc import ModelAllocation
 from archon.checkpoint.state import TrainState
 from archon.config import TrainEngineConfig
 from archon.engine.errors import EngineError
-from archon.engine.fsdp_lora import inject_lora, merge_peft_tensors
+from archon.engine.fsdp_lora import inject_lora, merge_peft_tensors, peft_adapters_disabled
 from archon.engine.fsdp_runner import TransformersRunner
 from archon.engine.interface import TrainEngine
 from archon.engine.layout import init_layout, load_model_config
@@ -382,6 +383,13 @@ class FSDPEngine(TrainEngine):
         rows = CollectedRows(output_keys(self.is_critic))
         forward_microbatches(self.runner, batch, self._plan(batch), rows, self.device)
         return rows.assemble(tuple(batch["input_ids"].shape), self.layout.dp_group())
+
+    def adapters_off(self) -> AbstractContextManager[None]:
+        """A context in which ``forward`` computes the base model alone (PEFT's adapters disabled)."""
+        assert self.model is not None, "initialize() the engine first"
+        if not self.config.lora.enabled:
+            return super().adapters_off()
+        return peft_adapters_disabled(self.model)
 
     # ------------------------------------------------------------------ weights out
     def named_full_tensors(

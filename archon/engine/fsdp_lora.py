@@ -9,6 +9,7 @@ each adapted layer's weight is merged (``W + alpha / r * B @ A``) under its tran
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -48,6 +49,26 @@ def inject_lora(model: torch.nn.Module, cfg: LoRAConfig, trainable_head: str | N
     for name, param in model.named_parameters():
         head = trainable_head is not None and name.startswith(trainable_head + ".")
         param.requires_grad_(".lora_A." in name or ".lora_B." in name or head)
+
+
+@contextmanager
+def peft_adapters_disabled(model: torch.nn.Module) -> Iterator[None]:
+    """PEFT's ``disable_adapter`` for a model with injected adapters (there is no ``PeftModel`` to call it on):
+    inside it every adapted layer computes its base layer alone."""
+    from peft.tuners.tuners_utils import BaseTunerLayer  # optional dependency: the `lora` extra
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    # PEFT's switch also sets the adapters' requires_grad; put back what the engine chose (frozen engines stay so).
+    requires_grad = {p: p.requires_grad for layer in layers for p in layer.parameters()}
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+        for p, flag in requires_grad.items():
+            p.requires_grad_(flag)
 
 
 def merge_peft_tensors(tensors: Iterable[tuple[str, torch.Tensor]], scale: float) -> Iterator[tuple[str, torch.Tensor]]:

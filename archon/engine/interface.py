@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -31,6 +32,7 @@ from archon.alloc import ModelAllocation
 from archon.checkpoint.state import TrainState
 from archon.config import TrainEngineConfig
 from archon.engine.checkpointing import EngineCheckpoint
+from archon.engine.errors import EngineError
 from archon.engine.microbatch import Batch
 from archon.engine.offload import move_training_state
 from archon.engine.step_loss import LossFn, LossWeightFn, token_count_weight
@@ -137,6 +139,14 @@ class TrainEngine(ABC):
         """Write the LoRA adapters as a PEFT adapter folder (rank 0 writes); False where this engine cannot, in which
         case ``export_hf``'s merged weights are the only export."""
         return False
+
+    def adapters_off(self) -> AbstractContextManager[None]:
+        """A context in which ``forward`` computes the base model alone, LoRA adapters off (the RL reference of a
+        LoRA actor, without a second copy of the weights); an engine without adapters refuses."""
+        raise EngineError(
+            f"{self.name}: this engine has no LoRA adapters to turn off; set {self.name}.lora.enabled = true "
+            "or give the reference its own engine"
+        )
 
     # Checkpoints are the same for every engine: its parts, composed into an EngineCheckpoint.
     def offload(self) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from archon.alloc import AllocationError, ModelAllocation
+from archon.config.reference import reference_is_actor_base
 from archon.plan.colocated_fit import generating_phase, training_phase
 from archon.plan.memory import (
     HELD_TERMS,
@@ -93,8 +94,8 @@ class FitReport:
 def _engines(cfg: Config, job: str) -> list[tuple[str, TrainEngineConfig, bool, bool]]:
     """(name, engine config, is_critic, trainable) of every engine a training rank holds."""
     engines: list[tuple[str, TrainEngineConfig, bool, bool]] = [("actor", cfg.actor, False, True)]
-    if job == "rl" and (cfg.actor.kl_ctl or cfg.actor.kl_loss_coef):
-        engines.append(("ref", cfg.ref, False, False))
+    if job == "rl" and (cfg.actor.kl_ctl or cfg.actor.kl_loss_coef) and not reference_is_actor_base(cfg):
+        engines.append(("ref", cfg.ref, False, False))  # a LoRA actor's reference is its own base: no engine
     if job == "rl" and cfg.actor.adv_estimator == "gae":
         engines.append(("critic", cfg.critic, True, True))
     if job == "rl" and cfg.actor.kd_coef:

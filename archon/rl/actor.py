@@ -163,11 +163,19 @@ class PPOActor:
 
 class ReferenceModel:
     """A frozen model scoring sampled tokens: the reference for KL terms, or the distillation teacher
-    (its own engine and allocation)."""
+    (its own engine and allocation).
 
-    def __init__(self, engine: TrainEngine):
+    ``adapters_off``: ``engine`` is the LoRA actor's, and the reference is its base model with the adapters
+    off (no second copy of the weights).
+    """
+
+    def __init__(self, engine: TrainEngine, adapters_off: bool = False):
         self.engine = engine
+        self.adapters_off = adapters_off
 
     @torch.no_grad()
     def compute_logprobs(self, batch: Batch) -> torch.Tensor:
+        if self.adapters_off:
+            with self.engine.adapters_off():
+                return self.engine.forward(batch)["logprobs"]
         return self.engine.forward(batch)["logprobs"]

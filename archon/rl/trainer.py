@@ -25,6 +25,7 @@ from archon.checkpoint.schedule import SaveSchedule
 from archon.cli import init_run
 from archon.config import Config, ConfigError
 from archon.config.preflight import preflight, resolved_group_size  # noqa: F401 - resolved_group_size is public here
+from archon.config.reference import reference_is_actor_base
 from archon.data.encoding import load_tokenizer
 from archon.data.from_config import build_rl_dataset, describe_chat_template
 from archon.data.rl_dataset import PromptLoader
@@ -121,7 +122,11 @@ class RLTrainer:
         self.actor = PPOActor(self.actor_engine, cfg.actor, max_new_tokens=cfg.gconfig.max_new_tokens)
         self.engines: dict[str, TrainEngine] = {"actor": self.actor_engine}
         self.ref = None
-        if self.use_ref:
+        if self.use_ref and reference_is_actor_base(cfg):
+            if self.rank0:
+                logger.info("reference: the actor's base weights (adapters off)")
+            self.ref = ReferenceModel(self.actor_engine, adapters_off=True)
+        elif self.use_ref:
             ref_engine = build_engine(cfg.ref, name="ref", trainable=False, **common).initialize()
             self.ref = ReferenceModel(ref_engine)
         self.teacher = None
@@ -192,7 +197,9 @@ class RLTrainer:
             )
         self.weight_sync = weight_sync_for(cfg, self.actor_engine, self.client, self.actor_engine.device_type)
         if cfg.rollout.colocate:
-            engines = [self.actor_engine] + [e.engine for e in (self.ref, self.teacher, self.critic) if e is not None]
+            # A LoRA actor's reference is the actor engine itself (adapters off): listed once.
+            others = [e.engine for e in (self.ref, self.teacher, self.critic) if e is not None]
+            engines = [self.actor_engine] + [e for e in others if e is not self.actor_engine]
             self.colocated = ColocatedPhases(self.client if self.rank0 else None, engines, cfg.actor.offload)
         check_freq = weight_check_freq(cfg.rollout.weight_check_freq, asynchronous=self._asynchronous())
         if check_freq > 0:

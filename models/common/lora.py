@@ -45,6 +45,9 @@ class LoRALinear(Linear):
         self.lora_a = nn.Parameter(torch.zeros(rank, in_features, device=device, dtype=torch.float32))
         self.lora_b = nn.Parameter(torch.zeros(out_features, rank, device=device, dtype=torch.float32))
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else None
+        # False: the layer is its frozen base alone (the RL reference, see ``models.lora.adapters_disabled``).  A
+        # plain Python bool: the same on every rank under FSDP/TP/PP; torch.compile guards on it (one recompile).
+        self.adapter_enabled = True
 
     @classmethod
     def from_linear(cls, base: nn.Linear, *, rank: int, alpha: float, dropout: float = 0.0) -> LoRALinear:
@@ -70,6 +73,8 @@ class LoRALinear(Linear):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         out = linear(input, self.weight, self.bias)
+        if not self.adapter_enabled:
+            return out
         x = self.lora_dropout(input) if self.lora_dropout is not None else input
         # The adapter's two products run in the input's dtype (autocast picks it under mixed precision).
         update = F.linear(F.linear(x, self.lora_a.to(x.dtype)), self.lora_b.to(x.dtype))

@@ -112,6 +112,14 @@ def test_bad_reward_functions_are_refused_before_start(tiny, capsys):
     assert code == 0 and "TRL's fn(completions, **kwargs)" in out, err
 
 
+def test_rl_from_non_zero_adapters_is_refused_before_start(tiny, capsys):
+    lora = ("actor.lora.enabled=true", "gconfig.max_new_tokens=8")
+    code, _, err = cli(run_args(tiny, *lora, "actor.lora.init_lora_weights=false"), capsys)
+    assert code == 2 and "init_lora_weights = false starts RL from non-zero adapters" in err
+    code, _, err = cli(run_args(tiny, *lora), capsys)
+    assert code == 0, err
+
+
 def test_prompt_plus_max_new_tokens_past_the_context_is_refused_with_the_numbers(tiny, capsys):
     model, _, root = tiny
     long_prompt = " ".join(["what is the answer ?"] * 10)  # 50 words of the tokenizer's vocabulary

@@ -48,3 +48,14 @@ def test_lora_counts_frozen_base_and_adapter_state(tmp_path):
     assert lora["parameters (frozen base in bfloat16, sharded)"] == 2 * total
     assert lora["gradients (float32)"] == 4 * adapters
     assert sum(lora.values()) < sum(full.values())
+
+
+def test_a_lora_actors_reference_is_not_counted_as_an_engine():
+    from archon.config import load_config
+    from archon.plan.fit import _engines
+
+    base = ["actor.backend=archon:d1", "actor.path=m", "actor.kl_loss_coef=0.1"]
+    names = lambda extra: [e[0] for e in _engines(load_config(None, base + extra, validate=False), "rl")]  # noqa: E731
+    assert names([]) == ["actor", "ref"]
+    assert names(["actor.lora.enabled=true"]) == ["actor"]  # the reference is the actor with adapters off
+    assert names(["actor.lora.enabled=true", "ref.lora.enabled=false"]) == ["actor", "ref"]
