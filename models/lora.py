@@ -26,7 +26,7 @@ from models.common.lora import LoRALinear, merge_lora_weight
 from models.state_dict_adapter import BaseStateDictAdapter, HFKeyTarget, UnknownKeyError
 
 ALL_LINEAR = "all-linear"
-"""PEFT's shorthand target for every adaptable linear layer."""
+"""PEFT's shorthand target: every linear layer of the blocks (not the LM head, nor MoE routers or experts)."""
 LORA_PARAMS = ("lora_a", "lora_b")
 """Parameter names of an adapter inside its ``LoRALinear``."""
 PEFT_PARAMS = {"lora_a": "lora_A", "lora_b": "lora_B"}
@@ -45,6 +45,7 @@ def _hf_module_name(adapter: BaseStateDictAdapter, fqn: str, shape: torch.Size) 
     try:
         items = adapter.to_hf_tensors(f"{fqn}.weight", torch.empty(shape, device="meta"))
     except (UnknownKeyError, NotImplementedError):
+        # No single HF module behind this layer (Archon's own, or one the adapter does not map): not a PEFT target.
         return None
     if len(items) != 1 or not items[0][0].endswith(".weight"):
         return None

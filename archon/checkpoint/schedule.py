@@ -1,7 +1,8 @@
-"""When a run saves a resumable checkpoint: every ``saver.freq_steps`` steps, every ``saver.freq_secs`` seconds of
-training (on by default, so that an interrupted run written from scratch loses at most that much), and at the end.
+"""When periodic work of a run is due: every N steps, every N seconds of training, and at the end.  Checkpoints use
+it (``SaveSchedule``: ``saver.freq_steps`` / ``saver.freq_secs``, time on by default, so that an interrupted run
+written from scratch loses at most that much), and so do evaluations (``archon.eval.periodic``).
 
-The decision is collective: every rank saves at the same step.  Steps are the same on every rank; wall-clock time
+The decision is collective: every rank acts at the same step.  Steps are the same on every rank; wall-clock time
 is not, so rank 0's clock decides and the other ranks learn its answer (one small broadcast per step, only while
 ``freq_secs`` is on and the run has more than one rank).
 """
@@ -15,12 +16,13 @@ import torch.distributed as dist
 from archon.config import SaverConfig
 
 
-class SaveSchedule:
-    """``due(step)``: whether step ``step`` ends with a checkpoint (call it on every rank, every step)."""
+class IntervalSchedule:
+    """``due(step)``: whether step ``step`` ends with the work (call it on every rank, every step); the seconds
+    count from the last step that was due."""
 
-    def __init__(self, saver: SaverConfig, total_steps: int):
-        self.freq_steps = saver.freq_steps
-        self.freq_secs = saver.freq_secs
+    def __init__(self, freq_steps: int, freq_secs: float, total_steps: int):
+        self.freq_steps = freq_steps
+        self.freq_secs = freq_secs
         self.total_steps = total_steps
         self._last = time.monotonic()
 
@@ -39,3 +41,10 @@ class SaveSchedule:
             dist.broadcast_object_list(box, src=0)
             due = bool(box[0])
         return due
+
+
+class SaveSchedule(IntervalSchedule):
+    """When a run saves a resumable checkpoint (``saver.freq_steps``, ``saver.freq_secs``, the end)."""
+
+    def __init__(self, saver: SaverConfig, total_steps: int):
+        super().__init__(saver.freq_steps, saver.freq_secs, total_steps)

@@ -11,9 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-LORA_ALL_LINEAR = "all-linear"
-"""PEFT's shorthand target: every linear layer of the blocks (not the LM head, nor MoE routers or experts)."""
-
 
 @dataclass
 class LoRAConfig:

@@ -15,8 +15,9 @@ from typing import Any
 import torch
 
 from archon.config import ConfigError
-from archon.config.lora import LORA_ALL_LINEAR, LoRAConfig
+from archon.config.lora import LoRAConfig
 from models.common.lora import merge_lora_weight
+from models.lora import ALL_LINEAR
 
 _BASE = ".base_layer."
 _A, _B = ".lora_A.default.weight", ".lora_B.default.weight"
@@ -30,7 +31,7 @@ def peft_lora_config(cfg: LoRAConfig) -> Any:
         raise ConfigError(
             "lora.enabled on an fsdp: engine needs the peft package; pip install 'archon[lora]'"
         ) from None
-    targets: str | list[str] = LORA_ALL_LINEAR if LORA_ALL_LINEAR in cfg.target_modules else list(cfg.target_modules)
+    targets: str | list[str] = ALL_LINEAR if ALL_LINEAR in cfg.target_modules else list(cfg.target_modules)
     return LoraConfig(
         r=cfg.rank,
         lora_alpha=cfg.alpha,

@@ -10,12 +10,10 @@ the other ranks wait for its metrics, which every rank returns.  As for checkpoi
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
+from archon.checkpoint.schedule import IntervalSchedule
 from archon.config import Config, ConfigError
 from archon.data.from_config import build_rl_dataset
 from archon.eval.evaluation import Evaluation, write_results
@@ -58,24 +56,12 @@ class PeriodicEvaluation:
             )
         self.evaluation = build_evaluation(cfg, tokenizer, sampling)
         self.folder = Path(cfg.run_dir) / "eval"
-        self.freq_steps = cfg.evaluator.freq_steps
-        self.freq_secs = cfg.evaluator.freq_secs
-        self.total_steps = cfg.total_train_steps
-        self._last = time.monotonic()
+        ev = cfg.evaluator
+        self.schedule = IntervalSchedule(ev.freq_steps, ev.freq_secs, cfg.total_train_steps)
 
     def due(self, step: int) -> bool:
         """Whether step ``step`` ends with an evaluation (step 0: before any update)."""
-        by_steps = self.freq_steps > 0 and step % self.freq_steps == 0
-        by_time = self.freq_secs > 0 and self._clock_says_due()
-        return step in (0, self.total_steps) or by_steps or by_time
-
-    def _clock_says_due(self) -> bool:
-        due = time.monotonic() - self._last >= self.freq_secs
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            box = [due]
-            dist.broadcast_object_list(box, src=0)
-            due = bool(box[0])
-        return due
+        return step == 0 or self.schedule.due(step)
 
     def run(
         self, step: int, client: RolloutClient | None, rewards: RewardComputer | None, tokenizer: Any
@@ -95,6 +81,4 @@ class PeriodicEvaluation:
             )
             return metrics
 
-        metrics = run_on_rank0(evaluate, f"evaluation at step {step}")
-        self._last = time.monotonic()
-        return metrics
+        return run_on_rank0(evaluate, f"evaluation at step {step}")

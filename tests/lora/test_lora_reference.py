@@ -8,7 +8,6 @@ same run with a reference engine of its own on the base model (the path without 
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any
 
@@ -16,7 +15,7 @@ import pytest
 import torch
 from dist_utils import run_distributed
 from engine_utils import engine_config, make_batch, sft_loss, sft_weight
-from hf_fixtures import make_tiny_tokenizer, save_tiny_hf
+from hf_fixtures import save_tiny_hf
 from rl_runs import overrides
 
 LORA: dict[str, Any] = {"enabled": True, "rank": 4, "alpha": 8}
@@ -62,18 +61,6 @@ def test_adapters_off_actor_is_the_base_model(qwen3_path, backend, world):
     assert (got["on"] - got["ref"]).abs().max() > 1e-3
     torch.testing.assert_close(got["off"], got["ref"], atol=1e-5, rtol=0)
     assert "no LoRA adapters" in got["refused"]
-
-
-@pytest.fixture(scope="module")
-def rl_setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("rl")
-    model = root / "model"
-    tok = make_tiny_tokenizer(model)
-    save_tiny_hf(model, "qwen3", seed=4, vocab_size=len(tok), eos_token_id=tok.eos_token_id)
-    rows = [{"prompt": f"what is {a} + {b} ?", "answer": str(a + b)} for a in range(6) for b in range(4)]
-    data = root / "rl.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return model, data, root
 
 
 def _train_recording_ref(args: list[str]) -> dict[str, Any] | None:
