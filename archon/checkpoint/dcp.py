@@ -129,8 +129,20 @@ def _split(states: Mapping[str, Stateful]) -> tuple[dict[str, Any], list[dict[st
     if OPTIMIZER in states:
         optim = states[OPTIMIZER].state_dict()
         tensors["optim"] = {"state": optim["state"]}
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in optim["param_groups"]]
+        groups = [_json_numbers({k: v for k, v in g.items() if k != "params"}) for g in optim["param_groups"]]
     return tensors, groups
+
+
+def _json_numbers(obj: Any) -> Any:
+    """``obj`` with one-value tensors as numbers: torchao's low-bit AdamW keeps its learning rate as a tensor, and
+    the LR scheduler's state copies it (the optimizer gets tensors back on load: ``OptimizerState``)."""
+    if isinstance(obj, torch.Tensor) and obj.numel() == 1:
+        return obj.item()
+    if isinstance(obj, dict):
+        return {k: _json_numbers(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_json_numbers(v) for v in obj)
+    return obj
 
 
 def dcp_state_dict(states: Mapping[str, Stateful]) -> dict[str, Any]:
@@ -153,7 +165,7 @@ def _engine_state(
     state = {
         "step": train["step"],
         "allocation": allocation,
-        "lr_scheduler": states[LR_SCHEDULER].state_dict() if LR_SCHEDULER in states else None,
+        "lr_scheduler": _json_numbers(states[LR_SCHEDULER].state_dict()) if LR_SCHEDULER in states else None,
         "optimizer_param_groups": groups,
         "python_rng": train["python_rng"],
         "extra": extra_state,

@@ -65,10 +65,8 @@ class OptimizerState:
                 f"it has {len(saved)} optimizer param group(s) but the engine has {len(mine)}; resume "
                 "with the optimizer settings it was written with"
             )
-        # JSON turns tuples (AdamW's betas) into lists.
         groups = [
-            {**g, **{k: tuple(v) if isinstance(v, list) else v for k, v in s.items() if k != "params"}}
-            for g, s in zip(mine, saved)
+            {**g, **{k: _from_json(v, g.get(k)) for k, v in s.items() if k != "params"}} for g, s in zip(mine, saved)
         ]
         set_optimizer_state_dict(self.model, self.optimizer, {"state": state_dict["state"], "param_groups": groups})
 
@@ -113,6 +111,15 @@ class TrainState:
         torch.set_rng_state(state_dict["torch_rng"])
         if self.device_type == "cuda" and state_dict.get("cuda_rng") is not None:
             torch.cuda.set_rng_state(state_dict["cuda_rng"])
+
+
+def _from_json(value: Any, current: Any) -> Any:
+    """A param group value read back from JSON, in the type the optimizer holds it in."""
+    if isinstance(value, list):
+        return tuple(value)  # JSON turns tuples (AdamW's betas) into lists
+    if isinstance(current, torch.Tensor):
+        return torch.full_like(current, value)  # torchao's low-bit AdamW keeps lr as a tensor
+    return value
 
 
 def engine_states(

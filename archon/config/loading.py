@@ -31,6 +31,7 @@ from archon.config.areal_keys import find_areal_key
 from archon.config.areal_translate import apply_warmup_proportions, translate_areal_keys
 from archon.config.colocate_checks import apply_colocate_defaults, check_colocation
 from archon.config.device_defaults import apply_device_defaults
+from archon.config.lora_sync import check_lora_sync
 from archon.config.ranges import check_ranges
 from archon.config.schema import INHERITED_ENGINE_FIELDS, Config, ConfigError, default_norms
 from archon.config.vllm_checks import check_vllm_config
@@ -378,6 +379,7 @@ def validate_config(cfg: Config, sources: dict[str, str] | None = None, job: str
     except AllocationError as exc:
         raise ConfigError(str(exc)) from None
     _check_rollout_backend(cfg, allocs["rollout"])
+    check_lora_sync(cfg, sources)
     positive = {
         "total_train_steps": cfg.total_train_steps,
         "train_dataset.batch_size": cfg.train_dataset.batch_size,

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from archon.alloc import AllocationError, ModelAllocation
+from archon.config.archon_engine import ArchonEngineConfig
 from archon.config.dataset import DatasetConfig
 from archon.config.evaluator import EvaluatorConfig, ValidDatasetConfig
 from archon.config.lora import LoRAConfig
@@ -48,8 +49,8 @@ class ClusterConfig:
 
 @dataclass
 class OptimizerConfig:
-    type: Literal["adamw"] = "adamw"
-    """Optimizer; AdamW is the one Archon ships."""
+    type: Literal["adamw", "adamw_8bit", "adamw_fp8"] = "adamw"
+    """AdamW: 'adamw' (torch, float32 state), or torchao's low-bit state (fp8 extra): 'adamw_8bit' or 'adamw_fp8'."""
     lr: float = 1e-5
     """Peak learning rate."""
     weight_decay: float = 0.01
@@ -74,42 +75,6 @@ class MicroBatchSpec:
     """Minimum number of microbatches per data-parallel rank and optimizer step."""
     max_tokens_per_mb: int = 0
     """Upper bound on packed tokens in one microbatch (more microbatches are made if needed); 0 means no bound."""
-
-
-@dataclass
-class ArchonEngineConfig:
-    pp_schedule: Literal["1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV", "GPipe"] = (
-        "Interleaved1F1B"
-    )
-    """Pipeline schedule used when the allocation has p > 1 (the short names I1F1B, IZB and ZBV are accepted)."""
-    pp_layers_per_stage: int = 0
-    """Transformer blocks per pipeline stage; 0 derives it from the layer count and schedule."""
-    enable_compile: bool = True
-    """torch.compile each block (after activation checkpointing, before FSDP); unset: on for CUDA, off for CPU."""
-    ac_mode: Literal["none", "full", "selective", "memory_budget"] = "selective"
-    """Activation checkpointing mode, applied only when `gradient_checkpointing` is true."""
-    selective_ac_option: str = "op"
-    """For ac_mode=selective: 'op' (save matmul/attention outputs) or an integer N (checkpoint every Nth block)."""
-    ac_memory_budget: float = 0.5
-    """For ac_mode=memory_budget (needs compile): 0.0 recomputes everything, 1.0 nothing."""
-    offload_params: bool = False
-    """Keep FSDP-sharded parameters, gradients and optimizer state on the CPU (CPUOffloadPolicy)."""
-    reshard_after_forward_policy: Literal["default", "always", "never"] = "default"
-    """FSDP resharding after forward: default reshards except with pipeline parallel."""
-    use_deterministic_algorithms: bool = False
-    """Deterministic kernels, cuBLAS workspace, NCCL Ring and compile; slower, for debugging."""
-    ac_debug: bool = False
-    """Log which activations are saved and which are recomputed (slow)."""
-    dp_replicate: int = 1
-    """HSDP: split the allocation's d into dp_replicate replica groups x d/dp_replicate shards."""
-    moe_load_balance: Literal["none", "aux_loss", "aux_free"] = "none"
-    """MoE load balancing: 'aux_loss' (Switch loss over the global batch) or 'aux_free' (DeepSeek-V3 routing bias)."""
-    moe_aux_loss_coef: float = 1e-3
-    """aux_loss: weight of each MoE layer's load-balancing loss in the training loss (Megatron's moe_aux_loss_coeff)."""
-    moe_bias_update_rate: float = 1e-3
-    """aux_free: bias step per optimizer step, +rate for experts below the mean load, -rate above it."""
-    moe_router_dtype: Literal["auto", "float32"] = "auto"
-    """dtype of the MoE router's gate matmul: 'auto' follows `dtype`; 'float32' keeps it fp32 under bf16."""
 
 
 @dataclass
@@ -365,6 +330,10 @@ class RolloutConfig:
     weight_sync: Literal["distributed", "disk", "tensor"] = "distributed"
     """How new weights reach the servers: a broadcast group, an HF folder on shared disk (vllm: disk only), or, for
     colocated servers (their default), the trainer's own tensors by reference (CUDA IPC / shared memory)."""
+    lora_sync: Literal["auto", "adapter", "merged"] = "auto"
+    """With actor.lora: 'adapter' sends only the adapters (a PEFT folder the servers must read, loaded through
+    their LoRA endpoints), 'merged' the merged full weights by rollout.weight_sync; 'auto': adapter unless the
+    weights go by 'tensor' or the rollout is in-process."""
     weight_chunk_mb: int = 512
     """Bucket size of the distributed weight broadcast."""
     weight_load_format: Literal["auto", "tensors", "flattened_bucket"] = "auto"

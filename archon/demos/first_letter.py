@@ -15,6 +15,7 @@ writes everything the demo needs without downloading anything:
     OUT_DIR/data/train.jsonl  RL prompts ``{"prompt", "answer"}``
     OUT_DIR/data/test.jsonl   held-out prompts (none of them appears in train.jsonl)
     OUT_DIR/data/sft.jsonl    optional format-only warm start ``{"prompt", "completion"}``: random letters
+    OUT_DIR/data/sft_last.jsonl  the LoRA demo's base: the same prompts answered with their LAST letter
 
 Everything is a function of the seeds, so two runs write identical files.  This module
 imports neither torch nor transformers at import time: reward workers and ``--help`` stay fast.
@@ -109,6 +110,8 @@ class DemoAssets:
     """Held-out RL prompts (jsonl)."""
     sft: Path
     """Optional format-only SFT rows (jsonl)."""
+    sft_last: Path
+    """SFT rows answered with the prompt's last letter (jsonl): the LoRA demo trains its base on them."""
 
 
 # --------------------------------------------------------------------------------------
@@ -152,8 +155,14 @@ def sample_prompts(task: DemoTask, n: int, rng: random.Random, exclude: Iterable
     return prompts
 
 
+def last_letter(prompt: str) -> str:
+    """The LoRA demo's base rule: the letter just before ``=``."""
+    first_letter(prompt)  # the same check of the prompt's shape
+    return prompt.split()[-2]
+
+
 def make_rows(task: DemoTask = DemoTask()) -> dict[str, list[dict[str, str]]]:
-    """The three data files' rows: ``train`` and ``test`` (prompt/answer) and ``sft`` (prompt/completion)."""
+    """The data files' rows: ``train`` and ``test`` (prompt/answer), ``sft`` and ``sft_last`` (prompt/completion)."""
     # A string seed is hashed with SHA-512 by `random`: the same rows on every platform.
     rng = random.Random(f"archon-demo:{task.seed}")
     prompts = sample_prompts(task, task.n_train + task.n_test, rng)
@@ -169,6 +178,9 @@ def make_rows(task: DemoTask = DemoTask()) -> dict[str, list[dict[str, str]]]:
         "train": [{"prompt": p, "answer": first_letter(p)} for p in train],
         "test": [{"prompt": p, "answer": first_letter(p)} for p in test],
         "sft": sft,
+        # A model SFT-trained on these copies a letter of the prompt (the wrong one): a base with the skill the
+        # task needs, that LoRA adapters re-target by RL (configs/cpu_demo_lora.toml).
+        "sft_last": [{"prompt": p, "completion": last_letter(p)} for p in train],
     }
 
 
@@ -269,6 +281,7 @@ def make_assets(out_dir: str | Path, task: DemoTask = DemoTask(), spec: TinyQwen
         train=root / "data" / "train.jsonl",
         test=root / "data" / "test.jsonl",
         sft=root / "data" / "sft.jsonl",
+        sft_last=root / "data" / "sft_last.jsonl",
     )
     tokenizer = build_tokenizer(task, spec.max_position_embeddings)
     tokenizer.save_pretrained(assets.tokenizer)
@@ -278,6 +291,7 @@ def make_assets(out_dir: str | Path, task: DemoTask = DemoTask(), spec: TinyQwen
     write_jsonl(assets.train, rows["train"])
     write_jsonl(assets.test, rows["test"])
     write_jsonl(assets.sft, rows["sft"])
+    write_jsonl(assets.sft_last, rows["sft_last"])
     return assets
 
 

@@ -29,7 +29,7 @@ import torch
 
 from archon.alloc import ModelAllocation
 from archon.checkpoint.state import TrainState
-from archon.config import TrainEngineConfig
+from archon.config import ConfigError, TrainEngineConfig
 from archon.engine.archon_runner import ArchonModelRunner
 from archon.engine.errors import EngineError
 from archon.engine.interface import TrainEngine
@@ -58,6 +58,13 @@ from archon.engine.weights import hf_full_tensors, init_from_seed, init_unloaded
 from models import BaseStateDictAdapter, get_model_spec, load_hf_weights
 from models.lora import adapters_disabled, apply_lora, is_lora_name
 from parallel.errors import ParallelConfigError
+from parallel.float8 import (
+    convert_to_float8,
+    high_precision_linears,
+    precompute_float8_scales,
+    resolve_emulate,
+    uses_float8_all_gather,
+)
 from pipeline import PipelineConfigError, PipelinedModel
 
 # EngineError lives in archon.engine.errors; importers of this module still find it here.
@@ -111,6 +118,8 @@ class ArchonEngine(TrainEngine):
         self.runner: ArchonModelRunner | None = None
         # Under LoRA (config.lora.enabled): {Archon module name: HF module name} of the adapted layers.
         self.lora_targets: dict[str, str] = {}
+        # Under fp8 (config.archon.fp8): names of the linears converted to torchao's Float8Linear.
+        self.fp8_linears: list[str] = []
 
     @property
     def step(self) -> int:
@@ -152,6 +161,8 @@ class ArchonEngine(TrainEngine):
                 f"{self.name}.lora",
                 trainable_head=self.is_critic,
             )
+        # torchtitan's order: float8 conversion on the meta-device model, then TP (float8 styles), then FSDP.
+        self.fp8_linears = self._convert_to_fp8(model) if cfg.archon.fp8 else []
         if self.parallel_dims.pp_enabled:
             self.pipeline = self._split_into_stages(model)
             model, parts = self.pipeline.model, self.pipeline.parts
@@ -194,7 +205,37 @@ class ArchonEngine(TrainEngine):
             # state for the frozen base (``build_optimizer`` keeps trainable parameters only).
             self.stepper = StepRunner.for_model(self.model, cfg, self.name, self.train_state, self.total_steps)
             self.optimizer, self.lr_scheduler = self.stepper.optimizer, self.stepper.lr_scheduler
+            if uses_float8_all_gather(self.model):
+                # Scales of the float8 all-gather for the next step, in one all-reduce (torchao's advice).
+                model_ = self.model
+                self.stepper.after_step.append(lambda: precompute_float8_scales(model_))
         return self
+
+    def _convert_to_fp8(self, model: torch.nn.Module) -> list[str]:
+        """Swap the meta-device model's eligible linears for torchao's float8 ones; returns their names."""
+        cfg, where = self.config, f"{self.name}.archon.fp8 = '{self.config.archon.fp8}'"
+        if cfg.lora.enabled:
+            raise ConfigError(
+                f"{where} with {self.name}.lora.enabled: adapters wrap the linears fp8 would convert; turn one off"
+            )
+        if cfg.dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"{where} casts from float32 or bfloat16, not {cfg.dtype}; set {self.name}.dtype")
+        try:
+            emulate = resolve_emulate(self.device, cfg.archon.fp8_emulate)
+            # Float8 all-gather and float8 TP inputs only when every forward runs in fp8 anyway (fp8_forward):
+            # otherwise the logprob recomputation would see float8-rounded weights.
+            fp8_forward, pd = cfg.archon.fp8_forward, self.parallel_dims
+            names = convert_to_float8(
+                model,
+                cfg.archon.fp8,
+                emulate=emulate,
+                fsdp_float8_all_gather=fp8_forward and pd.fsdp_enabled,
+                float8_tp=fp8_forward and pd.tp_enabled,
+            )
+        except ParallelConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+        logger.info("%s: fp8 (%s%s) on %d linear layers", self.name, cfg.archon.fp8, ", emulated" * emulate, len(names))
+        return names
 
     def _split_into_stages(self, model: torch.nn.Module) -> PipelinedModel:
         """This rank's pipeline stages of the meta-device ``model``, each parallelized."""
@@ -353,6 +394,14 @@ class ArchonEngine(TrainEngine):
     def forward(self, batch: Batch) -> dict[str, torch.Tensor]:
         """Per-token ``logprobs`` and ``entropy`` (or ``values`` for a critic), ``[B, S]``, global batch order."""
         assert self.model is not None and self.runner is not None, "initialize() first"
+        if self.fp8_linears and not self.config.archon.fp8_forward:
+            # Logprob recomputation stays in `dtype`: fp8 must not silently widen the train/inference mismatch.
+            with high_precision_linears(self.model):
+                return self._forward(batch)
+        return self._forward(batch)
+
+    def _forward(self, batch: Batch) -> dict[str, torch.Tensor]:
+        assert self.model is not None and self.runner is not None, "initialize() first"
         runner = self.runner
         self.model.eval()
         batch = on_host(batch)
@@ -378,6 +427,13 @@ class ArchonEngine(TrainEngine):
         if not self.lora_targets:
             return super().adapters_off()
         return adapters_disabled(self.model)
+
+    def load(self, path: str | Path) -> dict[str, Any]:
+        """``TrainEngine.load``; under fp8 all-gather the float8 scales are then recomputed from the loaded weights."""
+        extra = super().load(path)
+        if self.model is not None:
+            precompute_float8_scales(self.model)
+        return extra
 
     # ------------------------------------------------------------------ weights out
     def named_full_tensors(

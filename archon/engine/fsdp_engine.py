@@ -50,10 +50,17 @@ from archon.alloc import ModelAllocation
 from archon.checkpoint.state import TrainState
 from archon.config import TrainEngineConfig
 from archon.engine.errors import EngineError
-from archon.engine.fsdp_lora import inject_lora, merge_peft_tensors, peft_adapters_disabled
+from archon.engine.fsdp_lora import (
+    adapted_modules,
+    inject_lora,
+    merge_peft_tensors,
+    peft_adapter_tensors,
+    peft_adapters_disabled,
+)
 from archon.engine.fsdp_runner import TransformersRunner
 from archon.engine.interface import TrainEngine
 from archon.engine.layout import init_layout, load_model_config
+from archon.engine.lora import peft_config, write_peft_folder
 from archon.engine.microbatch import Batch, on_host
 from archon.engine.microbatch_loop import forward_microbatches, plan_rank_microbatches, train_microbatches
 from archon.engine.options import parameter_device
@@ -152,6 +159,11 @@ class FSDPEngine(TrainEngine):
         self.parallelize_options = self.layout.options
         self.train_state.device_type = self.device_type
         pd = self.parallel_dims
+        if cfg.archon.fp8:
+            raise EngineError(
+                f"{self.name}.archon.fp8 = '{cfg.archon.fp8}' converts Archon's own models only; use an archon: "
+                f"backend for {self.name} or turn fp8 off"
+            )
         # The grammar refuses p and e for fsdp:, so these hold by construction.
         assert not pd.pp_enabled and not pd.ep_enabled
         self.hf_config = load_model_config(self.name, cfg, check_spec=False)
@@ -166,11 +178,6 @@ class FSDPEngine(TrainEngine):
         if self.is_critic:
             build_config = critic_config(build_config)
         attn = register_ulysses_attention() if pd.cp_enabled else None
-        if cfg.lora.enabled and pd.tp_enabled:
-            raise EngineError(
-                f"{self.name}.backend = '{cfg.backend}' with {self.name}.lora: the fsdp: engine runs PEFT adapters "
-                "under d and c only; use t1, or the archon: engine (its adapters follow tensor parallel)"
-            )
         try:
             model, buffers = build_meta_model(build_config, self.is_critic, attn)
             if cfg.lora.enabled:
@@ -409,6 +416,20 @@ class FSDPEngine(TrainEngine):
             tensors = merge_peft_tensors(tensors, self.config.lora.scale)
         for name, full in tensors:
             yield name, full.to(dtype) if dtype is not None else full
+
+    def export_peft(self, path: str | Path) -> bool:
+        """Write PEFT's adapters as a PEFT adapter folder that ``peft.PeftModel.from_pretrained`` loads onto the
+        transformers model of ``path``'s base; a collective (every rank gathers), rank 0 writes."""
+        assert self.model is not None, "initialize() the engine first"
+        if not self.config.lora.enabled:
+            raise EngineError(f"{self.name}.lora.enabled is false: there are no adapters to export as a PEFT folder")
+        tensors = (
+            (name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor)
+            for name, tensor in named_state(self.model, buffers=False)
+        )
+        config = peft_config(self.config.lora, adapted_modules(self.model), self.config.path)
+        write_peft_folder(peft_adapter_tensors(tensors), config, path)
+        return True
 
     def export_hf(
         self,

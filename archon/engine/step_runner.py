@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -76,6 +76,8 @@ class StepRunner:
         self.lr_scheduler = lr_scheduler
         self.train_state = train_state
         self.max_grad_norm = max_grad_norm
+        self.after_step: list[Callable[[], None]] = []
+        """Called after each optimizer step that updated the weights (fp8's scale precompute)."""
 
     @classmethod
     def for_model(
@@ -117,10 +119,12 @@ class StepRunner:
         grad_norm = clip_grad_norm_(parameters, self.max_grad_norm, pp_group=pp_group)
         (norm,) = totals.read(grad_norm)
         finite = math.isfinite(norm)
-        lr = self.optimizer.param_groups[0]["lr"]
+        lr = float(self.optimizer.param_groups[0]["lr"])  # torchao's optimizers keep it as a tensor
         drill_point("optimizer_step")
         if finite:
             self.optimizer.step()
+            for hook in self.after_step:
+                hook()
         else:
             logger.warning(
                 "%s: non-finite gradient norm at step %d; the optimizer step is skipped",

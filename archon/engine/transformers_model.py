@@ -30,6 +30,7 @@ import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
+from archon.engine.fsdp_lora import with_peft_placements
 from models.common.attention import CoreAttention
 from models.common.packing import packed_causal_mask
 from parallel.context_parallel import heads_to_sequence, kv_repeats_for_cp, sequence_to_heads
@@ -236,7 +237,9 @@ def apply_tp_plan(model: nn.Module, tp_mesh, loss_parallel: bool = True) -> None
     """Shard ``model`` over ``tp_mesh`` following transformers' own plan for it.
 
     Raises when the model ships no plan, or uses a style this mapping does not cover (fused
-    MoE experts, packed projections): such a model trains with t1, or with ``archon:``.
+    MoE experts, packed projections): such a model trains with t1, or with ``archon:``.  Layers
+    PEFT adapted are placed whole, their adapters split as their base layer
+    (``fsdp_lora.with_peft_placements``); frozen parameters stay frozen.
     """
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -265,15 +268,22 @@ def apply_tp_plan(model: nn.Module, tp_mesh, loss_parallel: bool = True) -> None
     for path, style in plan.items():
         if path == head_name:
             # Vocab-sharded logits (a DTensor): the loss reduces over TP instead of gathering V.
-            torch_plan[path] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=not loss_parallel)
+            head_style = ColwiseParallel(output_layouts=Shard(-1), use_local_output=not loss_parallel)
+            torch_plan[path] = with_peft_placements(head_style)
         else:
-            torch_plan[path] = styles[style]
+            torch_plan[path] = with_peft_placements(styles[style])
     if tied and head_name not in torch_plan:
         raise TransformersModelError(
             f"model_type '{config.model_type}' ties its LM head to the embedding, but the "
             "tensor-parallel plan splits only one of them; use t1"
         )
+    frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
     parallelize_module(model, tp_mesh, torch_plan)
+    # SequenceParallel (replicated_with_grad_allreduce) makes the parameters it distributes trainable: keep a
+    # LoRA model's frozen base frozen.
+    for name, param in model.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
     if tied:
         # The embedding (rowwise: Shard(0) over the vocabulary) and the head (colwise: Shard(0))
         # were distributed separately with the same layout; share one DTensor parameter again.

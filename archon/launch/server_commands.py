@@ -12,6 +12,10 @@ Colocated servers (``rollout.colocate``) can hand their GPU memory back while th
 started with ``--enable-memory-saver`` (its ``release_memory_occupation`` / ``resume_memory_occupation`` free
 nothing without it), vLLM with ``--enable-sleep-mode`` (``/sleep`` and ``/wake_up``), and the built-in server runs
 on its training rank's GPU (``local_server_device``) instead of the CPU.
+
+Where a LoRA actor syncs its adapters alone (``rollout.lora_sync``), SGLang and vLLM are started with LoRA enabled
+(``lora_flags``; vLLM also with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``): adapters loaded after start need the
+largest rank and, for SGLang, the target modules declared up front.  The built-in server needs nothing.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from pathlib import Path
 import torch
 
 from archon.config import Config, ConfigError, SGLangConfig
+from archon.config.lora_sync import resolved_lora_sync
 from archon.config.preflight import model_context_length
 from archon.config.vllm_checks import vllm_logprobs_mode
 from archon.rollout.tied_embeddings import ties_word_embeddings
@@ -149,7 +154,25 @@ def sglang_command(
         cmd += ["--enable-return-routed-experts"]
     if cfg.rollout.colocate and "--enable-memory-saver" not in sg.extra_args:
         cmd += ["--enable-memory-saver"]  # release/resume_memory_occupation free nothing without it
-    return cmd + list(sg.extra_args)
+    return cmd + lora_flags(cfg, "sglang") + list(sg.extra_args)
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM's ``--max-lora-rank`` takes (vLLM 0.32's ``LoRAConfig.max_lora_rank``)."""
+
+
+def lora_flags(cfg: Config, server: str) -> list[str]:
+    """``server``'s ('sglang' or 'vllm') flags for loading the actor's adapters at run time; none without adapter
+    sync.  Two adapters are held while one replaces the other (requests still running keep the old one)."""
+    if resolved_lora_sync(cfg) != "adapter":
+        return []
+    lora = cfg.actor.lora
+    if server == "vllm":
+        rank = next((r for r in VLLM_LORA_RANKS if r >= lora.rank), lora.rank)
+        return ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "2"]
+    # SGLang's name for every linear layer is 'all'.
+    modules = ["all"] if "all-linear" in lora.target_modules else list(lora.target_modules)
+    return ["--enable-lora", "--max-lora-rank", str(lora.rank), "--lora-target-modules", *modules]
 
 
 def local_server_device(cfg: Config) -> str:
@@ -232,7 +255,7 @@ def vllm_command(
         cmd += ["--enforce-eager"]
     if cfg.rollout.colocate and "--enable-sleep-mode" not in v.extra_args:
         cmd += ["--enable-sleep-mode"]  # /sleep and /wake_up, to give the GPU to the trainer
-    return cmd + list(v.extra_args)
+    return cmd + lora_flags(cfg, "vllm") + list(v.extra_args)
 
 
 def vllm_env(cfg: Config) -> dict[str, str]:
@@ -240,4 +263,6 @@ def vllm_env(cfg: Config) -> dict[str, str]:
     env = {"VLLM_SERVER_DEV_MODE": "1"}  # /pause, /resume, /collective_rpc, /update_weight_version
     if cfg.vllm.batch_invariant:
         env["VLLM_BATCH_INVARIANT"] = "1"
+    if lora_flags(cfg, "vllm"):
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # /v1/load_lora_adapter and /v1/unload_lora_adapter
     return env

@@ -25,13 +25,11 @@ from archon.plan.memory import (
     Term,
     Workload,
     estimate_training_rank,
-    model_args_of,
-    param_groups,
     process_terms,
-    read_model_config,
     usable_gpu_bytes,
     workload_of,
 )
+from archon.plan.params import model_args_of, param_groups, read_model_config
 
 if TYPE_CHECKING:
     from archon.config import Config, TrainEngineConfig

@@ -37,7 +37,7 @@ from archon.alloc import ModelAllocation
 from archon.config import load_config
 from archon.engine.engine import ArchonEngine  # loaded before forking, so no rank pays for it
 from archon.errors import user_error_types
-from archon.plan.memory import read_model_config
+from archon.plan.params import read_model_config
 from archon.runtime.fork_ranks import RankError, run_ranks
 from archon.sft import loss_token_count, sft_loss_fn
 from models.model_args import read_num_experts

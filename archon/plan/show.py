@@ -24,7 +24,8 @@ from archon.errors import user_error_types
 from archon.placement import ClusterPlan, Process
 from archon.plan import layout
 from archon.plan.fit import check_fit
-from archon.plan.memory import GiB, MemoryEstimateError
+from archon.plan.memory import GiB
+from archon.plan.params import MemoryEstimateError
 
 
 def _coordinates(rank: int, alloc: str) -> str:

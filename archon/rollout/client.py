@@ -367,6 +367,26 @@ class RolloutClient:
             self._control.aupdate_weights_from_disk(path, version, abort_all_requests=abort_all_requests)
         )
 
+    async def aload_lora_adapter(self, name: str, path: str, version: int | str) -> dict[str, Any]:
+        """Every up server loads the PEFT adapter folder ``path`` as ``name`` and reports ``version``; later generate
+        requests name it, and each server's previous adapter is unloaded (``ServerControl.aload_lora_adapter``)."""
+        return await self._control.aload_lora_adapter(name, path, version)
+
+    def load_lora_adapter(self, name: str, path: str, version: int | str) -> dict[str, Any]:
+        return self._transport.wait(self._control.aload_lora_adapter(name, path, version))
+
+    async def aunload_lora_adapter(self) -> dict[str, Any]:
+        """Every up server unloads its adapter; later generate requests get the base weights."""
+        return await self._control.aunload_lora_adapter()
+
+    def unload_lora_adapter(self) -> dict[str, Any]:
+        return self._transport.wait(self._control.aunload_lora_adapter())
+
+    @property
+    def lora_names(self) -> dict[str, str]:
+        """The adapter that generate requests to each server name, by URL ("": none)."""
+        return {s.url: s.lora_name for s in self._transport.servers}
+
     def weight_group_layout(self, ranks_per_server: int) -> tuple[int, list[int]]:
         """(world size, rank offset of each up server) of a weight-update group; the trainer is rank 0."""
         return self._control.weight_group_layout(ranks_per_server)

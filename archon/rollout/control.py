@@ -62,6 +62,38 @@ class ServerControl:
             s.weight_version = str(version)
         return result
 
+    async def aload_lora_adapter(self, name: str, path: str, version: int | str) -> dict[str, Any]:
+        """Every up server loads the PEFT adapter folder ``path`` as ``name`` and reports ``version``; from then on
+        every generate request to it names ``name``, and then the adapter it named before is unloaded there.
+
+        Requests already running finish with the adapter they started with, so no request mixes two; a new name
+        per sync keeps servers that cache adapters by name (vLLM) from serving stale weights.
+        """
+        api, targets = self.transport.api, self.transport.up_servers()
+        result = await self.transport.fan_out(api.load_lora_adapter(name, str(path), str(version)), servers=targets)
+        previous = {}
+        for s in targets:
+            if s.lora_name and s.lora_name != name:
+                previous[s.url] = s.lora_name
+            s.lora_name, s.weight_version = name, str(version)
+        await self._unload(previous)
+        return result
+
+    async def aunload_lora_adapter(self) -> dict[str, Any]:
+        """Every up server unloads the adapter its requests name; they name none from then on (the base weights)."""
+        names = {s.url: s.lora_name for s in self.transport.up_servers() if s.lora_name}
+        for s in self.transport.up_servers():
+            s.lora_name = ""
+        return await self._unload(names)
+
+    async def _unload(self, names: dict[str, str]) -> dict[str, Any]:
+        """Unload adapter ``names[url]`` on each server ``url``."""
+        if not names:
+            return {}
+        targets = [self.transport.server(url) for url in names]
+        plans = [self.transport.api.unload_lora_adapter(names[s.url]) for s in targets]
+        return await self.transport.fan_out(servers=targets, per_server=plans)
+
     def weight_group_layout(self, ranks_per_server: int) -> tuple[int, list[int]]:
         """(world size, rank offset of each up server) of a weight-update group; the trainer is rank 0."""
         if ranks_per_server < 1:

@@ -81,7 +81,12 @@ class GenerateRequests:
             server = transport.pick(tried)
             rid = self._new_rid()
             payload = api.generate_payload(
-                ids, sampling_params, return_logprob, rid, return_routed_experts=return_routed_experts
+                ids,
+                sampling_params,
+                return_logprob,
+                rid,
+                return_routed_experts=return_routed_experts,
+                lora_name=server.lora_name,
             )
             server.in_flight += 1
             server.sent += 1
@@ -180,7 +185,12 @@ class GenerateRequests:
         api = self.transport.api
         payloads = [
             api.generate_payload(
-                [int(t) for t in ids], p, return_logprob, self._new_rid(), return_routed_experts=return_routed_experts
+                [int(t) for t in ids],
+                p,
+                return_logprob,
+                self._new_rid(),
+                return_routed_experts=return_routed_experts,
+                lora_name=server.lora_name,
             )
             for ids, p in zip(prompts, params)
         ]
@@ -271,7 +281,9 @@ class GenerateRequests:
         """
         transport, api = self.transport, self.transport.api
         server = transport.server(url)
-        payload = api.generate_payload([int(t) for t in input_ids], sampling_params, return_logprob, self._new_rid())
+        payload = api.generate_payload(
+            [int(t) for t in input_ids], sampling_params, return_logprob, self._new_rid(), lora_name=server.lora_name
+        )
         if priority and api.priority_field:
             payload["priority"] = priority
         server.in_flight += 1

@@ -101,8 +101,10 @@ class ServerAPI:
         return_logprob: bool,
         rid: str,
         return_routed_experts: bool = False,
+        lora_name: str = "",
     ) -> dict[str, Any]:
-        """Body of one generate request; ``params`` are SGLang ``sampling_params``."""
+        """Body of one generate request; ``params`` are SGLang ``sampling_params``; ``lora_name``: the loaded
+        adapter it runs with (SGLang's ``lora_path`` takes an adapter's name; "": none)."""
         payload = {
             "input_ids": input_ids,
             "sampling_params": dict(params),
@@ -111,6 +113,8 @@ class ServerAPI:
         }
         if return_routed_experts:
             payload["return_routed_experts"] = True
+        if lora_name:
+            payload["lora_path"] = lora_name
         return payload
 
     def parse_generate(
@@ -173,6 +177,18 @@ class ServerAPI:
                 {"model_path": path, "weight_version": version, "abort_all_requests": abort_all_requests},
             )
         ]
+
+    def load_lora_adapter(self, name: str, path: str, version: str) -> list[Call]:
+        """Load the PEFT adapter folder ``path`` as ``name`` (a server started with ``--enable-lora``), then report
+        ``version`` (SGLang's ``/update_weight_version``: its load carries no version)."""
+        return [
+            Call("POST", "/load_lora_adapter", {"lora_name": name, "lora_path": path}),
+            Call("POST", "/update_weight_version", {"new_version": version, "abort_all_requests": False}),
+        ]
+
+    def unload_lora_adapter(self, name: str) -> list[Call]:
+        """Unload adapter ``name`` (SGLang lets requests that use it finish first)."""
+        return [Call("POST", "/unload_lora_adapter", {"lora_name": name})]
 
     def release_memory(self, tags: list[str] | None) -> list[Call]:
         """Give the memory of ``tags`` back ('weights', 'kv_cache', 'cuda_graph'; None: all), SGLang's
@@ -285,3 +301,7 @@ class BuiltinServerAPI(ServerAPI):
 
     batch_generate = True
     priority_field = True
+
+    def load_lora_adapter(self, name: str, path: str, version: str) -> list[Call]:
+        # The built-in server merges the adapter into its weights and takes the version with them, in one step.
+        return [Call("POST", "/load_lora_adapter", {"lora_name": name, "lora_path": path, "weight_version": version})]

@@ -66,6 +66,8 @@ class ServerState:
     """Most recent failure, for error messages."""
     weight_version: str = ""
     """Version of the last weight update this client made on the server ("" before any)."""
+    lora_name: str = ""
+    """LoRA adapter that generate requests to the server name ("" none: the server's own weights)."""
 
 
 class ServerStateFailure(Exception):
@@ -193,6 +195,7 @@ class Transport:
         """Take server ``url`` back, with a clean failure record."""
         server = self.server(url)
         server.down, server.consecutive_failures, server.last_error = False, 0, ""
+        server.lora_name = ""  # a restarted server holds no adapter until the next sync loads one
 
     def record_failure(self, server: ServerState, exc: ServerStateFailure) -> None:
         """Count ``exc`` against ``server`` (once); a refusal or ``down_after`` failures in a row mark it down."""

@@ -101,6 +101,7 @@ class VLLMAPI(ServerAPI):
         return_logprob: bool,
         rid: str,
         return_routed_experts: bool = False,
+        lora_name: str = "",
     ) -> dict[str, Any]:
         if return_routed_experts:
             raise RolloutError(
@@ -135,6 +136,8 @@ class VLLMAPI(ServerAPI):
         )
         if return_logprob:
             body["logprobs"] = 0
+        if lora_name:
+            body["model"] = lora_name  # vLLM selects a loaded adapter by the model name
         return body
 
     def parse_generate(
@@ -217,6 +220,18 @@ class VLLMAPI(ServerAPI):
             Call("POST", "/update_weight_version", {"new_version": version}),
             Call("POST", "/resume"),
         ]
+
+    def load_lora_adapter(self, name: str, path: str, version: str) -> list[Call]:
+        # Runtime loading needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and --enable-lora (set by the launcher).
+        # A new name every sync: vLLM refuses a loaded name unless load_inplace, and caches adapters by id.
+        return [
+            Call("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path}),
+            Call("POST", "/update_weight_version", {"new_version": version}),
+        ]
+
+    def unload_lora_adapter(self, name: str) -> list[Call]:
+        # Requests already running keep the adapter they were admitted with.
+        return [Call("POST", "/v1/unload_lora_adapter", {"lora_name": name})]
 
     def release_memory(self, tags: list[str] | None) -> list[Call]:
         released = _check_tags(tags)

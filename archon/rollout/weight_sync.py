@@ -27,10 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
-import shutil
 import socket
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -44,6 +41,9 @@ import torch.distributed as dist
 
 from archon.alloc import ModelAllocation
 from archon.config import Config, ConfigError
+from archon.config.lora_sync import resolved_lora_sync
+from archon.rollout.adapter_weight_sync import AdapterSyncEngine, AdapterWeightSync
+from archon.rollout.folder_publish import VersionFolders
 from archon.rollout.sync_common import (
     MIB,
     WeightSyncError,
@@ -128,22 +128,15 @@ class DiskWeightSync:
     ):
         self.engine = engine
         self.client = client
-        self.folder = Path(folder)
+        self.folders = VersionFolders(folder, "disk", keep_last)
         self.dtype = dtype
         self.extras = extras
-        self.keep_last = max(1, keep_last)
         # vLLM: a tied LM head is never reloaded, so tied models are served and synced untied.
         self.untie_embeddings = untie_embeddings
 
     def setup(self) -> None:
         """Nothing to prepare beyond the folder (collective, for symmetry with DistributedWeightSync)."""
-        error = None
-        if trainer_rank() == 0:
-            try:
-                self.folder.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                error = f"cannot create weight folder {self.folder}: {exc}; set a writable folder"
-        raise_if_failed(error)
+        self.folders.setup()
 
     def sync(self, version: int | str, servers_quiet: bool = False) -> dict[str, float]:
         """Collective: export, publish as ``<folder>/v<version>``, make every server load it.
@@ -151,50 +144,20 @@ class DiskWeightSync:
         ``servers_quiet`` is accepted for symmetry with the broadcast (a server loads a folder in one go).
         """
         version = str(version)
-        t0 = time.perf_counter()
-        tmp, error = None, None
-        if trainer_rank() == 0:
-            try:
-                self.folder.mkdir(parents=True, exist_ok=True)
-                # Inside the target folder, so the final rename stays on one filesystem (atomic).
-                tmp = tempfile.mkdtemp(prefix=f".v{version}.tmp-", dir=self.folder)
-            except OSError as exc:
-                error = f"cannot create a temp dir in weight folder {self.folder}: {exc}; set a writable folder"
-        raise_if_failed(error)
-        tmp = broadcast_object(tmp)
-        self.engine.export_hf(tmp, dtype=self.dtype, **extras_kw(self.extras))
-        nbytes = 0
-        if trainer_rank() == 0:
-            final = self.folder / f"v{version}"
-            drill_point("weight_sync")
-            try:
-                if self.untie_embeddings and ties_word_embeddings(tmp):
-                    untie_in_place(tmp)
-                nbytes = sum(f.stat().st_size for f in Path(tmp).glob("*.safetensors"))
-                if final.exists():
-                    shutil.rmtree(final)  # re-syncing a version replaces it
-                os.rename(tmp, final)
-                self.client.update_weights_from_disk(str(final), version)
-                self._remove_old(keep=final)
-            except Exception as exc:  # noqa: BLE001 - reported on every rank below
-                error = f"disk weight sync of version {version} via {final} failed: {exc}"
-            finally:
-                if os.path.isdir(tmp):
-                    shutil.rmtree(tmp, ignore_errors=True)
-        raise_if_failed(error)
-        stats = {"weight_sync_time_s": time.perf_counter() - t0, "weight_sync_bytes": float(broadcast_object(nbytes))}
-        log_sync_stats("disk", version, stats)
-        return stats
+
+        def untie(tmp: str) -> None:
+            if self.untie_embeddings and ties_word_embeddings(tmp):
+                untie_in_place(tmp)
+
+        return self.folders.publish(
+            version,
+            lambda tmp: self.engine.export_hf(tmp, dtype=self.dtype, **extras_kw(self.extras)),
+            lambda final: self.client.update_weights_from_disk(str(final), version),
+            prepare=untie,
+        )
 
     def rebuild(self) -> None:
         """Nothing to re-form: ``sync`` reaches whichever servers are up (for symmetry with the broadcast)."""
-
-    def _remove_old(self, keep: Path) -> None:
-        versions = sorted(
-            (p for p in self.folder.glob("v*") if p.is_dir() and p != keep), key=lambda p: p.stat().st_mtime
-        )
-        for old in versions[: max(0, len(versions) - (self.keep_last - 1))]:
-            shutil.rmtree(old, ignore_errors=True)
 
     def close(self) -> None:
         pass
@@ -470,7 +433,8 @@ class DistributedWeightSync:
 
 class WeightSync(Protocol):
     """What the RL loop asks of a weight sync (``DiskWeightSync``, ``DistributedWeightSync``, ``TensorWeightSync``,
-    and the in-process engine's ``archon.rl.inprocess.InProcessWeightSync``); every method is collective."""
+    ``AdapterWeightSync`` and the in-process engine's ``archon.rl.inprocess.InProcessWeightSync``); every method is
+    collective."""
 
     def setup(self) -> None: ...
 
@@ -533,7 +497,10 @@ def server_dtype(cfg: Config) -> str:
 
 def weight_sync_for(cfg: Config, engine: WeightSyncEngine, client: Any, trainer_device_type: str) -> WeightSync:
     """The weight sync a run of ``cfg`` uses between ``engine`` (the actor's, on ``trainer_device_type``) and its
-    servers: tensors in the servers' dtype, the group's backend from both ends, what each server kind takes."""
+    servers: tensors in the servers' dtype, the group's backend from both ends, what each server kind takes; a LoRA
+    actor's adapters alone where ``rollout.lora_sync`` resolves to 'adapter'."""
+    if resolved_lora_sync(cfg) == "adapter":
+        return AdapterWeightSync(cast("AdapterSyncEngine", engine), client, cfg.run_dir / "lora_sync")
     rollout = ModelAllocation.from_str(cfg.rollout.backend)
     fmt = cfg.rollout.weight_load_format
     return build_weight_sync(

@@ -9,7 +9,8 @@ Endpoints: ``/generate``, ``/health``, ``/health_generate``, ``/get_model_info``
 ``/get_server_info``, ``/flush_cache``, ``/pause_generation``, ``/continue_generation``,
 ``/abort_request``, ``/update_weights_from_disk``, ``/init_weights_update_group``,
 ``/update_weights_from_distributed``, ``/destroy_weights_update_group``, ``/release_memory_occupation``,
-``/resume_memory_occupation`` and ``/update_weights_from_tensor`` (``archon.server.memory_routes``), and OpenAI's
+``/resume_memory_occupation`` and ``/update_weights_from_tensor`` (``archon.server.memory_routes``),
+``/load_lora_adapter`` and ``/unload_lora_adapter`` (``archon.server.lora_adapters``), and OpenAI's
 ``/v1/completions``, ``/v1/chat/completions`` and ``/v1/models`` (``archon.server.openai_api``; text
 needs the tokenizer of the model folder, loaded unless ``--skip-tokenizer-init``).  Generation runs in
 the ``Generator`` thread (see ``archon.server.generator`` for the exact semantics of pause,
@@ -46,6 +47,7 @@ from archon.runtime.gc_freeze import freeze_startup_objects
 from archon.server import openai_api, protocol
 from archon.server.generator import PAUSE_MODES, GenerationRequest, Generator
 from archon.server.http_limits import BodyLimitMiddleware, add_error_handlers
+from archon.server.lora_adapters import ServedAdapter, add_lora_routes
 from archon.server.memory_routes import add_memory_routes
 from archon.server.protocol import ProtocolError
 from archon.server.sampling import SamplingParams
@@ -202,6 +204,8 @@ class RolloutServer:
         self.tokenizer = tokenizer
         """Hugging Face tokenizer for the OpenAI endpoints' text; None: token ids only."""
         self.groups: dict[str, dist.ProcessGroup] = {}
+        self.lora = ServedAdapter(args.model_path)
+        """The LoRA adapter merged into the served weights (``archon.server.lora_adapters``)."""
         self.app = create_app(self)
 
 
@@ -275,7 +279,9 @@ def create_app(server: RolloutServer) -> FastAPI:
     @app.post("/generate")
     async def generate(request: Request) -> JSONResponse:
         try:
-            call = protocol.parse_generate(await _body(request), gen.check_request, gen.context_length)
+            body = await _body(request)
+            server.lora.check_request(body)
+            call = protocol.parse_generate(body, gen.check_request, gen.context_length)
             futures = [gen.submit(r) for r in call.requests]
         except ValueError as e:  # ProtocolError, or a request the generator refuses
             return _error(str(e))
@@ -356,6 +362,7 @@ def create_app(server: RolloutServer) -> FastAPI:
             )
         except Exception as e:  # noqa: BLE001  reported to the trainer, the server keeps serving
             return _outcome(False, f"loading weights from {args.model_path} failed: {e}")
+        server.lora.drop()
         return _outcome(True, f"loaded weights from {args.model_path}; weight_version {gen.weight_version}.")
 
     @app.post("/init_weights_update_group")
@@ -419,6 +426,7 @@ def create_app(server: RolloutServer) -> FastAPI:
             )
         except Exception as e:  # noqa: BLE001
             return _outcome(False, f"updating weights from group {args.group_name!r} failed: {e}")
+        server.lora.drop()
         return _outcome(True, f"updated {len(args.names)} tensor(s); weight_version {gen.weight_version}.")
 
     @app.post("/destroy_weights_update_group")
@@ -433,7 +441,8 @@ def create_app(server: RolloutServer) -> FastAPI:
         await asyncio.to_thread(destroy_weight_update_group, group)
         return _outcome(True, f"destroyed weight update group {name!r}.")
 
-    add_memory_routes(app, gen)
+    add_memory_routes(app, gen, on_weights_loaded=server.lora.drop)
+    add_lora_routes(app, gen, server.lora)
     return app
 
 

@@ -14,6 +14,7 @@ tensor rebuilders) only past the server's API-key check, which every route share
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -37,8 +38,9 @@ async def _body(request: Request) -> Any:
     return protocol.parse_json(await request.body())
 
 
-def add_memory_routes(app: FastAPI, gen: Generator) -> None:
-    """Serve the memory and in-place weight endpoints of ``gen`` on ``app``."""
+def add_memory_routes(app: FastAPI, gen: Generator, on_weights_loaded: Callable[[], None] = lambda: None) -> None:
+    """Serve the memory and in-place weight endpoints of ``gen`` on ``app``; ``on_weights_loaded`` runs after every
+    successful ``/update_weights_from_tensor``."""
 
     async def change_memory(request: Request, endpoint: str, change: Any) -> JSONResponse:
         try:
@@ -72,4 +74,5 @@ def add_memory_routes(app: FastAPI, gen: Generator) -> None:
             return _outcome(False, f"updating weights from tensors failed: {e}")
         finally:
             del named  # the sender's memory: drop our mapping before answering, after which it may be freed
+        on_weights_loaded()
         return _outcome(True, f"updated {n} tensor(s); weight_version {gen.weight_version}.")

@@ -240,7 +240,8 @@ def _assert_same_metrics(
 @pytest.mark.parametrize(
     "backend,plan",
     [
-        ("archon:d2", [("rollout", 2), ("checkpoint", 2), ("random", 3)]),
+        # (The agent drill kills mid-rollout.)
+        ("archon:d2", [("checkpoint", 2), ("random", 3)]),
         # The resumed run's first weight sync has two 1 MiB buckets: the kill lands between them.
         ("archon:p2", [("optimizer_step", 2), ("weight_sync", 2)]),
     ],

@@ -1,4 +1,5 @@
-"""Launching colocated servers: their command lines and devices, the Slurm steps, the Ray slots; inprocess."""
+"""Launching colocated servers: their command lines and devices, the Slurm steps; inprocess (the Ray slots are in
+test_ray.py, on its Ray cluster)."""
 
 from __future__ import annotations
 
@@ -93,35 +94,6 @@ def test_a_colocated_slurm_job_runs_servers_and_torchrun_on_the_same_gpus(tmp_pa
     for i, gpus in enumerate(["0,1", "2,3", "0,1", "2,3"]):
         assert f"server {i} (log {tmp_path}/rollout/server_{i}.log): CUDA_VISIBLE_DEVICES={gpus} " in shown
     assert shown.count("--enable-memory-saver") == 4
-
-
-@pytest.mark.slow
-def test_ray_gives_a_colocated_server_and_its_rank_halves_of_the_same_gpu(tmp_path):
-    ray = pytest.importorskip("ray")
-    from archon.launch.ray_cluster import RayLaunch
-
-    overrides = [
-        *COLOCATED,
-        "rollout.backend=local:d2",
-        "actor.backend=archon:d2",
-        "cluster.n_gpus_per_node=2",
-        "device=cpu",
-        f"output_dir={tmp_path}",
-    ]
-    cfg = load_config(None, overrides)
-    plan = plan_for_config(cfg)
-    ray.init(num_gpus=2, num_cpus=2, include_dashboard=False)
-    launch = RayLaunch(cfg, plan, None, overrides, cpus_per_gpu=0.5)
-    try:
-        launch.place()
-        assert sorted(launch.slots) == [(0, 0, "rollout"), (0, 0, "train"), (0, 1, "rollout"), (0, 1, "train")]
-        for s in plan.servers:
-            (rank,) = plan.colocated_ranks(s)
-            assert launch._visible(s) == launch._visible(plan.rank(rank)) != ""
-        assert launch._visible(plan.rank(0)) != launch._visible(plan.rank(1))
-    finally:
-        launch.stop()
-        ray.shutdown()
 
 
 @pytest.mark.parametrize("gpus", [0, 1, 2])

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from dist_utils import find_free_port, pid_alive, pids_mentioning
+from dist_utils import find_free_port, pid_alive
 from launch_demo import DEMO, REPO, _demo_overrides, _env
 
 from archon.config import load_config
@@ -341,54 +341,3 @@ def test_serve_node_reports_a_server_that_dies_with_its_log(demo_assets, tmp_pat
     assert proc.returncode == 1, text[-3000:]
     assert f"rollout server 0 on node 0 exited with code -9; last lines of {record.log_path}" in text
     assert "every rollout server of node 0 has exited" in text
-
-
-@pytest.mark.slow
-def test_a_cancelled_slurm_job_stops_every_step(demo_assets, tmp_path):
-    """SIGTERM to the batch script mid-training (a time limit, `scancel --batch`): servers and ranks all stop."""
-    from slurm_fakes import install
-
-    out = tmp_path / "run"
-    overrides = ["cluster.n_nodes=2", "cluster.n_gpus_per_node=2", *_demo_overrides(demo_assets, out, 200)]
-    script = tmp_path / "job.sbatch"
-    assert (
-        main(
-            ["slurm", "--config", str(DEMO), "--script", str(script), "--rdzv-port", str(find_free_port()), *overrides]
-        )
-        == 0
-    )
-    bin_dir = install(tmp_path / "bin")
-    env = _env(
-        PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-        SLURM_JOB_ID="77",
-        SLURM_JOB_NODELIST="localhost,127.0.0.1",
-        SLURM_CPUS_ON_NODE="2",
-    )
-    log = tmp_path / "job.log"
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(
-            ["bash", str(script)], env=env, cwd=tmp_path, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    metrics = out / "metrics.jsonl"
-    try:
-        deadline = time.monotonic() + 300
-        while not (metrics.is_file() and metrics.read_text()) and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert proc.poll() is None, log.read_text()[-3000:]
-        os.kill(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    text = log.read_text()
-    assert proc.returncode == 143, text[-3000:]
-    assert "node 0: stopping its rollout servers" in text  # the steps got SIGTERM (scancel), not srun's SIGKILL
-    started = re.search(r"started rollout server 0 \(pid (\d+)\)", text)
-    assert started is not None
-    server_pid = int(started.group(1))
-    deadline = time.monotonic() + 30  # the last exits are reaped asynchronously
-    while (pid_alive(server_pid) or pids_mentioning(str(out))) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not pid_alive(server_pid) and not pids_mentioning(str(out))
-    assert len(metrics.read_text().splitlines()) < 200

@@ -136,3 +136,31 @@ def test_a_plan_larger_than_the_ray_cluster_is_one_sentence(cluster, demo_assets
     err = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
     assert len(err) == 1, done.stderr[-3000:]
     assert "the plan needs 3 node(s) with 1, 2, 2 GPUs" in err[0] and "add Ray nodes with GPUs" in err[0]
+
+
+def test_ray_gives_a_colocated_server_and_its_rank_halves_of_the_same_gpu(cluster, tmp_path):
+    from archon.launch.ray_cluster import RayLaunch
+
+    overrides = [
+        "actor.path=/models/tiny",
+        "rollout.colocate=true",
+        "rollout.backend=local:d2",
+        "actor.backend=archon:d2",
+        "cluster.n_gpus_per_node=2",
+        "device=cpu",
+        f"output_dir={tmp_path}",
+    ]
+    cfg = load_config(None, overrides)
+    plan = plan_for_config(cfg)
+    ray.init(address=cluster.address, log_to_driver=False)
+    launch = RayLaunch(cfg, plan, None, overrides, cpus_per_gpu=0.5)
+    try:
+        launch.place()
+        assert sorted(launch.slots) == [(0, 0, "rollout"), (0, 0, "train"), (0, 1, "rollout"), (0, 1, "train")]
+        for s in plan.servers:
+            (rank,) = plan.colocated_ranks(s)
+            assert launch._visible(s) == launch._visible(plan.rank(rank)) != ""
+        assert launch._visible(plan.rank(0)) != launch._visible(plan.rank(1))
+    finally:
+        launch.stop()
+        ray.shutdown()

@@ -1,4 +1,6 @@
-"""LoRA on the archon: engine: adapters on a tiny Qwen3, laid over d2, t2 and p2 as over d1.
+"""LoRA on the archon: engine: adapters on a tiny Qwen3, laid over d2, t2, p2 and c2 (with activation checkpointing) as
+over d1, and on a tiny Qwen3-MoE under expert parallel (adapters on attention; the grouped experts and the router
+have none).
 
 Every layout is compared with the single-device run (``archon:d1``) of the same seed and data: losses,
 the adapters' gradients and the adapters after the steps agree within 1e-4 in float32.  Adapters start
@@ -26,12 +28,21 @@ def qwen3_path(tmp_path_factory) -> str:
     return str(folder)
 
 
-def lora_config(path: str, backend: str, **lora: Any):
+@pytest.fixture(scope="module")
+def moe_path(tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("qwen3_moe")
+    save_tiny_hf(folder, "qwen3_moe", seed=5)
+    return str(folder)
+
+
+def lora_config(path: str, backend: str, checkpointing: bool = False, **lora: Any):
     from archon.config.lora import LoRAConfig
 
     # One stage per rank under p2 (the tiny model has 2 layers).
     archon = {"pp_schedule": "1F1B"} if "p2" in backend else {}
-    return engine_config(path, backend, lora=LoRAConfig(**{**LORA, **lora}), archon=archon)
+    return engine_config(
+        path, backend, lora=LoRAConfig(**{**LORA, **lora}), archon=archon, gradient_checkpointing=checkpointing
+    )
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -40,14 +51,14 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
-def _train_lora(path: str, backend: str) -> dict[str, Any]:
+def _train_lora(path: str, backend: str, checkpointing: bool = False) -> dict[str, Any]:
     """Losses, every step's adapter gradients (full, by name; this rank's stages) and the final adapters."""
     import torch.distributed as dist
 
     from archon.engine.engine import ArchonEngine
     from parallel.fqn import clean_fqn
 
-    engine = ArchonEngine(lora_config(path, backend), total_steps=STEPS).initialize()
+    engine = ArchonEngine(lora_config(path, backend, checkpointing), total_steps=STEPS).initialize()
     assert engine.model is not None and engine.optimizer is not None
     params = {clean_fqn(n): p for n, p in engine.model.named_parameters()}
     trainable = {n for n, p in params.items() if p.requires_grad}
@@ -104,9 +115,25 @@ def reference(qwen3_path) -> dict[str, Any]:
     return run_distributed(_train_lora, 1, qwen3_path, "archon:d1")[0]
 
 
-@pytest.mark.parametrize("backend", ["archon:d2", "archon:t2", "archon:p2"])
-def test_lora_matches_single_device(qwen3_path, reference, backend):
-    results = run_distributed(_train_lora, 2, qwen3_path, backend)
+@pytest.fixture(scope="module")
+def moe_reference(moe_path) -> dict[str, Any]:
+    return run_distributed(_train_lora, 1, moe_path, "archon:d1")[0]
+
+
+@pytest.mark.parametrize(
+    "backend,checkpointing", [("archon:d2", False), ("archon:t2", False), ("archon:p2", False), ("archon:c2", True)]
+)
+def test_lora_matches_single_device(qwen3_path, reference, backend, checkpointing):
+    _assert_matches(run_distributed(_train_lora, 2, qwen3_path, backend, checkpointing), reference)
+
+
+def test_lora_on_a_moe_model_under_expert_parallel_matches_single_device(moe_path, moe_reference):
+    adapted = {n.rsplit(".", 1)[0] for n in moe_reference["adapters"]}
+    assert adapted and all(".attention." in n for n in adapted), sorted(adapted)  # no expert or router adapters
+    _assert_matches(run_distributed(_train_lora, 2, moe_path, "archon:d2e2"), moe_reference)
+
+
+def _assert_matches(results: list[dict[str, Any]], reference: dict[str, Any]) -> None:
     losses = results[0]["losses"]
     assert max(abs(a - b) for a, b in zip(losses, reference["losses"])) < 1e-4, (losses, reference["losses"])
     ref_grads = reference["grads"]
@@ -120,3 +147,24 @@ def test_lora_matches_single_device(qwen3_path, reference, backend):
     got = _merged(results, "adapters")
     for name, a in reference["adapters"].items():
         torch.testing.assert_close(got[name], a, atol=1e-4, rtol=1e-4, msg=name)
+
+
+def _lora_losses(path: str, compile_blocks: bool) -> list[float]:
+    from archon.engine.engine import ArchonEngine
+
+    cfg = lora_config(path, "archon:d1")
+    cfg.archon.enable_compile = compile_blocks
+    cfg.mb_spec.max_tokens_per_mb = 128  # fixed shapes (pad_to_maximum under compile): one block graph
+    engine = ArchonEngine(cfg, total_steps=STEPS + 1).initialize()
+    assert engine.model is not None
+    blocks = list(engine.model.get_submodule("layers").children())
+    # Module.compile sets _compiled_call_impl: every block (adapters inside, fullgraph) is compiled, or none.
+    assert all((getattr(b, "_compiled_call_impl", None) is not None) == compile_blocks for b in blocks)
+    return [engine.train_batch(make_batch(s), sft_loss, sft_weight)["loss"] for s in range(STEPS + 1)]
+
+
+@pytest.mark.slow  # one compiled block graph: ~25 s cold on CPU
+def test_lora_under_compile_matches_eager(qwen3_path):
+    eager = run_distributed(_lora_losses, 1, qwen3_path, False)[0]
+    compiled = run_distributed(_lora_losses, 1, qwen3_path, True, timeout=900)[0]
+    assert max(abs(a - b) for a, b in zip(compiled, eager)) < 1e-4, (compiled, eager)

@@ -11,7 +11,8 @@ from archon.alloc import AllocationError, ModelAllocation
 from archon.config import load_config
 from archon.plan import plan_cluster, plan_for_config
 from archon.plan.fit import check_fit
-from archon.plan.memory import GiB, MiB, model_args_of, param_groups, read_model_config
+from archon.plan.memory import GiB, MiB
+from archon.plan.params import model_args_of, param_groups, read_model_config
 from archon.plan.show import main as plan_main
 
 

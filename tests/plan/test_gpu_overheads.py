@@ -20,10 +20,10 @@ from archon.plan.memory import (
     _Layout,
     estimate_training_rank,
     nccl_communicators,
-    read_model_config,
     usable_gpu_bytes,
     workload_of,
 )
+from archon.plan.params import read_model_config
 
 DENSE = REPO / "configs" / "qwen3_8b_dense.toml"
 PROCESS = {"CUDA context and kernels", "cuBLAS workspaces", "NCCL buffers of the default group"}

@@ -15,7 +15,8 @@ from paths import REPO
 
 from archon.config import load_config
 from archon.plan.fit import check_fit
-from archon.plan.memory import GiB, Workload, estimate_training_rank, model_args_of, param_groups, read_model_config
+from archon.plan.memory import GiB, Workload, estimate_training_rank
+from archon.plan.params import model_args_of, param_groups, read_model_config
 
 # Wide enough that parameters, activations and the loss all matter (hidden 256, 4 layers).
 DENSE: dict[str, Any] = dict(

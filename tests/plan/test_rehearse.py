@@ -7,7 +7,7 @@ from paths import REPO
 
 from archon.alloc import ModelAllocation
 from archon.config import load_config
-from archon.plan.memory import model_args_of, read_model_config
+from archon.plan.params import model_args_of, read_model_config
 from archon.plan.rehearse import RehearsalError, _first_difference, rehearse, shrink
 
 DENSE = REPO / "configs" / "qwen3_8b_dense.toml"

@@ -3,9 +3,9 @@
 Servers are started by Archon's own launcher under ``vllm.python`` (the environment's interpreter), in float32, so
 the trainer's recomputation of every logprob (Archon's engine, ``archon:d1``) must agree to ~1e-6.  Covered:
 generation with token ids and logprobs, weight reloads from disk that change the outputs to the new weights'
-(tied and untied word embeddings; a tied model served as it is keeps its old LM head, and the weight check says
-so), pause with abort and resume, weight versions, and the RL demo with ``vllm:d1`` learning as with the built-in
-server.  Skipped, with the reason, where the environment cannot be made (no package registry).
+(tied and untied word embeddings), pause with abort and resume, weight versions, the agent demo's episodes, and
+the LoRA demo with ``vllm:d1`` learning as with the built-in server while every sync loads the actor's adapters
+into vLLM.  Skipped, with the reason, where the environment cannot be made (no package registry).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import torch
 from dist_utils import run_distributed
 from engine_utils import engine_config
 from hf_fixtures import make_tiny_tokenizer, save_tiny_hf
+from make_recipes import run_recipe
 from paths import REPO
 from real_vllm import vllm_python
 
@@ -120,12 +121,8 @@ def _config(model: Path, python: Path, *extra: str) -> Config:
 class Served:
     """A vLLM server started by Archon's launcher, and a client to it."""
 
-    def __init__(self, cfg: Config, run_dir: Path, serve_as_is: bool = False):
+    def __init__(self, cfg: Config, run_dir: Path):
         specs = build_launch_specs(cfg, run_dir)
-        if serve_as_is:  # what Archon did before it served tied models untied: vLLM reads the folder itself
-            (spec,) = specs
-            spec.cmd[spec.cmd.index("--model") + 1] = cfg.actor.path
-            spec.model_view = None
         self.launcher = RolloutLauncher(specs, setup_timeout=600)
         self.addrs = self.launcher.start()
         self.client = RolloutClient.from_config(cfg.rollout, self.addrs, api_key=self.launcher.api_key)
@@ -247,21 +244,6 @@ def test_a_reload_from_disk_serves_the_new_weights(kind, models, vllm_py, tied_s
             served.close()
 
 
-def test_a_tied_model_served_and_synced_as_it_is_keeps_its_old_lm_head_and_the_check_stops_it(
-    models, vllm_py, tmp_path
-):
-    # What Archon did before: vLLM started from the tied folder, and tied folders (no lm_head.weight) synced.
-    served = Served(_config(models["tied"], vllm_py), tmp_path / "run", serve_as_is=True)
-    try:
-        args = (served.addrs, served.launcher.api_key, models["tied_next"], tmp_path, "1", False)
-        verdict = run_distributed(_sync_and_check, 1, *args)[0]
-    finally:
-        served.close()
-    assert verdict.startswith("WeightCheckError: rollout server") and "does not compute with the trainer's" in verdict
-    log = (tmp_path / "run" / "rollout" / "server_0.log").read_text()
-    assert "ParallelLMHead: Failed to load weights" in log  # vLLM's own account of what it did
-
-
 def test_pause_aborts_running_requests_holds_new_ones_and_resume_releases_them(tied_server):
     client = tied_server.client
     long = {"max_new_tokens": 4000, "temperature": 1.0, "ignore_eos": True}  # ~10 s of decoding here
@@ -360,20 +342,25 @@ def _vllm_demo_overrides(vllm_py: Path) -> list[str]:
     ]
 
 
-def test_the_rl_demo_learns_with_vllm(vllm_py, tmp_path):
-    """The CPU demo with vLLM serving: the servers compute what the trainer computes after every reload, and the
-    policy learns the rule within the steps the built-in server needs (tests/rl/test_learning.py)."""
-    subprocess.run(
-        [sys.executable, "-m", "archon.demos.first_letter", "make-assets", str(tmp_path / "assets")], check=True
-    )
-    run = _demo_run(tmp_path / "vllm", tmp_path / "assets", *_vllm_demo_overrides(vllm_py))
-    assert len(run) == 20
-    # The servers compute what the trainer computes after every reload (the LM head included).
+def test_the_lora_demo_learns_with_vllm_serving_the_synced_adapters(vllm_py, tmp_path):
+    """`make run-lora` with vLLM serving: every sync loads the actor's adapters into vLLM under a new name (and
+    unloads the last), vLLM with the adapter computes what the trainer computes, and the policy learns the rule
+    within the steps the built-in server needs (tests/lora/test_lora_demo.py)."""
+    overrides = [*_vllm_demo_overrides(vllm_py), "saver.export_hf=false"]
+    run_recipe("run-lora", tmp_path, {"train_rl.py": overrides})
+    out = tmp_path / "outputs" / "demo" / "lora"
+    run = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(run) == 30
     assert max(r["behav_prox_logprob_diff"] for r in run) < 1e-5
     assert max(r["weight_check/logprob_diff"] for r in run) < 1e-5
     start = sum(r["reward_mean"] for r in run[:3]) / 3
     end = sum(r["reward_mean"] for r in run[-5:]) / 5
-    assert start < 0.25 and end > 0.45, (start, end)  # chance is 1/14: the rule was learned
+    assert start < 0.1 and end > 0.7, (start, end)  # the base answers with the last letter: it learned the first
+    log = (out / "rollout" / "server_0.log").read_text()
+    assert "--enable-lora" in log  # launched for adapters
+    # vLLM's own access log: one load per sync, each adapter but the last unloaded.
+    assert log.count('"POST /v1/load_lora_adapter HTTP/1.1" 200') == 30
+    assert log.count('"POST /v1/unload_lora_adapter HTTP/1.1" 200') == 29
 
 
 def test_agent_episodes_through_vllm_train_on_the_ids_vllm_sampled(vllm_py, tmp_path):
