@@ -73,6 +73,7 @@ bench: $(VENV)/.installed
 	$(PY) scripts/bench_train.py --quick
 	$(PY) scripts/bench_decode.py --quick
 	$(PY) scripts/bench_grpo.py --quick
+	$(PY) scripts/bench_fp8.py --quick
 
 # What the CPU suite cannot check, on one CUDA device (< 25 min): kernels, bf16 steps, compile, memory,
 # servers. Without CUDA it runs the CPU-checkable rows and reports the rest as skipped. Table: outputs/gpu_check.json.

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -55,7 +55,7 @@ machine, CPU time with one torch thread counts the work done, not the wait for a
 
 
 def interleaved(
-    fns: dict[str, Callable[[], None]], reps: int, sync: Callable[[], None] = lambda: None, clock: str = "wall"
+    fns: Mapping[str, Callable[[], object]], reps: int, sync: Callable[[], None] = lambda: None, clock: str = "wall"
 ) -> dict[str, list[float]]:
     """Seconds of ``reps`` calls of every function, in an order that rotates each repetition."""
     now = CLOCKS[clock]
