@@ -24,7 +24,7 @@ from functools import partial
 from typing import Any, cast
 
 import torch
-from bench_common import interleaved, machine_note, make_qwen3, markdown_table, median_ratio
+from bench_common import interleaved, machine_note, markdown_table, median_ratio
 from bench_train import _PRESETS, Shape, make_batch
 
 _CPU_SHAPE = Shape(hidden=256, layers=4, intermediate=768, vocab=4096)
@@ -85,17 +85,7 @@ def main() -> None:
     if not fp8_capable(args.device):
         print("NOTE: no FP8 matmuls on this device: fp8 is emulated (correct, slow); the times say nothing of speed")
     with tempfile.TemporaryDirectory() as folder:
-        make_qwen3(
-            folder,
-            shape.hidden,
-            shape.layers,
-            shape.vocab,
-            heads=shape.heads,
-            kv_heads=shape.kv_heads,
-            head_dim=shape.head_dim,
-            intermediate=shape.intermediate,
-            tie=shape.tie,
-        )
+        shape.write(folder, max_positions=max(8192, seq_len))
         batch = make_batch("full", args.seqs, seq_len, shape.vocab)
         tokens = int(batch["attention_mask"].sum())
         rows = []

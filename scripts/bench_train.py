@@ -54,6 +54,21 @@ class Shape:
     def name(self) -> str:
         return f"h{self.hidden} x {self.layers}L"
 
+    def write(self, folder: str, max_positions: int = 8192) -> None:
+        """A random Qwen3 of this shape into ``folder`` (``bench_common.make_qwen3``)."""
+        make_qwen3(
+            folder,
+            self.hidden,
+            self.layers,
+            self.vocab,
+            heads=self.heads,
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            intermediate=self.intermediate,
+            tie=self.tie,
+            max_positions=max_positions,
+        )
+
 
 _PRESETS = {
     # Qwen3-0.6B's architecture (config.json of Qwen/Qwen3-0.6B), random weights.
@@ -288,18 +303,7 @@ def main() -> None:
     rows = []
     for shape in shapes:
         with tempfile.TemporaryDirectory() as folder:
-            make_qwen3(
-                folder,
-                shape.hidden,
-                shape.layers,
-                shape.vocab,
-                heads=shape.heads,
-                kv_heads=shape.kv_heads,
-                head_dim=shape.head_dim,
-                intermediate=shape.intermediate,
-                tie=shape.tie,
-                max_positions=max(8192, args.seq_len),
-            )
+            shape.write(folder, max_positions=max(8192, args.seq_len))
             for compile_ in compiles:
                 for dtype in dtypes:
                     rows.extend(run_case(folder, shape, dtype, kinds, args, compile_))

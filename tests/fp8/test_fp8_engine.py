@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dist_utils import DistributedTestError, run_distributed
-from engine_utils import engine_config, make_batch, sft_loss, sft_weight
+from engine_utils import engine_config, make_batch, record_grads, sft_loss, sft_weight
 from hf_fixtures import save_tiny_hf
 
 STEPS = 2
@@ -58,23 +58,10 @@ def _train(path: str, backend: str, n_mbs: int, recipe: str, fp8_forward: bool) 
         assert isinstance(engine.model.get_submodule("layers.0.attention.wq").weight, DTensor)
     before = engine.forward(make_batch(9))["logprobs"]
     params = dict(engine.model.named_parameters())
-    grads: dict[str, torch.Tensor] = {}
-    step = engine.optimizer.step
-
-    def recording_step(*args: Any, **kwargs: Any) -> Any:
-        if not grads:  # the first step's gradients, before AdamW's normalisation amplifies small differences
-            grads.update({n: _full(p.grad) for n, p in params.items() if p.grad is not None})
-        return step(*args, **kwargs)
-
-    engine.optimizer.step = recording_step  # pyright: ignore[reportAttributeAccessIssue]
+    grads = record_grads(engine, params)
     losses = [engine.train_batch(make_batch(s), sft_loss, sft_weight)["loss"] for s in range(STEPS)]
-    return {"losses": losses, "grads": grads, "before": before, "after": engine.forward(make_batch(9))["logprobs"]}
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+    # The first step's gradients: before AdamW's normalisation amplifies small differences.
+    return {"losses": losses, "grads": grads[0], "before": before, "after": engine.forward(make_batch(9))["logprobs"]}
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 from dist_utils import run_distributed
-from engine_utils import engine_config, make_batch, sft_loss, sft_weight
+from engine_utils import engine_config, full_copy, make_batch, record_grads, sft_loss, sft_weight
 from hf_fixtures import save_tiny_hf
 
 STEPS = 2
@@ -45,12 +45,6 @@ def lora_config(path: str, backend: str, checkpointing: bool = False, **lora: An
     )
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
-
-
 def _train_lora(path: str, backend: str, checkpointing: bool = False) -> dict[str, Any]:
     """Losses, every step's adapter gradients (full, by name; this rank's stages) and the final adapters."""
     import torch.distributed as dist
@@ -76,22 +70,15 @@ def _train_lora(path: str, backend: str, checkpointing: bool = False) -> dict[st
         assert placements("layers.0.attention.wq.lora_a") == (Replicate(),)
         assert placements("layers.0.attention.wo.lora_a") == (Shard(1),)
         assert placements("layers.0.attention.wo.lora_b") == (Replicate(),)
-    base_before = {n: _full(p) for n, p in params.items() if n not in trainable}
-    grads: list[dict[str, torch.Tensor]] = []
-    step = engine.optimizer.step
-
-    def recording_step(*args: Any, **kwargs: Any) -> Any:
-        grads.append({n: _full(p.grad) for n, p in params.items() if p.grad is not None})
-        return step(*args, **kwargs)
-
-    engine.optimizer.step = recording_step  # pyright: ignore[reportAttributeAccessIssue]
+    base_before = {n: full_copy(p) for n, p in params.items() if n not in trainable}
+    grads = record_grads(engine, params)
     losses = [engine.train_batch(make_batch(s), sft_loss, sft_weight)["loss"] for s in range(STEPS)]
     # Only adapters change, and only they have optimizer state (and are float32 master weights).
     for n, before in base_before.items():
-        assert torch.equal(_full(params[n]), before), n
+        assert torch.equal(full_copy(params[n]), before), n
     state_ids = {id(p) for p in engine.optimizer.state}
     assert state_ids == {id(params[n]) for n in trainable}
-    adapters = {n: _full(params[n]) for n in trainable}
+    adapters = {n: full_copy(params[n]) for n in trainable}
     assert all(a.dtype == torch.float32 for a in adapters.values())
     out = {"losses": losses, "grads": grads, "adapters": adapters, "rank": dist.get_rank()}
     return out

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dist_utils import run_distributed
-from engine_utils import engine_config, make_batch, sft_loss, sft_weight
+from engine_utils import engine_config, full_copy, make_batch, record_grads, sft_loss, sft_weight
 from hf_fixtures import save_tiny_hf
 from safetensors.torch import load_file
 
@@ -83,12 +83,6 @@ def test_fsdp_engine_trains_peft_adapters_and_exports_merged_weights(qwen3_path,
 STEPS = 2
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
-
-
 def _train_lora_tp(path: str, backend: str) -> dict[str, Any]:
     """Losses, every step's adapter gradients and the adapters after the steps (full tensors, by transformers/PEFT
     name), and the merged weights ``named_full_tensors`` sends to the servers; rank 0 returns them."""
@@ -123,16 +117,9 @@ def _train_lora_tp(path: str, backend: str) -> dict[str, Any]:
         assert tp_placement(f"{attn}.o_proj.base_layer.weight") == Shard(1)
         assert tp_placement(f"{attn}.o_proj.lora_A.default.weight") == Shard(1)
         assert tp_placement(f"{attn}.o_proj.lora_B.default.weight") == Replicate()
-    grads: list[dict[str, torch.Tensor]] = []
-    step = engine.optimizer.step
-
-    def recording_step(*args: Any, **kwargs: Any) -> Any:
-        grads.append({n: _full(p.grad) for n, p in params.items() if p.grad is not None})
-        return step(*args, **kwargs)
-
-    engine.optimizer.step = recording_step  # pyright: ignore[reportAttributeAccessIssue]
+    grads = record_grads(engine, params)
     stats = [engine.train_batch(make_batch(s), sft_loss, sft_weight) for s in range(STEPS)]
-    adapters = {n: _full(params[n]) for n in trainable}
+    adapters = {n: full_copy(params[n]) for n in trainable}
     merged = dict(engine.named_full_tensors())  # a collective: every rank drains it
     logprobs = engine.forward(make_batch(5))["logprobs"]
     with engine.adapters_off():  # the RL reference of a LoRA actor: PEFT's base layers alone

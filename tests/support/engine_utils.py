@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -130,3 +131,24 @@ def capture_log(name: str) -> list[str]:
     if logger.getEffectiveLevel() > logging.INFO:
         logger.setLevel(logging.INFO)
     return records
+
+
+def full_copy(t: torch.Tensor) -> torch.Tensor:
+    """A detached copy of ``t`` whole: a DTensor gathered (a collective), a plain tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def record_grads(engine: Any, params: Mapping[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """Make ``engine``'s optimizer record, before each step, the full gradient of every parameter in ``params``
+    that has one; returns the list it appends a ``{name: gradient}`` to per step."""
+    grads: list[dict[str, torch.Tensor]] = []
+    step = engine.optimizer.step
+
+    def recording_step(*args: Any, **kwargs: Any) -> Any:
+        grads.append({n: full_copy(p.grad) for n, p in params.items() if p.grad is not None})
+        return step(*args, **kwargs)
+
+    engine.optimizer.step = recording_step
+    return grads
