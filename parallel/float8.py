@@ -179,7 +179,8 @@ def uses_float8_all_gather(model: nn.Module) -> bool:
 
 
 def precompute_float8_scales(model: nn.Module) -> None:
-    """After an optimizer step: the float8 weights' scales for the next FSDP all-gather (one all-reduce).
+    """At initialization, after a load and after every optimizer step: the float8 weights' scales for the next FSDP
+    all-gather, each over the whole weight (one all-reduce over every mesh dimension).
 
     Does nothing for a model without float8 all-gather.
     """
