@@ -47,9 +47,7 @@ def fp8_config(path: str, backend: str, n_mbs: int = 1, recipe: str = "tensorwis
     return engine_config(path, backend, archon=archon, mb_spec=mb_spec, pad_to_maximum=True, **kw)
 
 
-def _train(
-    path: str, backend: str, n_mbs: int, recipe: str, fp8_forward: bool, n_float8: int = 14
-) -> dict[str, Any]:
+def _train(path: str, backend: str, n_mbs: int, recipe: str, fp8_forward: bool, n_float8: int = 14) -> dict[str, Any]:
     """Losses of STEPS fp8 steps, the first step's gradients, and the logprobs before and after the steps
     (in high precision unless ``fp8_forward``); ``n_float8``: how many linears fp8 converts (the dense tiny
     model's 2 blocks x 7)."""
