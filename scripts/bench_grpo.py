@@ -150,6 +150,8 @@ def _archon_trainer(root: Path, model: Path, args, k: int = 0, mode: str = "serv
         "actor.optimizer.max_grad_norm": 1.0,
         "actor.archon.enable_compile": False,
         "actor.archon.ac_mode": "none",
+        # Each prompt's n_samples copies go through the model once (same loss and gradients).
+        "actor.archon.prefix_sharing": args.prefix_sharing,
         "gconfig.n_samples": args.samples,
         "gconfig.max_new_tokens": args.new_tokens,
         "gconfig.temperature": 1.0,
@@ -238,6 +240,12 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256, help="model width")
     parser.add_argument("--layers", type=int, default=4, help="decoder blocks")
     parser.add_argument("--vocab", type=int, default=4096, help="vocabulary size")
+    parser.add_argument(
+        "--no-prefix-sharing",
+        dest="prefix_sharing",
+        action="store_false",
+        help="train each completion with its own copy of the prompt (actor.archon.prefix_sharing = false)",
+    )
     parser.add_argument("--reps", type=int, default=None, help="timed steps per side (default 7, quick 3)")
     parser.add_argument(
         "--threads", type=int, default=0, help="torch threads, also for the rollout server (0: torch's default)"

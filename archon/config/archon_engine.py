@@ -48,3 +48,6 @@ class ArchonEngineConfig:
     """Emulate fp8 on a CUDA GPU without FP8 matmuls (SM < 8.9; slow) instead of refusing; CPU always emulates."""
     fp8_forward: bool = False
     """`forward` (logprob recompute, ref and critic values) in fp8 too, with fp8 all-gather/TP; false: in `dtype`."""
+    prefix_sharing: bool = False
+    """Pack a prompt that several sequences of a microbatch share once (GRPO's samples): same loss and gradients,
+    fewer tokens through the model; layouts of d (and dp_replicate) only, no compile, dense models."""

@@ -325,9 +325,10 @@ AREAL_KEYS: tuple[AReaLKey, ...] = (
     ),
     AReaLKey(
         "<engine>.enable_tree_training",
-        "ignored",
-        "AReaL's tree training (shared prefixes once, with flex attention); not yet supported by Archon's engine, "
-        "which trains on packed sequences as usual",
+        "translated",
+        "AReaL's tree training (a prefix that several sequences share goes through the model once); Archon's form "
+        "shares each prompt among its samples (one level, not a trie), on layouts of d only",
+        archon="<engine>.archon.prefix_sharing",
     ),
     AReaLKey(
         "<engine>.attn_impl",

@@ -26,6 +26,7 @@ from archon.engine.microbatch import (
     to_device,
 )
 from archon.engine.microbatch_loop import pads_to_maximum
+from archon.engine.prefix_sharing import share_prefixes
 from archon.engine.token_outputs import loss_positions, token_outputs
 from models.common.packing import pad_cu_seqlens
 from parallel.context_parallel import shard_sequence
@@ -59,10 +60,13 @@ class ArchonModelRunner:
         """Pack ``indices`` into one row: to ``max_tokens_per_mb`` under pad_to_maximum, else to ``pad_to``."""
         if pads_to_maximum(self.config):
             pad_to = self.config.mb_spec.max_tokens_per_mb
-        packed = pack(batch, indices, multiple_of=self.layout.parallel_dims.seq_len_divisor, pad_to=pad_to)
+        multiple_of = self.layout.parallel_dims.seq_len_divisor
+        packed = pack(batch, indices, multiple_of=multiple_of, pad_to=pad_to)
         if self.routing_replay and ROUTED_EXPERTS in batch:
             # Positions without a server choice (padding, a completion's last token) route freely.
             packed.routed_experts = pack_token_values(batch[ROUTED_EXPERTS], packed, fill=-1)
+        if self.config.archon.prefix_sharing:
+            packed.shared = share_prefixes(batch, packed, multiple_of)
         return packed
 
     def loss_positions(self, batch: Batch, mb: PackedMicrobatch) -> torch.Tensor | None:
@@ -73,10 +77,13 @@ class ArchonModelRunner:
             return None
         return loss_positions(batch, mb)
 
-    def model_inputs(self, mb: PackedMicrobatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Tokens and the per-token keyword inputs the model (or every pipeline stage) sees: this CP rank's chunk."""
+    def model_inputs(self, mb: PackedMicrobatch) -> tuple[torch.Tensor, dict[str, Any]]:
+        """Tokens and the per-token keyword inputs the model (or every pipeline stage) sees: this CP rank's chunk;
+        the row with shared prompts held once when ``mb`` has one (no CP then)."""
         device = self.layout.device
-        kwargs = {"positions": mb.positions}
+        if mb.shared is not None:
+            return mb.shared.tokens, {"positions": mb.shared.positions, "segments": mb.shared.segments}
+        kwargs: dict[str, Any] = {"positions": mb.positions, "cu_seqlens": mb.cu_seqlens}
         if self.moe is not None:
             kwargs["token_mask"] = (torch.arange(mb.total_len, device=device) < mb.n_real_tokens)[None]
             if mb.routed_experts is not None:
@@ -84,7 +91,9 @@ class ArchonModelRunner:
         cp_mesh = self.layout.parallel_dims.get_optional_mesh("cp")
         if cp_mesh is None:
             return mb.tokens, kwargs
-        return shard_sequence(mb.tokens, cp_mesh), {k: shard_sequence(v, cp_mesh) for k, v in kwargs.items()}
+        # cu_seqlens describes the full row (see UlyssesAttention).
+        sharded = {k: v if k == "cu_seqlens" else shard_sequence(v, cp_mesh) for k, v in kwargs.items()}
+        return shard_sequence(mb.tokens, cp_mesh), sharded
 
     def run(self, mb: PackedMicrobatch, keep: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Packed forward; token-aligned per-token outputs, unpacked to ``[b, s]`` rows.
@@ -92,17 +101,20 @@ class ArchonModelRunner:
         With ``keep`` (packed positions) only those positions get logits; the others' outputs are 0.
         """
         tokens, kwargs = self.model_inputs(mb)
-        if keep is not None:
+        if mb.shared is not None:
+            # Outputs at the plain packing's positions (those of ``keep``, or all), read from the shared row.
+            kwargs["keep"] = mb.shared.expand if keep is None else mb.shared.expand[keep]
+        elif keep is not None:
             kwargs["keep"] = keep
         with self.layout.autocast(self.config.dtype):
-            out = self.model(tokens, cu_seqlens=mb.cu_seqlens, **kwargs)
+            out = self.model(tokens, **kwargs)
         return self.token_outputs(out, mb, keep)
 
     def route(self, mb: PackedMicrobatch) -> None:
         """A forward whose only use is what the MoE routers count (no outputs)."""
         tokens, kwargs = self.model_inputs(mb)
         with self.layout.autocast(self.config.dtype):
-            self.model(tokens, cu_seqlens=mb.cu_seqlens, **kwargs)
+            self.model(tokens, **kwargs)
 
     def token_outputs(
         self, out: torch.Tensor, mb: PackedMicrobatch, keep: torch.Tensor | None = None

@@ -44,6 +44,7 @@ from archon.engine.microbatch_loop import (
 )
 from archon.engine.moe_balance import build_moe_balancer
 from archon.engine.options import parameter_device, pipeline_options
+from archon.engine.prefix_sharing import check_prefix_sharing
 from archon.engine.step_loss import (
     LossFn,
     LossWeightFn,
@@ -189,6 +190,7 @@ class ArchonEngine(TrainEngine):
                 f"{self.name}.moe_routing_replay = true, but model type '{self.hf_config.model_type}' "
                 "has no MoE layers to replay; turn it off"
             )
+        check_prefix_sharing(cfg, self.parallel_dims, self.moe is not None, self.name)
         self.runner = ArchonModelRunner(
             self.model,
             self.layout,

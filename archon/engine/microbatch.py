@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import torch
 
 from archon.config import ConfigError
+from models.common.shared_prefix import SegmentLayout
 
 Batch = dict[str, torch.Tensor]
 T = TypeVar("T")
@@ -94,6 +95,22 @@ def plan_microbatches(seqlens: list[int], dp_size: int, n_mbs: int = 1, max_toke
 
 
 @dataclass
+class SharedPacking:
+    """A microbatch's row with each shared prefix held once (``models/common/shared_prefix.py``)."""
+
+    tokens: torch.Tensor
+    """[1, M] token ids: prefixes, the remainders after them, unshared sequences, padding at the end."""
+    positions: torch.Tensor
+    """[1, M] positions: a remainder's continue its prefix's."""
+    segments: SegmentLayout
+    """The row's attention, segment by segment."""
+    expand: torch.Tensor
+    """int64 [T]: for every position of the plain packing, the position holding the same token here."""
+    n_real_tokens: int
+    """Tokens that are not padding (the first ones)."""
+
+
+@dataclass
 class PackedMicrobatch:
     """One packed row of sequences, ready for ``model(tokens, positions, cu_seqlens)``."""
 
@@ -111,6 +128,8 @@ class PackedMicrobatch:
     """Tokens that belong to real sequences (the rest is padding)."""
     routed_experts: torch.Tensor | None = None
     """``[1, T, n_layers, top_k]`` expert choices to replay (-1: route freely), or None."""
+    shared: SharedPacking | None = None
+    """The same sequences packed with their shared prompts once (``archon/engine/prefix_sharing.py``), or None."""
 
     @property
     def total_len(self) -> int:
@@ -228,11 +247,14 @@ def to_device(value: T, device: torch.device) -> T:
         return value.to(device)  # type: ignore[return-value]
     if isinstance(value, dict):
         return {k: to_device(v, device) for k, v in value.items()}  # type: ignore[return-value]
+    if isinstance(value, list):
+        return [to_device(v, device) for v in value]  # type: ignore[return-value]
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         moved: dict[str, Any] = {
             f.name: to_device(getattr(value, f.name), device)
             for f in dataclasses.fields(value)
-            if isinstance(getattr(value, f.name), torch.Tensor)
+            if isinstance(getattr(value, f.name), (torch.Tensor, list))
+            or dataclasses.is_dataclass(getattr(value, f.name))
         }
         return dataclasses.replace(value, **moved)
     return value

@@ -30,6 +30,7 @@ from models.common.linear import Linear
 from models.common.norm import RMSNorm
 from models.common.packing import PaddedGroups, packed_causal_mask, padded_groups, segment_lengths
 from models.common.rope import apply_rotary_emb
+from models.common.shared_prefix import SegmentLayout
 
 
 def _find_varlen_attn():
@@ -126,7 +127,8 @@ class CoreAttention(nn.Module):
     the ``[batch, seq, heads, head_dim]`` layout.  ``k, v`` may have fewer heads than ``q``
     (grouped-query attention).  ``cu_seqlens`` refers to the full, unsharded sequence.
     ``mask`` (boolean, broadcastable to ``[batch, 1, seq_q, seq_k]``, True = may attend)
-    replaces the causal/packed mask; the KV cache path passes it.
+    replaces the causal/packed mask; the KV cache path passes it.  ``segments`` replaces
+    ``cu_seqlens`` for a row packed with shared prefixes (``models/common/shared_prefix.py``).
     """
 
     def __init__(self, scale: float) -> None:
@@ -141,10 +143,13 @@ class CoreAttention(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
         max_seqlen: int | None = None,
+        segments: SegmentLayout | None = None,
     ) -> torch.Tensor:
         gqa = q.shape[2] != k.shape[2]
         if mask is not None:
             return attend_cached(q, k, v, mask, self.scale)
+        if segments is not None:
+            return self._segments(q, k, v, segments, gqa)
         if cu_seqlens is None:
             return _sdpa(q, k, v, self.scale, gqa)
         if q.is_cuda and torch.is_autocast_enabled("cuda"):
@@ -175,6 +180,17 @@ class CoreAttention(nn.Module):
             qb, kb, vb = (t.view(count, length, *t.shape[1:]) for t in (qi, ki, vi))
             outs.append(_sdpa(qb, kb, vb, self.scale, gqa).reshape(count * length, *qi.shape[1:]))
         return torch.cat(outs).index_select(0, groups.scatter).unsqueeze(0)
+
+    def _segments(self, q, k, v, layout: SegmentLayout, gqa: bool) -> torch.Tensor:
+        """Each batch of segments attends to its context and causally to itself; outputs back in row order."""
+        assert q.shape[0] == 1, "a row packed with shared prefixes needs batch size 1"
+        outs = []
+        for b in layout.batches:
+            qb = q[0].index_select(0, b.queries).view(b.count, b.length, *q.shape[2:])
+            width = b.context_length + b.length
+            kb, vb = (t[0].index_select(0, b.keys).view(b.count, width, *t.shape[2:]) for t in (k, v))
+            outs.append(_sdpa(qb, kb, vb, self.scale, gqa, mask=b.mask).reshape(b.count * b.length, *q.shape[2:]))
+        return torch.cat(outs).index_select(0, layout.scatter).unsqueeze(0)
 
     def _varlen(self, q, k, v, cu_seqlens, max_seqlen, gqa) -> torch.Tensor:
         bs, seqlen = q.shape[:2]
@@ -233,6 +249,7 @@ class Attention(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         cache: Any = None,
         max_seqlen: int | None = None,
+        segments: SegmentLayout | None = None,
     ) -> torch.Tensor:
         bs, seqlen, _ = x.shape
         q = self.wq(x).view(bs, seqlen, -1, self.head_dim)
@@ -249,7 +266,9 @@ class Attention(nn.Module):
             # Duck-typed KV cache: returns keys/values of every cached position and the
             # boolean mask [batch, 1, seq_new, seq_total] (True = may attend).
             k, v, mask = cache.update(self.layer_id, k, v)
-        out = self.core(q, k, v, cu_seqlens=cu_seqlens, mask=mask, max_seqlen=max_seqlen)
+        # Passed only when set: context parallel's wrapper of the core takes no segments (refused with them).
+        extra = {"segments": segments} if segments is not None else {}
+        out = self.core(q, k, v, cu_seqlens=cu_seqlens, mask=mask, max_seqlen=max_seqlen, **extra)
         return self.wo(out.reshape(bs, seqlen, -1))
 
     def init_weights(self, init_std: float) -> None:

@@ -21,6 +21,7 @@ from models.common.moe import MoE
 from models.common.norm import RMSNorm
 from models.common.packing import positions_from_cu_seqlens
 from models.common.rope import RotaryEmbedding
+from models.common.shared_prefix import SegmentLayout
 
 
 class TransformerBlock(nn.Module):
@@ -60,8 +61,9 @@ class TransformerBlock(nn.Module):
         max_seqlen: int | None = None,
         token_mask: torch.Tensor | None = None,
         routed_experts: torch.Tensor | None = None,
+        segments: SegmentLayout | None = None,
     ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope_cos_sin, cu_seqlens, cache, max_seqlen)
+        h = x + self.attention(self.attention_norm(x), rope_cos_sin, cu_seqlens, cache, max_seqlen, segments)
         if not self.moe_enabled:
             return h + self.feed_forward(self.ffn_norm(h))
         replay = routed_experts[:, :, self.layer_id] if routed_experts is not None else None
@@ -125,6 +127,7 @@ class Decoder(nn.Module):
         token_mask: torch.Tensor | None = None,
         routed_experts: torch.Tensor | None = None,
         keep: torch.Tensor | None = None,
+        segments: SegmentLayout | None = None,
     ) -> torch.Tensor:
         """Logits ``[batch, seq, vocab]`` (critic: values ``[batch, seq]``).
 
@@ -144,12 +147,16 @@ class Decoder(nn.Module):
                 unused); a row of -1 lets that token route freely.
             keep: int64 indices along ``seq`` of the positions to compute outputs for (the
                 others skip the final norm and head); the output's ``seq`` is then ``len(keep)``.
+            segments: the single row packed with shared prefixes (``shared_prefix.segment_layout``),
+                instead of ``cu_seqlens``; ``positions`` are then required.
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         bs, seqlen = h.shape[:2]
         if cu_seqlens is not None and bs != 1:
             raise ValueError(f"cu_seqlens describes one packed row, but the batch has {bs} rows; pack into one row.")
         if positions is None:
+            if segments is not None:
+                raise ValueError("positions are required with segments (a remainder continues its prefix's).")
             if cache is not None:
                 raise ValueError("positions are required with a KV cache (the cache holds earlier tokens).")
             if cu_seqlens is not None:
@@ -169,7 +176,7 @@ class Decoder(nn.Module):
             max_seqlen = int(longest)
 
         for layer in self.layers.values():
-            h = layer(h, rope_cos_sin, cu_seqlens, cache, max_seqlen, token_mask, routed_experts)
+            h = layer(h, rope_cos_sin, cu_seqlens, cache, max_seqlen, token_mask, routed_experts, segments)
         if keep is not None:
             h = h.index_select(1, keep)
         if self.norm is not None:

@@ -93,11 +93,12 @@ def test_the_trainer_entry_point_refuses_a_ray_config_unless_launched(
 # ---- enable_tree_training -------------------------------------------------------------------------------------------
 
 
-def test_enable_tree_training_is_accepted_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="archon.config"):
-        cfg = load_config(None, ["actor.enable_tree_training=true"])
-    assert "actor.enable_tree_training" in _warnings(caplog) and "not yet supported" in _warnings(caplog)
-    assert cfg.actor == load_config(None).actor  # nothing else changes
+def test_enable_tree_training_turns_on_prefix_sharing() -> None:
+    cfg = load_config(None, ["actor.enable_tree_training=true"])
+    assert cfg.actor.archon.prefix_sharing
+    default = load_config(None).actor
+    default.archon.prefix_sharing = True
+    assert cfg.actor == default  # nothing else changes
 
 
 # ---- pad_to_maximum under compile -----------------------------------------------------------------------------------

@@ -77,10 +77,10 @@ def _tp_plan_for_block(block: nn.Module, moe_tp: str = "etp") -> dict[str, Any]:
     attention = cast("TransformerBlock", block).attention
     plan: dict[str, Any] = {
         "attention_norm": SequenceParallel(),
-        # Attention's positional inputs: x, rope (cos, sin), cu_seqlens, cache, max_seqlen.
+        # Attention's positional inputs: x, rope (cos, sin), cu_seqlens, cache, max_seqlen, segments.
         "attention": PrepareModuleInput(
-            input_layouts=(Shard(1), None, None, None, None),
-            desired_input_layouts=(Replicate(), None, None, None, None),
+            input_layouts=(Shard(1), None, None, None, None, None),
+            desired_input_layouts=(Replicate(), None, None, None, None, None),
         ),
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),

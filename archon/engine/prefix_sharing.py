@@ -1,0 +1,119 @@
+"""Prompts shared by several sequences of a microbatch, packed once (``actor.archon.prefix_sharing``).
+
+GRPO samples ``n_samples`` completions of every prompt, so a microbatch holds each prompt that many times.
+With prefix sharing the packed row holds it once: sequences whose tokens before their first loss token
+are the same form a group; the group's prefix (those tokens but the last) is one segment, and each
+sequence's remainder (the last prompt token, then the completion) a segment that attends to the prefix,
+at the positions it has in the plain packing (``models/common/shared_prefix.py``).  Every token then has
+the hidden state it has in the plain packing, so the engine maps the model's outputs back through
+``expand`` and the loss, the logprobs and the gradients are those of the plain packing; the model runs on
+fewer tokens.  The last prompt token stays with every remainder because its output predicts the first
+completion token, which differs between the remainders.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from archon.config import TrainEngineConfig
+from archon.engine.errors import EngineError
+from archon.engine.microbatch import Batch, PackedMicrobatch, SharedPacking
+from models.common.shared_prefix import Segment, segment_layout
+from parallel.dims import ParallelDims
+
+MIN_SHARED_TOKENS = 2
+"""Shorter prefixes are not shared (a segment of its own costs an attention call for little)."""
+
+
+def check_prefix_sharing(config: TrainEngineConfig, parallel_dims: ParallelDims, is_moe: bool, name: str) -> None:
+    """Raise when ``archon.prefix_sharing`` is on where this engine cannot share prefixes."""
+    if not config.archon.prefix_sharing:
+        return
+    where = f"{name}.archon.prefix_sharing = true"
+    unsupported = [
+        (parallel_dims.tp_enabled, "with tensor parallel (its sequence-parallel regions shard the shared row)"),
+        (parallel_dims.cp_enabled, "with context parallel (it shards the row by position)"),
+        (parallel_dims.pp_enabled, "with pipeline parallel (stages exchange fixed-shape rows)"),
+        (config.archon.enable_compile, "with archon.enable_compile (each packing would be a new graph)"),
+        (is_moe, "on a MoE model (its router statistics would count a shared prompt once)"),
+    ]
+    for refused, why in unsupported:
+        if refused:
+            raise EngineError(f"{where} does not run {why}; turn it off for backend '{config.backend}'")
+
+
+def _prompt_lengths(loss_mask: torch.Tensor, indices: list[int], seqlens: list[int]) -> list[int]:
+    """Tokens before the first loss token of each sequence (its whole length without one)."""
+    rows = loss_mask[indices] > 0
+    has_loss = rows.any(dim=1)
+    first = rows.int().argmax(dim=1)
+    return [int(f) if h else n for f, h, n in zip(first.tolist(), has_loss.tolist(), seqlens)]
+
+
+def share_prefixes(batch: Batch, mb: PackedMicrobatch, multiple_of: int = 1) -> SharedPacking | None:
+    """``mb`` packed with every prompt that several of its sequences share held once; None when none is shared.
+
+    A group shares its prompt but the last token (``MIN_SHARED_TOKENS`` at least); the row is padded at the end
+    to a multiple of ``multiple_of``, as the plain packing is.
+    """
+    if "loss_mask" not in batch or len(mb.indices) < 2:
+        return None
+    input_ids = batch["input_ids"].cpu()
+    prompt_lens = _prompt_lengths(batch["loss_mask"].cpu(), mb.indices, mb.seqlens)
+    groups: dict[bytes, list[int]] = {}
+    for j, (row, p) in enumerate(zip(mb.indices, prompt_lens)):
+        if p - 1 >= MIN_SHARED_TOKENS:
+            groups.setdefault(input_ids[row, : p - 1].numpy().tobytes(), []).append(j)
+    shared = {j: members for members in groups.values() if len(members) > 1 for j in members}
+    if not shared:
+        return None
+
+    starts = mb.cu_seqlens.tolist()
+    pieces: list[torch.Tensor] = []
+    positions: list[torch.Tensor] = []
+    segments: list[Segment] = []
+    expand = torch.zeros(mb.total_len, dtype=torch.long)
+    length = 0
+
+    def add(tokens: torch.Tensor, first_position: int, context: tuple[int, int] = (0, 0)) -> int:
+        nonlocal length
+        start, n = length, tokens.numel()
+        pieces.append(tokens)
+        positions.append(torch.arange(first_position, first_position + n))
+        segments.append(Segment(start, n, *context))
+        length += n
+        return start
+
+    def tokens(k: int) -> torch.Tensor:
+        return input_ids[mb.indices[k], : mb.seqlens[k]]
+
+    done: set[int] = set()
+    for j in range(len(mb.indices)):
+        if j in done:
+            continue
+        if j not in shared:
+            start = add(tokens(j), 0)
+            expand[starts[j] : starts[j] + mb.seqlens[j]] = torch.arange(start, start + mb.seqlens[j])
+            done.add(j)
+            continue
+        a = prompt_lens[j] - 1
+        prefix = add(tokens(j)[:a], 0)
+        for k in shared[j]:
+            rest = add(tokens(k)[a:], a, (prefix, a))
+            expand[starts[k] : starts[k] + a] = torch.arange(prefix, prefix + a)
+            expand[starts[k] + a : starts[k] + mb.seqlens[k]] = torch.arange(rest, rest + mb.seqlens[k] - a)
+            done.add(k)
+    n_real = length
+    target = math.ceil(max(n_real, 1) / multiple_of) * multiple_of
+    if target > n_real:
+        add(torch.zeros(target - n_real, dtype=input_ids.dtype), 0)
+    # The plain packing's padding reads any position: its outputs are never used.
+    return SharedPacking(
+        tokens=torch.cat(pieces).unsqueeze(0),
+        positions=torch.cat(positions).unsqueeze(0),
+        segments=segment_layout(segments, target),
+        expand=expand,
+        n_real_tokens=n_real,
+    )
