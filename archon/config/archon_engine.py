@@ -50,4 +50,4 @@ class ArchonEngineConfig:
     """`forward` (logprob recompute, ref and critic values) in fp8 too, with fp8 all-gather/TP; false: in `dtype`."""
     prefix_sharing: bool = False
     """Pack a prompt that several sequences of a microbatch share once (GRPO's samples): same loss and gradients,
-    fewer tokens through the model; layouts of d (and dp_replicate) only, no compile, dense models."""
+    fewer tokens through the model; layouts of d (and dp_replicate) and t, no compile, dense models."""

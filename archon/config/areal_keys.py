@@ -327,7 +327,7 @@ AREAL_KEYS: tuple[AReaLKey, ...] = (
         "<engine>.enable_tree_training",
         "translated",
         "AReaL's tree training (a prefix that several sequences share goes through the model once); Archon's form "
-        "shares each prompt among its samples (one level, not a trie), on layouts of d only",
+        "shares each prompt among its samples (one level, not a trie), on layouts of d and t",
         archon="<engine>.archon.prefix_sharing",
     ),
     AReaLKey(

@@ -38,12 +38,19 @@ def vllm_logprobs_mode(g: GenerationConfig) -> str:
 
 
 def check_vllm_config(cfg: Config) -> None:
-    """Config check for vllm rollouts: weights from disk, and a logprob mode the trainer can match."""
-    if cfg.rollout.weight_sync != "disk":
+    """Config check for vllm rollouts: weights from disk (or, colocated on GPUs, from the trainer's tensors), and a
+    logprob mode the trainer can match."""
+    sync = cfg.rollout.weight_sync
+    if sync != "disk" and not (sync == "tensor" and cfg.rollout.colocate):
         raise ConfigError(
-            f"rollout.backend = '{cfg.rollout.backend}' gets new weights from disk only, but "
-            f"rollout.weight_sync = '{cfg.rollout.weight_sync}'; set rollout.weight_sync = 'disk' "
+            f"rollout.backend = '{cfg.rollout.backend}' gets new weights from disk, or from the trainer's tensors "
+            f"when colocated, but rollout.weight_sync = '{sync}'; set rollout.weight_sync = 'disk' "
             "(the run directory must be visible to the servers)"
+        )
+    if sync == "tensor" and cfg.device == "cpu":
+        raise ConfigError(
+            "rollout.weight_sync = 'tensor' with vllm rollouts goes through vLLM's CUDA IPC weight transfer, but "
+            "device = 'cpu'; set rollout.weight_sync = 'disk'"
         )
     if cfg.actor.moe_routing_replay:
         raise ConfigError(

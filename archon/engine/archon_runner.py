@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor, Replicate
 
 from archon.config import TrainEngineConfig
 from archon.engine.layout import EngineLayout
@@ -101,13 +102,18 @@ class ArchonModelRunner:
         With ``keep`` (packed positions) only those positions get logits; the others' outputs are 0.
         """
         tokens, kwargs = self.model_inputs(mb)
-        if mb.shared is not None:
-            # Outputs at the plain packing's positions (those of ``keep``, or all), read from the shared row.
-            kwargs["keep"] = mb.shared.expand if keep is None else mb.shared.expand[keep]
-        elif keep is not None:
-            kwargs["keep"] = keep
+        expand = mb.shared.expand if mb.shared is not None else None
+        if keep is not None:
+            # Outputs at the plain packing's positions ``keep`` only (read from the shared row where there is one).
+            kwargs["keep"] = keep if expand is None else expand[keep]
         with self.layout.autocast(self.config.dtype):
             out = self.model(tokens, **kwargs)
+        if expand is not None and keep is None:
+            # Every position of the plain packing, read from the shared row (after the LM head: under TP the
+            # sequence-parallel norm before it takes the row as the model laid it out).
+            if isinstance(out, DTensor):  # TP's vocabulary-sharded logits: the index alike on every rank
+                expand = DTensor.from_local(expand, out.device_mesh, [Replicate()] * out.device_mesh.ndim)
+            out = out.index_select(1, expand)
         return self.token_outputs(out, mb, keep)
 
     def route(self, mb: PackedMicrobatch) -> None:

@@ -33,7 +33,6 @@ def check_prefix_sharing(config: TrainEngineConfig, parallel_dims: ParallelDims,
         return
     where = f"{name}.archon.prefix_sharing = true"
     unsupported = [
-        (parallel_dims.tp_enabled, "with tensor parallel (its sequence-parallel regions shard the shared row)"),
         (parallel_dims.cp_enabled, "with context parallel (it shards the row by position)"),
         (parallel_dims.pp_enabled, "with pipeline parallel (stages exchange fixed-shape rows)"),
         (config.archon.enable_compile, "with archon.enable_compile (each packing would be a new graph)"),

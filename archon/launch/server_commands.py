@@ -20,6 +20,7 @@ largest rank and, for SGLang, the target modules declared up front.  The built-i
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -255,7 +256,15 @@ def vllm_command(
         cmd += ["--enforce-eager"]
     if cfg.rollout.colocate and "--enable-sleep-mode" not in v.extra_args:
         cmd += ["--enable-sleep-mode"]  # /sleep and /wake_up, to give the GPU to the trainer
+    if takes_ipc_weights(cfg) and "--weight-transfer-config" not in v.extra_args:
+        cmd += ["--weight-transfer-config", json.dumps({"backend": "ipc"})]  # the trainer's CUDA tensors
     return cmd + lora_flags(cfg, "vllm") + list(v.extra_args)
+
+
+def takes_ipc_weights(cfg: Config) -> bool:
+    """Whether launched vLLM servers load new weights from the colocated trainer's CUDA tensors
+    (``archon.wire.vllm_ipc``) rather than from disk."""
+    return cfg.rollout.colocate and cfg.rollout.weight_sync == "tensor"
 
 
 def vllm_env(cfg: Config) -> dict[str, str]:
@@ -265,4 +274,6 @@ def vllm_env(cfg: Config) -> dict[str, str]:
         env["VLLM_BATCH_INVARIANT"] = "1"
     if lora_flags(cfg, "vllm"):
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # /v1/load_lora_adapter and /v1/unload_lora_adapter
+    if takes_ipc_weights(cfg):
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # /update_weights unpickles the trainer's IPC handles
     return env

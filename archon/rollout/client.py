@@ -478,6 +478,27 @@ class RolloutClient:
             named_tensors, version, addrs=addrs, flush_cache=flush_cache, abort_all_requests=abort_all_requests
         )
 
+    def setup_tensor_weights(self) -> dict[str, Any]:
+        """Once before the first weight update from tensors (``ServerControl.asetup_tensor_weights``)."""
+        return self._transport.wait(self._control.asetup_tensor_weights())
+
+    def update_weights_from_parts(
+        self,
+        parts: Sequence[Sequence[Any]],
+        version: int | str | None,
+        *,
+        first: bool,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+    ) -> dict[str, Any]:
+        """Server i loads the tensors behind its own ``parts[i]``, one per GPU of it
+        (``ServerControl.aupdate_weights_from_parts``: the colocated trainer ranks' own tensors)."""
+        return self._transport.wait(
+            self._control.aupdate_weights_from_parts(
+                parts, version, first=first, flush_cache=flush_cache, abort_all_requests=abort_all_requests
+            )
+        )
+
     def update_weights_from_tensor(
         self,
         named_tensors: Sequence[tuple[str, Any]],

@@ -16,7 +16,7 @@ import torch
 
 from archon.rollout.server_api import Call, RolloutError
 from archon.rollout.transport import ServerState, Transport
-from archon.wire.tensor_ipc import serialize_named_tensors
+from archon.wire.tensor_share import SHARE_TENSORS
 
 
 class ServerControl:
@@ -202,6 +202,13 @@ class ServerControl:
         calls = self.transport.api.resume_memory(None if tags is None else list(tags))
         return await self.transport.fan_out(calls, servers=self._targets(addrs))
 
+    async def asetup_tensor_weights(self) -> dict[str, Any]:
+        """Once before the first weight update from tensors (vLLM's ``/init_weight_transfer_engine``; SGLang and the
+        built-in server need nothing)."""
+        self._check_tensor_weights()
+        calls = self.transport.api.setup_tensor_weights()
+        return await self.transport.fan_out(calls, servers=self.transport.servers) if calls else {}
+
     async def aupdate_weights_from_tensor(
         self,
         named_tensors: Sequence[tuple[str, torch.Tensor]],
@@ -210,29 +217,69 @@ class ServerControl:
         addrs: Sequence[str] | None = None,
         flush_cache: bool = True,
         abort_all_requests: bool = False,
+        first: bool = True,
     ) -> dict[str, Any]:
-        """Servers on this machine load HF-named ``named_tensors`` in place from this process's memory (CUDA IPC
-        handles or shared CPU memory, ``archon.wire.tensor_ipc``): no copy travels over HTTP.
+        """Servers on this machine load HF-named ``named_tensors`` in place from this process's memory (SGLang's
+        form: CUDA IPC handles or shared CPU memory, ``archon.wire.tensor_ipc``; vLLM's: CUDA IPC handles keyed by
+        GPU, ``archon.wire.vllm_ipc``): no copy travels over HTTP.
 
         Each server of ``addrs`` (None: every up one) gets its own handles; the tensors stay referenced here
         until every server has answered.  As with the distributed update, a sync in several buckets passes
-        ``version`` with the last one only (None for the others).
+        ``version`` with the last one only (None for the others) and ``first`` with the first one only.
         """
+        self._check_tensor_weights()
+        targets = self._targets(addrs)
+        share = SHARE_TENSORS[self.transport.api.tensor_share_format]
+        parts = [[share(named_tensors)] for _ in targets]
+        return await self._aload_parts(targets, parts, version, flush_cache, abort_all_requests, first)
+
+    async def aupdate_weights_from_parts(
+        self,
+        parts: Sequence[Sequence[Any]],
+        version: int | str | None,
+        *,
+        first: bool,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+    ) -> dict[str, Any]:
+        """As ``aupdate_weights_from_tensor``, with every server's own shared parts (``archon.wire.tensor_share``):
+        entry i of ``parts`` goes to server i of the address list, one part per GPU of it, each made by the process
+        on that GPU (as colocated trainer ranks do)."""
+        self._check_tensor_weights()
+        servers = self.transport.servers
+        if len(parts) != len(servers):
+            raise RolloutError(
+                f"weights shared by {len(parts)} groups of trainer ranks for {len(servers)} rollout servers; "
+                "colocated servers must each have the trainer ranks of their GPUs (rollout.colocate)"
+            )
+        up = [(server, own) for server, own in zip(servers, parts) if not server.down]
+        targets, up_parts = [server for server, _ in up], [own for _, own in up]
+        return await self._aload_parts(targets, up_parts, version, flush_cache, abort_all_requests, first)
+
+    def _check_tensor_weights(self) -> None:
         api = self.transport.api
         if not api.tensor_weights:
             raise RolloutError(
                 f"{api.name} rollout servers cannot load weights from tensors shared on the machine; set "
                 "rollout.weight_sync = 'disk' so that new weights reach them through a folder"
             )
-        targets = self._targets(addrs)
+
+    async def _aload_parts(
+        self,
+        targets: Sequence[ServerState],
+        parts: Sequence[Sequence[Any]],
+        version: int | str | None,
+        flush_cache: bool,
+        abort_all_requests: bool,
+        first: bool,
+    ) -> dict[str, Any]:
+        api = self.transport.api
         version_str = None if version is None else str(version)
         plans = [
-            api.update_weights_from_tensor(
-                [serialize_named_tensors(named_tensors)], version_str, flush_cache, abort_all_requests
-            )
-            for _ in targets
+            api.update_weights_from_tensor(list(own), version_str, flush_cache, abort_all_requests, first)
+            for own in parts
         ]
-        result = await self.transport.fan_out(servers=targets, per_server=plans)
+        result = await self.transport.fan_out(servers=list(targets), per_server=plans)
         if version_str is not None:
             for s in targets:
                 s.weight_version = version_str

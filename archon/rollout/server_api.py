@@ -93,6 +93,8 @@ class ServerAPI:
     """Whether the servers admit requests by SGLang's ``priority`` field (sent only then)."""
     tensor_weights = True
     """Whether the servers load weights from tensors shared on the machine (update_weights_from_tensor)."""
+    tensor_share_format = "sglang"
+    """The form of a shared tensor part (``archon.wire.tensor_share.SHARE_TENSORS``)."""
 
     def generate_payload(
         self,
@@ -199,13 +201,17 @@ class ServerAPI:
         """Take the memory of ``tags`` again (None: all); resumed weights hold no values until the next update."""
         return [Call("POST", "/resume_memory_occupation", {"tags": tags})]
 
+    def setup_tensor_weights(self) -> list[Call]:
+        """Once before the first ``update_weights_from_tensor`` (SGLang needs nothing)."""
+        return []
+
     def update_weights_from_tensor(
-        self, serialized: list[str], version: str | None, flush_cache: bool, abort_all_requests: bool
+        self, parts: list[Any], version: str | None, flush_cache: bool, abort_all_requests: bool, first: bool
     ) -> list[Call]:
-        """Load tensors shared on the machine: ``serialized`` holds one ``archon.wire.tensor_ipc`` string per
-        tensor-parallel rank of the server."""
+        """Load tensors shared on the machine: ``parts`` holds one ``archon.wire.tensor_ipc`` string per
+        tensor-parallel rank of the server; ``first``: the first bucket of a sync (SGLang needs no start)."""
         payload: dict[str, Any] = {
-            "serialized_named_tensors": serialized,
+            "serialized_named_tensors": parts,
             "flush_cache": flush_cache,
             "abort_all_requests": abort_all_requests,
         }

@@ -42,6 +42,15 @@ def broadcast_object(obj: Any) -> Any:
     return box[0]
 
 
+def gather_to_rank0(obj: Any) -> list[Any] | None:
+    """Every rank's ``obj`` in rank order on rank 0, None elsewhere (``[obj]`` without a process group)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
 def raise_if_failed(error: str | None) -> None:
     """Collective: every rank raises rank 0's error (None: success)."""
     error = broadcast_object(error)

@@ -33,10 +33,13 @@ Written against vLLM 0.33.0's own source (``vllm/entrypoints/openai/completion``
   anyway); releasing only the KV cache is ``/release_kv_cache_memory``.  Resuming the weights alone is
   ``/wake_up?tags=weights`` (room to load new weights before the KV cache returns), anything else is
   ``/wake_up``, which wakes everything.
-- Weights from tensors: vLLM has no SGLang-style ``/update_weights_from_tensor``; its IPC weight-transfer
-  engine (``vllm/distributed/weight_transfer/ipc_engine.py``: ``/init_weight_transfer_engine``,
-  ``/update_weights`` with pickled CUDA IPC handles keyed by GPU UUID) is CUDA-only and not driven here, so
-  colocated vLLM servers get their weights through a folder (``rollout.weight_sync = 'disk'``).
+- Weights from tensors (colocated servers, ``rollout.weight_sync = 'tensor'``, CUDA only): vLLM's IPC
+  weight-transfer engine (0.32: ``vllm/entrypoints/rl/online/api_router.py``,
+  ``vllm/distributed/weight_transfer/ipc_engine.py``), started with ``--weight-transfer-config
+  '{"backend": "ipc"}'`` and ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``: ``/init_weight_transfer_engine`` once,
+  then per sync ``/start_weight_update``, one ``/update_weights`` per bucket (CUDA IPC handles keyed by GPU
+  UUID, ``archon.wire.vllm_ipc``), ``/finish_weight_update`` with the version and ``/reset_prefix_cache``.
+  Colocated runs are synchronous, so nothing generates meanwhile and no pause is needed.
 - Per-request seeds are always honoured by vLLM's sampler, but the logits themselves depend on
   the batch unless ``VLLM_BATCH_INVARIANT=1`` (``vllm.batch_invariant``).
 """
@@ -47,6 +50,7 @@ from typing import Any
 
 from archon.rollout.server_api import Call, GenerateResult, RolloutError, ServerAPI, check_logprob_count
 from archon.wire.sglang import SGLANG_DEFAULT_MAX_NEW_TOKENS
+from archon.wire.vllm_ipc import IPC_INIT_INFO, vllm_update_info
 
 # SGLang sampling_params key -> vLLM completions field.
 _FIELDS = {
@@ -87,7 +91,8 @@ class VLLMAPI(ServerAPI):
     name = "vLLM"
     generate_path = "/v1/completions"
     distributed_weights = False
-    tensor_weights = False
+    tensor_weights = True
+    tensor_share_format = "vllm_ipc"
     missing_endpoint_hint = (
         "; vLLM serves its pause, resume and weight-reload endpoints only with "
         "VLLM_SERVER_DEV_MODE=1 (set for launched servers; set it yourself for "
@@ -248,13 +253,21 @@ class VLLMAPI(ServerAPI):
             return [Call("POST", "/wake_up?tags=weights")]
         return [Call("POST", "/wake_up")]
 
+    def setup_tensor_weights(self) -> list[Call]:
+        return [Call("POST", "/init_weight_transfer_engine", {"init_info": IPC_INIT_INFO})]
+
     def update_weights_from_tensor(
-        self, serialized: list[str], version: str | None, flush_cache: bool, abort_all_requests: bool
+        self, parts: list[Any], version: str | None, flush_cache: bool, abort_all_requests: bool, first: bool
     ) -> list[Call]:
-        raise RolloutError(
-            "vLLM servers cannot load weights from shared tensors over HTTP (its IPC weight-transfer engine is "
-            "CUDA-only and not driven by Archon); set rollout.weight_sync = 'disk' for colocated vLLM servers"
-        )
+        # parts: one archon.wire.vllm_ipc part per GPU of the server, merged into one update.
+        calls = [Call("POST", "/start_weight_update")] if first else []
+        calls.append(Call("POST", "/update_weights", {"update_info": vllm_update_info(parts)}))
+        if version is not None:
+            calls += [
+                Call("POST", "/finish_weight_update", {"weight_version": version}),
+                Call("POST", "/reset_prefix_cache"),
+            ]
+        return calls
 
 
 def _check_tags(tags: list[str] | None) -> list[str]:

@@ -459,12 +459,14 @@ def build_weight_sync(
     extras: bool = False,
     flattened: bool = False,
     untie_embeddings: bool = False,
+    share_format: str = "sglang",
 ) -> WeightSync:
     """The weight sync for ``rollout.weight_sync`` (call ``.setup()`` once, then ``.sync(version)`` per step).
 
     ``extras``: the servers are Archon's own and also take what HF formats lack (the MoE routing bias).
     ``flattened``: each distributed bucket goes as one broadcast of its bytes (``load_format = 'flattened_bucket'``).
     ``untie_embeddings``: disk folders of a model with tied word embeddings are written untied (vLLM servers).
+    ``share_format``: how trainer ranks share tensors with colocated servers (``ServerAPI.tensor_share_format``).
     """
     if mode == "distributed":
         return DistributedWeightSync(
@@ -485,7 +487,15 @@ def build_weight_sync(
             )
         return DiskWeightSync(engine, client, folder, dtype=dtype, extras=extras, untie_embeddings=untie_embeddings)
     if mode == "tensor":
-        return TensorWeightSync(engine, client, chunk_mb=int(chunk_mb), dtype=dtype, extras=extras)
+        return TensorWeightSync(
+            engine,
+            client,
+            chunk_mb=int(chunk_mb),
+            dtype=dtype,
+            extras=extras,
+            ranks_per_server=ranks_per_server,
+            share_format=share_format,
+        )
     raise ConfigError(f"rollout.weight_sync = '{mode}' must be 'distributed', 'disk' or 'tensor'")
 
 
@@ -515,4 +525,5 @@ def weight_sync_for(cfg: Config, engine: WeightSyncEngine, client: Any, trainer_
         extras=rollout.backend == "local",  # the built-in servers also take what HF formats lack
         flattened=fmt == "flattened_bucket" or (fmt == "auto" and rollout.backend == "local"),
         untie_embeddings=rollout.backend == "vllm",
+        share_format="vllm_ipc" if rollout.backend == "vllm" else "sglang",
     )

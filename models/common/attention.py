@@ -182,7 +182,8 @@ class CoreAttention(nn.Module):
         return torch.cat(outs).index_select(0, groups.scatter).unsqueeze(0)
 
     def _segments(self, q, k, v, layout: SegmentLayout, gqa: bool) -> torch.Tensor:
-        """Each batch of segments attends to its context and causally to itself; outputs back in row order."""
+        """Each batch of segments attends to its context and causally to itself (``SegmentBatch.mask``, or causal
+        when None); outputs back in row order."""
         assert q.shape[0] == 1, "a row packed with shared prefixes needs batch size 1"
         outs = []
         for b in layout.batches:

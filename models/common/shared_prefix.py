@@ -10,13 +10,14 @@ unshared packing, while the prefix's forward and backward run once instead of on
 gradients of a prefix token sum over the remainders that attend to it, as autograd does through the
 gather of its keys and values).
 
-``segment_layout`` turns the segments into batched attention calls (segments with the same own and context
-lengths batch together, one mask each); ``CoreAttention`` runs them when the model gets ``segments``.
+``segment_layout`` turns the segments into a few batched attention calls (segments of similar own and context
+lengths, padded to the longest of their batch, as ``packing.padded_groups`` does for plain rows);
+``CoreAttention`` runs them when the model gets ``segments``.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -35,18 +36,21 @@ class Segment:
 
 @dataclass(frozen=True)
 class SegmentBatch:
-    """``count`` segments of one own length and one context length, attended in one call."""
+    """``count`` segments padded to ``length`` own and ``context_length`` context tokens, attended in one call."""
 
     count: int
     length: int
     context_length: int
     queries: torch.Tensor
-    """int64 ``[count * length]``: packed positions of the segments' own tokens, segment after segment."""
+    """int64 ``[count * length]``: packed positions of the segments' own tokens, segment after segment (a padded
+    slot reads the segment's last token)."""
     keys: torch.Tensor
-    """int64 ``[count * (context_length + length)]``: per segment its context's positions, then its own."""
+    """int64 ``[count * (context_length + length)]``: per segment its context's positions, then its own (padded
+    slots read a real key, which the mask hides)."""
     mask: torch.Tensor | None
-    """Boolean ``[length, context_length + length]`` (True = may attend): the whole context, then causal;
-    None without context (plain causal attention)."""
+    """Boolean ``[count, 1, length, context_length + length]`` (True = may attend): a segment's context, then
+    causal over its own tokens; a padded query row sees what the segment's last token sees (never an empty row,
+    whose softmax would be NaN in the backward).  None for unpadded segments without context (plain causal)."""
 
 
 @dataclass(frozen=True)
@@ -58,27 +62,61 @@ class SegmentLayout:
     """int64 ``[seqlen]``: for each packed position, its row in the batches' outputs concatenated."""
 
 
-def segment_layout(segments: list[Segment], seqlen: int) -> SegmentLayout:
-    """The batched attention calls of ``segments``, which must cover ``[0, seqlen)`` exactly once (host tensors)."""
+def _fits(shortest: int, longest: int, ratio: float, slack: int) -> bool:
+    return longest <= max(ratio * shortest, shortest + slack)
+
+
+def _batch(members: list[Segment], done: int, scatter: torch.Tensor) -> SegmentBatch:
+    """One padded batch of ``members``; writes their tokens' output rows (from ``done`` on) into ``scatter``."""
+    length = max(s.length for s in members)
+    context = max(s.context_length for s in members)
+    queries, keys, masks = [], [], []
+    own_causal = torch.ones(length, length, dtype=torch.bool).tril()
+    for k, s in enumerate(members):
+        own = torch.arange(s.start, s.start + s.length)
+        pad = own[-1:].expand(length - s.length)
+        queries.append(torch.cat([own, pad]))
+        ctx = torch.arange(s.context_start, s.context_start + s.context_length)
+        filler = (ctx[-1:] if s.context_length else own[-1:]).expand(context - s.context_length)
+        keys.append(torch.cat([ctx, filler, own, pad]))
+        rows = torch.arange(length).clamp(max=s.length - 1)  # a padded row sees what the last real one sees
+        seen_context = (torch.arange(context) < s.context_length).expand(length, -1)
+        seen_own = own_causal[rows] & (torch.arange(length) < s.length)
+        masks.append(torch.cat([seen_context, seen_own], dim=1))
+        scatter[own] = done + k * length + torch.arange(s.length)
+    padded = context > 0 or any(s.length != length for s in members)
+    mask = torch.stack(masks).unsqueeze(1) if padded else None
+    return SegmentBatch(len(members), length, context, torch.cat(queries), torch.cat(keys), mask)
+
+
+def _runs(items: list[Segment], size: Callable[[Segment], int], ratio: float, slack: int) -> list[list[Segment]]:
+    """``items`` sorted by ``size`` and cut greedily into runs whose longest fits their shortest (``_fits``)."""
+    runs: list[list[Segment]] = []
+    for s in sorted(items, key=lambda s: (size(s), s.start)):
+        if runs and _fits(size(runs[-1][0]), size(s), ratio, slack):
+            runs[-1].append(s)
+        else:
+            runs.append([s])
+    return runs
+
+
+def segment_layout(segments: list[Segment], seqlen: int, ratio: float = 1.25, slack: int = 16) -> SegmentLayout:
+    """The batched attention calls of ``segments``, which must cover ``[0, seqlen)`` exactly once (host tensors).
+
+    Segments are cut into runs of similar context length, each run into batches of similar own length, both by
+    the ``packing.padded_groups`` rule (the longest within ``max(ratio * shortest, shortest + slack)``): a
+    handful of calls however many lengths the completions have, attention at most ``ratio**2`` times the
+    unpadded cost (or a few short rows of padding).
+    """
     covered = sorted((s.start, s.length) for s in segments)
     assert [a for a, _ in covered] == [0] + [a + n for a, n in covered[:-1]], "segments must tile the row"
     assert covered[-1][0] + covered[-1][1] == seqlen, "segments must cover the row"
-    by_shape: dict[tuple[int, int], list[Segment]] = defaultdict(list)
-    for s in segments:
-        by_shape[(s.length, s.context_length)].append(s)
     batches: list[SegmentBatch] = []
     scatter = torch.empty(seqlen, dtype=torch.long)
     done = 0
-    for (length, context), members in sorted(by_shape.items()):
-        owns = [torch.arange(s.start, s.start + length) for s in members]
-        queries = torch.cat(owns)
-        contexts = [torch.arange(s.context_start, s.context_start + context) for s in members]
-        keys = torch.cat([torch.cat(pair) for pair in zip(contexts, owns)])
-        mask = None
-        if context:
-            causal = torch.ones(length, length, dtype=torch.bool).tril()
-            mask = torch.cat([torch.ones(length, context, dtype=torch.bool), causal], dim=1)
-        scatter[queries] = torch.arange(done, done + queries.numel())
-        done += queries.numel()
-        batches.append(SegmentBatch(len(members), length, context, queries, keys, mask))
+    for run in _runs(segments, lambda s: s.context_length, ratio, slack):
+        for members in _runs(run, lambda s: s.length, ratio, slack):
+            batch = _batch(members, done, scatter)
+            done += batch.count * batch.length
+            batches.append(batch)
     return SegmentLayout(batches, scatter)

@@ -53,6 +53,15 @@ def test_colocated_vllm_servers_sleep_between_phases_and_leave_half_the_gpu(tmp_
     for s in specs:
         assert "--enable-sleep-mode" in s.cmd and _flag(s.cmd, "--gpu-memory-utilization") == "0.5"
         assert s.env["VLLM_SERVER_DEV_MODE"] == "1"  # /sleep and /wake_up are dev-mode endpoints
+        assert "--weight-transfer-config" not in s.cmd and "VLLM_ALLOW_INSECURE_SERIALIZATION" not in s.env
+
+
+def test_colocated_vllm_servers_taking_the_trainers_tensors_start_the_ipc_transfer_engine(tmp_path):
+    sync = "rollout.weight_sync=tensor"
+    cfg = _cfg("rollout.backend=vllm:d2t2", "actor.backend=archon:d4", "cluster.n_gpus_per_node=4", sync)
+    for s in build_launch_specs(cfg, tmp_path, ports=[1, 2]):
+        assert _flag(s.cmd, "--weight-transfer-config") == '{"backend": "ipc"}'
+        assert s.env["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"  # /update_weights unpickles the handles
 
 
 @pytest.mark.parametrize("device, visible, extra", [("cuda", ["0", "1"], ["--device", "cuda"]), ("cpu", ["", ""], [])])

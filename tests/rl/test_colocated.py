@@ -35,3 +35,27 @@ def test_colocated_run_equals_the_separate_run_and_servers_release_their_memory(
         assert b["weight_sync_bytes"] == a["weight_sync_bytes"] > 0
         assert b["colocate/server_bytes_generating"] > 0
         assert b["colocate/server_bytes_training"] == 0
+
+
+def test_two_colocated_servers_load_the_weights_of_their_own_ranks(rl_setup):
+    # archon:d2 with a server on each rank's GPU: every rank shares its own copy of each bucket and server i maps
+    # rank i's (TensorWeightSync); the runs match the separate layout's with two servers of their own.
+    model, data, root = rl_setup
+    two = {"rollout.backend": "local:d2", "total_train_steps": 2}
+    separate = _run(2, overrides(model, data, root / "separate2", "archon:d2", **two))
+    colocated = _run(
+        2,
+        overrides(
+            model,
+            data,
+            root / "colocated2",
+            "archon:d2",
+            **two,
+            **{"rollout.colocate": True, "cluster.n_gpus_per_node": 2},
+        ),
+    )
+    for a, b in zip(separate, colocated, strict=True):
+        for key in _SAME:
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["step"], key)
+        assert b["behav_prox_logprob_diff"] < 1e-5  # both servers generated with the trained weights
+        assert b["weight_sync_bytes"] == a["weight_sync_bytes"] > 0

@@ -2,7 +2,7 @@
 
 Against the real built-in server (``serve_in_thread``), whose engine accounting shows the memory given back,
 and whose completions after the update equal a generator loaded with the new weights; the vLLM mapping is
-checked against the calls it builds (vLLM's CPU build has no sleep mode to run it against).
+checked against the calls it builds (vLLM's CPU build has no sleep mode and no CUDA IPC to run it against).
 """
 
 from __future__ import annotations
@@ -70,7 +70,8 @@ def test_sglang_calls_carry_sglangs_fields():
     api = ServerAPI()
     assert api.release_memory(None) == [Call("POST", "/release_memory_occupation", {"tags": None})]
     assert api.resume_memory(["weights"]) == [Call("POST", "/resume_memory_occupation", {"tags": ["weights"]})]
-    (call,) = api.update_weights_from_tensor(["abc"], "7", flush_cache=True, abort_all_requests=False)
+    assert api.setup_tensor_weights() == []
+    (call,) = api.update_weights_from_tensor(["abc"], "7", flush_cache=True, abort_all_requests=False, first=True)
     assert call.path == "/update_weights_from_tensor"
     assert call.payload == {
         "serialized_named_tensors": ["abc"],
@@ -94,7 +95,45 @@ def test_vllm_maps_release_and_resume_onto_sleep_and_wake_up():
         assert api.resume_memory(tags) == [Call("POST", "/wake_up")]
 
 
-def test_vllm_client_refuses_tensor_weights_before_sending_anything():
+def test_vllm_client_refuses_cpu_tensors_before_sending_anything():
     with RolloutClient(["127.0.0.1:9"], api=VLLMAPI()) as client:  # nothing listens: a request would fail otherwise
-        with pytest.raises(RolloutError, match="weight_sync = 'disk'"):
+        with pytest.raises(ValueError, match="maps CUDA memory only; set rollout.weight_sync = 'disk'"):
             client.update_weights_from_tensor([("w", torch.zeros(2))], 1)
+
+
+def _part(gpu: str, handle: tuple) -> dict:
+    """One trainer rank's part as archon.wire.vllm_ipc.share_cuda_tensors makes it (handles stand in for
+    reduce_tensor's arguments, which need a GPU)."""
+    return {
+        "names": ["model.embed_tokens.weight", "lm_head.weight"],
+        "dtype_names": ["bfloat16", "bfloat16"],
+        "shapes": [[8, 4], [8, 4]],
+        "ipc_handles": [{gpu: handle + ("embed",)}, {gpu: handle + ("head",)}],
+    }
+
+
+def test_vllm_takes_the_tensors_of_every_gpu_of_a_server_in_one_update_between_start_and_finish():
+    import base64
+    import pickle
+
+    api = VLLMAPI()
+    init = Call("POST", "/init_weight_transfer_engine", {"init_info": {"packed": False}})
+    assert api.setup_tensor_weights() == [init]
+    parts = [_part("GPU-a", (0,)), _part("GPU-b", (1,))]  # a tp=2 server over two trainer ranks' GPUs
+    first = api.update_weights_from_tensor(parts, None, flush_cache=True, abort_all_requests=False, first=True)
+    assert [c.path for c in first] == ["/start_weight_update", "/update_weights"]
+    info = first[1].payload["update_info"]
+    assert info["names"] == ["model.embed_tokens.weight", "lm_head.weight"] and info["shapes"] == [[8, 4], [8, 4]]
+    assert info["dtype_names"] == ["bfloat16", "bfloat16"]
+    # Each vLLM worker picks the handle of its own GPU (vllm/distributed/weight_transfer/ipc_engine.py).
+    assert pickle.loads(base64.b64decode(info["ipc_handles_pickled"])) == [
+        {"GPU-a": (0, "embed"), "GPU-b": (1, "embed")},
+        {"GPU-a": (0, "head"), "GPU-b": (1, "head")},
+    ]
+    last = api.update_weights_from_tensor(parts, "7", flush_cache=True, abort_all_requests=False, first=False)
+    assert [c.path for c in last] == ["/update_weights", "/finish_weight_update", "/reset_prefix_cache"]
+    assert last[1].payload == {"weight_version": "7"}
+    with pytest.raises(ValueError, match="different tensors for one vLLM server"):
+        api.update_weights_from_tensor(
+            [parts[0], {**parts[1], "names": ["x", "y"]}], "7", flush_cache=True, abort_all_requests=False, first=True
+        )

@@ -135,7 +135,11 @@ def test_logprobs_mode_matches_the_trainers_temperature(gconfig, mode, trainer_t
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["rollout.weight_sync=distributed"], "gets new weights from disk only.*set rollout.weight_sync = 'disk'"),
+        (["rollout.weight_sync=distributed"], "gets new weights from disk.*set rollout.weight_sync = 'disk'"),
+        (
+            ["rollout.weight_sync=tensor", "rollout.colocate=true", "actor.backend=archon:d1", "device=cpu"],
+            "vLLM's CUDA IPC weight transfer, but device = 'cpu'",
+        ),
         (
             ["rollout.weight_sync=disk", "gconfig.temperature=0.7", "gconfig.top_p=0.9"],
             r"gconfig.temperature = 0.7 with gconfig.top_p = 0.9 cannot be trained on with vLLM",
