@@ -164,6 +164,11 @@ class FSDPEngine(TrainEngine):
                 f"{self.name}.archon.fp8 = '{cfg.archon.fp8}' converts Archon's own models only; use an archon: "
                 f"backend for {self.name} or turn fp8 off"
             )
+        if cfg.archon.prefix_sharing:
+            raise EngineError(
+                f"{self.name}.archon.prefix_sharing = true packs shared prompts for Archon's own models only; use an "
+                f"archon: backend for {self.name} or turn prefix_sharing off"
+            )
         # The grammar refuses p and e for fsdp:, so these hold by construction.
         assert not pd.pp_enabled and not pd.ep_enabled
         self.hf_config = load_model_config(self.name, cfg, check_spec=False)

@@ -149,9 +149,9 @@ def test_training_with_shared_prompts_equals_the_plain_packing(qwen3_path, backe
 
 
 def _build(path: str, backend: str, archon: dict[str, Any]) -> str:
-    from archon.engine.engine import ArchonEngine
+    from archon.engine import build_engine
 
-    ArchonEngine(engine_config(path, backend, archon={"prefix_sharing": True, **archon})).initialize()
+    build_engine(engine_config(path, backend, archon={"prefix_sharing": True, **archon})).initialize()
     return "built"
 
 
@@ -160,6 +160,7 @@ def _build(path: str, backend: str, archon: dict[str, Any]) -> str:
     [
         ("archon:c2", {}, r"prefix_sharing = true does not run with context parallel"),
         ("archon:d1", {"enable_compile": True}, r"does not run with archon.enable_compile"),
+        ("fsdp:d1", {}, r"packs shared prompts for Archon's own models only"),
     ],
 )
 def test_refused_layouts(qwen3_path, backend, archon, message):
