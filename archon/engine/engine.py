@@ -44,7 +44,7 @@ from archon.engine.microbatch_loop import (
 )
 from archon.engine.moe_balance import build_moe_balancer
 from archon.engine.options import parameter_device, pipeline_options
-from archon.engine.prefix_sharing import check_prefix_sharing
+from archon.engine.prefix_sharing import check_prefix_sharing, prompt_groups
 from archon.engine.step_loss import (
     LossFn,
     LossWeightFn,
@@ -298,7 +298,11 @@ class ArchonEngine(TrainEngine):
         """This rank's microbatches; under pipeline parallel a count the schedule can run."""
         layout = self.layout
         runnable = self.pipeline.microbatch_count if self.pipeline is not None else None
-        return plan_rank_microbatches(batch, self.config.mb_spec, layout.dp_size, layout.dp_rank, self.name, runnable)
+        # Under prefix sharing a prompt's samples stay in one microbatch, where their prompt is packed once.
+        groups = prompt_groups(batch) if self.config.archon.prefix_sharing else None
+        return plan_rank_microbatches(
+            batch, self.config.mb_spec, layout.dp_size, layout.dp_rank, self.name, runnable, groups
+        )
 
     # ------------------------------------------------------------------ train
     def train_batch(

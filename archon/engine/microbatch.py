@@ -51,19 +51,14 @@ def balanced_partition(sizes: list[int], indices: list[int], n_parts: int) -> li
     return [sorted(b) for b in bins]
 
 
-def split_for_data_parallel(seqlens: list[int], dp_size: int) -> list[list[int]]:
-    """Sample indices of each data-parallel rank, balanced by token count."""
-    return balanced_partition(seqlens, list(range(len(seqlens))), dp_size)
-
-
-def _count_microbatches(seqlens: list[int], indices: list[int], n_mbs: int, max_tokens: int) -> int:
-    if max_tokens <= 0 or not indices:
+def _count_microbatches(sizes: list[int], units: list[int], n_mbs: int, max_tokens: int) -> int:
+    if max_tokens <= 0 or not units:
         return n_mbs
-    total = sum(seqlens[i] for i in indices)
+    total = sum(sizes[u] for u in units)
     k = max(n_mbs, math.ceil(total / max_tokens))
     while True:
-        parts = balanced_partition(seqlens, indices, k)
-        if all(sum(seqlens[i] for i in p) <= max_tokens for p in parts):
+        parts = balanced_partition(sizes, units, k)
+        if all(sum(sizes[u] for u in p) <= max_tokens for p in parts):
             return k
         k += 1
 
@@ -80,8 +75,18 @@ class MicrobatchPlan:
         return len(self.per_rank[0])
 
 
-def plan_microbatches(seqlens: list[int], dp_size: int, n_mbs: int = 1, max_tokens_per_mb: int = 0) -> MicrobatchPlan:
-    """Split samples over dp ranks, then into the same number of microbatches on every rank."""
+def plan_microbatches(
+    seqlens: list[int],
+    dp_size: int,
+    n_mbs: int = 1,
+    max_tokens_per_mb: int = 0,
+    groups: list[tuple[list[int], int]] | None = None,
+) -> MicrobatchPlan:
+    """Split samples over dp ranks, then into the same number of microbatches on every rank.
+
+    ``groups``: samples that share their first ``shared`` tokens, ``(indices, shared)``, kept in one microbatch
+    and counted with those tokens once (prefix sharing), unless together they exceed ``max_tokens_per_mb``.
+    """
     too_long = [i for i, n in enumerate(seqlens) if max_tokens_per_mb > 0 and n > max_tokens_per_mb]
     if too_long:
         i = too_long[0]
@@ -89,9 +94,27 @@ def plan_microbatches(seqlens: list[int], dp_size: int, n_mbs: int = 1, max_toke
             f"sample {i} has {seqlens[i]} tokens, more than mb_spec.max_tokens_per_mb="
             f"{max_tokens_per_mb}; raise max_tokens_per_mb or shorten the data"
         )
-    shares = split_for_data_parallel(seqlens, dp_size)
-    k = max(_count_microbatches(seqlens, share, n_mbs, max_tokens_per_mb) for share in shares)
-    return MicrobatchPlan([balanced_partition(seqlens, share, k) for share in shares])
+    units: list[list[int]] = []
+    sizes: list[int] = []
+    grouped: set[int] = set()
+    for members, shared in groups or []:
+        size = shared + sum(seqlens[i] - shared for i in members)
+        if max_tokens_per_mb <= 0 or size <= max_tokens_per_mb:
+            units.append(sorted(members))
+            sizes.append(size)
+            grouped.update(members)
+    for i, n in enumerate(seqlens):
+        if i not in grouped:
+            units.append([i])
+            sizes.append(n)
+    order = sorted(range(len(units)), key=lambda u: units[u][0])  # units in sample order: ties break alike
+    units, sizes = [units[u] for u in order], [sizes[u] for u in order]
+    shares = balanced_partition(sizes, list(range(len(units))), dp_size)
+    k = max(_count_microbatches(sizes, share, n_mbs, max_tokens_per_mb) for share in shares)
+    per_rank = [
+        [sorted(i for u in part for i in units[u]) for part in balanced_partition(sizes, share, k)] for share in shares
+    ]
+    return MicrobatchPlan(per_rank)
 
 
 @dataclass

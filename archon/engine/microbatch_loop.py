@@ -63,20 +63,21 @@ def plan_rank_microbatches(
     dp_rank: int,
     name: str,
     runnable: Callable[[int], int] | None = None,
+    groups: list[tuple[list[int], int]] | None = None,
 ) -> list[list[int]]:
     """This data-parallel rank's microbatches (sample indices) of the host ``batch``.
 
     ``runnable`` maps a microbatch count to the next one the engine can run (a pipeline
     schedule's rule); when ``max_tokens_per_mb`` asks for a count it cannot run, the plan is
-    made again with that one.
+    made again with that one.  ``groups``: samples kept in one microbatch (``plan_microbatches``).
     """
     lens = seqlens_of(batch)
     n_mbs = mb_spec.n_mbs if runnable is None else runnable(mb_spec.n_mbs)
     try:
-        plan = plan_microbatches(lens, dp_size, n_mbs, mb_spec.max_tokens_per_mb)
+        plan = plan_microbatches(lens, dp_size, n_mbs, mb_spec.max_tokens_per_mb, groups)
         count = plan.n_microbatches if runnable is None else runnable(plan.n_microbatches)
         if count != plan.n_microbatches:
-            plan = plan_microbatches(lens, dp_size, count, mb_spec.max_tokens_per_mb)
+            plan = plan_microbatches(lens, dp_size, count, mb_spec.max_tokens_per_mb, groups)
     except ConfigError as exc:  # a sample longer than mb_spec.max_tokens_per_mb
         raise EngineError(f"{name}: {exc}") from None
     return plan.per_rank[dp_rank]

@@ -19,7 +19,7 @@ import torch
 
 from archon.config import TrainEngineConfig
 from archon.engine.errors import EngineError
-from archon.engine.microbatch import Batch, PackedMicrobatch, SharedPacking
+from archon.engine.microbatch import Batch, PackedMicrobatch, SharedPacking, seqlens_of
 from models.common.shared_prefix import Segment, segment_layout
 from parallel.dims import ParallelDims
 
@@ -51,6 +51,25 @@ def _prompt_lengths(loss_mask: torch.Tensor, indices: list[int], seqlens: list[i
     return [int(f) if h else n for f, h, n in zip(first.tolist(), has_loss.tolist(), seqlens)]
 
 
+def _shared_groups(batch: Batch, indices: list[int], seqlens: list[int]) -> list[tuple[list[int], int]]:
+    """The sequences (positions in ``indices``) that share their prompt but its last token, with that length."""
+    input_ids = batch["input_ids"].cpu()
+    prompt_lens = _prompt_lengths(batch["loss_mask"].cpu(), indices, seqlens)
+    groups: dict[bytes, list[int]] = {}
+    for j, (row, p) in enumerate(zip(indices, prompt_lens)):
+        if p - 1 >= MIN_SHARED_TOKENS:
+            groups.setdefault(input_ids[row, : p - 1].numpy().tobytes(), []).append(j)
+    return [(members, prompt_lens[members[0]] - 1) for members in groups.values() if len(members) > 1]
+
+
+def prompt_groups(batch: Batch) -> list[tuple[list[int], int]]:
+    """The batch's samples that share a prompt, with the tokens they share, for ``plan_microbatches`` to keep in
+    one microbatch (a group split over microbatches or ranks holds its prompt once in each)."""
+    if "loss_mask" not in batch:
+        return []
+    return _shared_groups(batch, list(range(batch["input_ids"].shape[0])), seqlens_of(batch))
+
+
 def share_prefixes(batch: Batch, mb: PackedMicrobatch, multiple_of: int = 1) -> SharedPacking | None:
     """``mb`` packed with every prompt that several of its sequences share held once; None when none is shared.
 
@@ -59,15 +78,11 @@ def share_prefixes(batch: Batch, mb: PackedMicrobatch, multiple_of: int = 1) -> 
     """
     if "loss_mask" not in batch or len(mb.indices) < 2:
         return None
-    input_ids = batch["input_ids"].cpu()
-    prompt_lens = _prompt_lengths(batch["loss_mask"].cpu(), mb.indices, mb.seqlens)
-    groups: dict[bytes, list[int]] = {}
-    for j, (row, p) in enumerate(zip(mb.indices, prompt_lens)):
-        if p - 1 >= MIN_SHARED_TOKENS:
-            groups.setdefault(input_ids[row, : p - 1].numpy().tobytes(), []).append(j)
-    shared = {j: members for members in groups.values() if len(members) > 1 for j in members}
-    if not shared:
+    groups = _shared_groups(batch, mb.indices, mb.seqlens)
+    if not groups:
         return None
+    shared = {j: (members, a) for members, a in groups for j in members}
+    input_ids = batch["input_ids"].cpu()
 
     starts = mb.cu_seqlens.tolist()
     pieces: list[torch.Tensor] = []
@@ -97,9 +112,9 @@ def share_prefixes(batch: Batch, mb: PackedMicrobatch, multiple_of: int = 1) -> 
             expand[starts[j] : starts[j] + mb.seqlens[j]] = torch.arange(start, start + mb.seqlens[j])
             done.add(j)
             continue
-        a = prompt_lens[j] - 1
+        members, a = shared[j]
         prefix = add(tokens(j)[:a], 0)
-        for k in shared[j]:
+        for k in members:
             rest = add(tokens(k)[a:], a, (prefix, a))
             expand[starts[k] : starts[k] + a] = torch.arange(prefix, prefix + a)
             expand[starts[k] + a : starts[k] + mb.seqlens[k]] = torch.arange(rest, rest + mb.seqlens[k] - a)

@@ -37,6 +37,24 @@ def test_plan_covers_every_sample_once_with_equal_microbatch_counts():
         plan_microbatches(lens, dp_size=1, max_tokens_per_mb=10)
 
 
+def test_grouped_samples_stay_in_one_microbatch_counted_with_their_shared_tokens_once():
+    # Two groups of 4 samples sharing 10 tokens (sizes 10 + 4 * 3 = 22 each) and two lone samples.
+    lens = [13, 13, 13, 13, 13, 13, 13, 13, 20, 2]
+    groups = [([0, 2, 4, 6], 10), ([1, 3, 5, 7], 10)]
+    plan = plan_microbatches(lens, dp_size=2, n_mbs=1, max_tokens_per_mb=24, groups=groups)
+    mbs = [mb for rank in plan.per_rank for mb in rank]
+    assert sorted(i for mb in mbs for i in mb) == list(range(10))
+    for members, _ in groups:
+        assert any(set(members) <= set(mb) for mb in mbs), (members, mbs)
+    # Balanced by shared size: 22 + 2 on one rank, 22 and 20 on the other (two microbatches there).
+    assert plan.n_microbatches == 2
+    # A group larger than max_tokens_per_mb is planned sample by sample.
+    split = plan_microbatches(lens, dp_size=1, n_mbs=1, max_tokens_per_mb=20, groups=groups)
+    assert all(sum(lens[i] for i in mb) <= 20 for mb in split.per_rank[0])
+    # Without groups the plan is the per-sample one.
+    assert plan_microbatches(lens, 2, 1, 24, groups=[]).per_rank == plan_microbatches(lens, 2, 1, 24).per_rank
+
+
 def test_more_ranks_than_samples_gives_empty_microbatches():
     plan = plan_microbatches([4, 6], dp_size=4, n_mbs=1)
     assert sorted(map(len, (mb for r in plan.per_rank for mb in r))) == [0, 0, 1, 1]
