@@ -14,8 +14,8 @@ answered.
 from __future__ import annotations
 
 import base64
-import pickle
 from collections.abc import Sequence
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch
@@ -57,5 +57,6 @@ def vllm_update_info(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "names": first["names"],
         "dtype_names": first["dtype_names"],
         "shapes": first["shapes"],
-        "ipc_handles_pickled": base64.b64encode(pickle.dumps(merged)).decode("ascii"),
+        # A standard pickle stream (vLLM reads it with pickle.loads); no tensor travels in it, only handles.
+        "ipc_handles_pickled": base64.b64encode(bytes(ForkingPickler.dumps(merged))).decode("ascii"),
     }
