@@ -205,7 +205,6 @@ class ServerControl:
     async def asetup_tensor_weights(self) -> dict[str, Any]:
         """Once before the first weight update from tensors (vLLM's ``/init_weight_transfer_engine``; SGLang and the
         built-in server need nothing)."""
-        self._check_tensor_weights()
         calls = self.transport.api.setup_tensor_weights()
         return await self.transport.fan_out(calls, servers=self.transport.servers) if calls else {}
 
@@ -227,7 +226,6 @@ class ServerControl:
         until every server has answered.  As with the distributed update, a sync in several buckets passes
         ``version`` with the last one only (None for the others) and ``first`` with the first one only.
         """
-        self._check_tensor_weights()
         targets = self._targets(addrs)
         share = SHARE_TENSORS[self.transport.api.tensor_share_format]
         parts = [[share(named_tensors)] for _ in targets]
@@ -245,7 +243,6 @@ class ServerControl:
         """As ``aupdate_weights_from_tensor``, with every server's own shared parts (``archon.wire.tensor_share``):
         entry i of ``parts`` goes to server i of the address list, one part per GPU of it, each made by the process
         on that GPU (as colocated trainer ranks do)."""
-        self._check_tensor_weights()
         servers = self.transport.servers
         if len(parts) != len(servers):
             raise RolloutError(
@@ -255,14 +252,6 @@ class ServerControl:
         up = [(server, own) for server, own in zip(servers, parts) if not server.down]
         targets, up_parts = [server for server, _ in up], [own for _, own in up]
         return await self._aload_parts(targets, up_parts, version, flush_cache, abort_all_requests, first)
-
-    def _check_tensor_weights(self) -> None:
-        api = self.transport.api
-        if not api.tensor_weights:
-            raise RolloutError(
-                f"{api.name} rollout servers cannot load weights from tensors shared on the machine; set "
-                "rollout.weight_sync = 'disk' so that new weights reach them through a folder"
-            )
 
     async def _aload_parts(
         self,

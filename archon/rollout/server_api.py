@@ -91,8 +91,6 @@ class ServerAPI:
     """Whether generate requests made together are sent as one batched request (``archon.rollout.batching``)."""
     priority_field = False
     """Whether the servers admit requests by SGLang's ``priority`` field (sent only then)."""
-    tensor_weights = True
-    """Whether the servers load weights from tensors shared on the machine (update_weights_from_tensor)."""
     tensor_share_format = "sglang"
     """The form of a shared tensor part (``archon.wire.tensor_share.SHARE_TENSORS``)."""
 

@@ -91,7 +91,6 @@ class VLLMAPI(ServerAPI):
     name = "vLLM"
     generate_path = "/v1/completions"
     distributed_weights = False
-    tensor_weights = True
     tensor_share_format = "vllm_ipc"
     missing_endpoint_hint = (
         "; vLLM serves its pause, resume and weight-reload endpoints only with "

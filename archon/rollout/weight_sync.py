@@ -43,6 +43,7 @@ from archon.alloc import ModelAllocation
 from archon.config import Config, ConfigError
 from archon.config.lora_sync import resolved_lora_sync
 from archon.rollout.adapter_weight_sync import AdapterSyncEngine, AdapterWeightSync
+from archon.rollout.client import api_for_backend
 from archon.rollout.folder_publish import VersionFolders
 from archon.rollout.sync_common import (
     MIB,
@@ -525,5 +526,5 @@ def weight_sync_for(cfg: Config, engine: WeightSyncEngine, client: Any, trainer_
         extras=rollout.backend == "local",  # the built-in servers also take what HF formats lack
         flattened=fmt == "flattened_bucket" or (fmt == "auto" and rollout.backend == "local"),
         untie_embeddings=rollout.backend == "vllm",
-        share_format="vllm_ipc" if rollout.backend == "vllm" else "sglang",
+        share_format=api_for_backend(rollout.backend).tensor_share_format,
     )
