@@ -411,7 +411,9 @@ class SGLangConfig:
     attention_backend: str = ""
     """SGLang attention backend; empty keeps SGLang's default."""
     enable_deterministic_inference: bool = False
-    """Batch-invariant kernels and seeded sampling; without it SGLang ignores the per-request sampling_seed."""
+    """Batch-invariant kernels and seeded sampling; without it SGLang ignores the per-request sampling_seed. The
+    built-in servers (local:, inprocess:) honour it too: one request per forward, so logprobs do not depend on arrival
+    order."""
     log_level: str = "warning"
     """SGLang server log level."""
     python: str = ""

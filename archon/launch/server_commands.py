@@ -206,6 +206,8 @@ def local_command(
         cmd += ["--context-length", str(context_length)]
     if local_server_device(cfg) == "cuda":
         cmd += ["--device", "cuda"]
+    if cfg.sglang.enable_deterministic_inference:
+        cmd += ["--enable-deterministic-inference"]  # one request per forward (archon.server.forward_steps)
     return cmd
 
 

@@ -107,6 +107,7 @@ class InProcessRollout:
             # Autocast where training uses it (a low-precision dtype without FSDP), so both compute alike.
             compute=(lambda: engine.layout.autocast(cfg.actor.dtype)) if compute_dtype != param_dtype else None,
             cache_dtype=compute_dtype,
+            batch_invariant=cfg.sglang.enable_deterministic_inference,
         )
         args = ServerArgs(
             model_path=cfg.actor.path,
@@ -114,6 +115,7 @@ class InProcessRollout:
             random_seed=seed,
             context_length=self.generator.context_length,
             max_running_requests=self.generator.max_running_requests,
+            enable_deterministic_inference=cfg.sglang.enable_deterministic_inference,
         )
         self.server = RolloutServer(self.generator, args)
         self.client = RolloutClient.from_config(cfg.rollout, [INPROCESS_ADDR], app=self.server.app)

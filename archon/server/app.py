@@ -79,6 +79,8 @@ class ServerArgs:
     """Longest prompt + max_new_tokens; default the model's max_position_embeddings."""
     max_running_requests: int = 64
     """Requests decoded together at most."""
+    enable_deterministic_inference: bool = False
+    """One request per forward, so a request's tokens and logprobs do not depend on the traffic beside it (slower)."""
     log_level: str = "info"
     """Python and uvicorn log level."""
     weight_version: str = "default"
@@ -143,6 +145,7 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
     add("random_seed", type=int)
     add("context_length", type=int)
     add("max_running_requests", type=int)
+    add("enable_deterministic_inference", action="store_true")
     add("log_level", choices=["debug", "info", "warning", "error", "critical"])
     add("weight_version")
     add("skip_tokenizer_init", action="store_true")
@@ -176,6 +179,7 @@ def build_generator(args: ServerArgs) -> Generator:
         max_running_requests=args.max_running_requests,
         random_seed=seed,
         weight_version=args.weight_version,
+        batch_invariant=args.enable_deterministic_inference,
     )
     trained = getattr(generator.model.args, "max_seq_len", None)
     if trained is not None and generator.context_length > trained:

@@ -5,6 +5,7 @@ get ``concurrent.futures.Future`` objects back (``asyncio.wrap_future`` makes th
 Between two decode steps the engine thread admits queued requests (one batched, right-padded
 prefill), then runs one decode forward over every running row, samples, and retires the rows
 that finished; the KV cache (``kv_cache.BatchedKVCache``) keeps one row per running request.
+The forwards themselves are ``forward_steps.ForwardSteps``'s (one row each when ``batch_invariant``).
 
 Logprobs follow the contract in ``archon.server.sampling``: ``log_softmax(logits / T)`` of
 the sampled token, in float32, from the raw logits (before stop-token suppression and before
@@ -50,6 +51,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import models
+from archon.server.forward_steps import ForwardSteps
 from archon.server.generation_types import (  # noqa: F401 - GenerationResult is public here
     PAUSE_MODES,
     ActiveSequence,
@@ -57,7 +59,6 @@ from archon.server.generation_types import (  # noqa: F401 - GenerationResult is
     GenerationRequest,
     GenerationResult,
     fail_future,
-    keep_routing,
     resolve_future,
 )
 from archon.server.kv_cache import BatchedKVCache
@@ -91,6 +92,8 @@ class Generator:
         compute: a context manager factory every forward runs under (e.g. the trainer's autocast, so that
             generation computes in the training dtype); None: none.
         cache_dtype: the KV cache's dtype; default the parameters' (set it to the compute dtype under autocast).
+        batch_invariant: one row per forward, so that a request's logprobs do not depend on the requests computed
+            beside it (``archon.server.forward_steps``); slower.
     """
 
     def __init__(
@@ -105,6 +108,7 @@ class Generator:
         shared_weights: bool = False,
         compute: Callable[[], AbstractContextManager[Any]] | None = None,
         cache_dtype: torch.dtype | None = None,
+        batch_invariant: bool = False,
     ) -> None:
         args: Any = getattr(model, "args", None)
         missing = [a for a in ("n_layers", "n_kv_heads", "head_dim", "vocab_size") if not hasattr(args, a)]
@@ -155,6 +159,7 @@ class Generator:
         }
         for moe in self._moe.values():
             moe.record_routing = True
+        self._steps = ForwardSteps(self.model, self._lean, self.cache, self._moe, self._n_layers, batch_invariant)
 
         # Shared with caller threads, guarded by _cond's lock.
         self._cond = threading.Condition()
@@ -556,60 +561,15 @@ class Generator:
             self.cache.clear()
 
     def _prefill(self, batch: list[ActiveSequence]) -> None:
-        # Identical contexts (a GRPO group's samples) are computed once: the first of each is
-        # prefilled, the others get copies of its cache row and logits.  Cache rows follow the
-        # order firsts, then copies; each request still samples with its own generator.  A
-        # retracted request is prefilled with its tokens so far, under the current weights.
-        first_row: dict[tuple[int, ...], int] = {}
-        firsts, copies, source = [], [], []
-        for s in batch:
-            key = tuple(s.request.input_ids + s.output_ids)
-            if key in first_row:
-                copies.append(s)
-                source.append(first_row[key])
-            else:
-                first_row[key] = len(firsts)
-                firsts.append(s)
-        contexts = [s.request.input_ids + s.output_ids for s in firsts]
-        lengths = [len(c) for c in contexts]
-        longest = max(lengths)
-        tokens = torch.zeros(len(firsts), longest, dtype=torch.long)
-        for i, context in enumerate(contexts):
-            tokens[i, : lengths[i]] = torch.tensor(context)
         start = self.cache.add_rows(len(batch))
-        self.cache.begin_forward(start, start + len(firsts), longest, valid=lengths)
-        logits = self._forward(tokens, last=torch.tensor(lengths, device=self.device) - 1)
-        if copies:
-            self.cache.copy_rows([start + i for i in source], start + len(firsts))
-            logits = torch.cat([logits, logits[torch.tensor(source, device=logits.device)]])
-        batch = firsts + copies
-        for s in batch:
-            s.routed.clear()  # a retracted request's whole context was routed again
-        rows = list(range(len(firsts))) + source
-        keep_routing(batch, rows, [lengths[r] for r in rows], self._moe, self._n_layers)
+        batch, logits = self._steps.prefill(batch, start)
         for s in batch:
             s.weight_version = self._weight_version
         self._running.extend(batch)
         self._sample_and_retire(logits, first_row=start)
 
     def _decode(self) -> None:
-        n = len(self._running)
-        tokens = torch.tensor([s.output_ids[-1] for s in self._running], dtype=torch.long)[:, None]
-        self.cache.begin_forward(0, n, 1)
-        logits = self._forward(tokens)
-        keep_routing(self._running, list(range(n)), [1] * n, self._moe, self._n_layers)
-        self._sample_and_retire(logits, first_row=0)
-
-    def _forward(self, tokens: torch.Tensor, last: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits ``[b, V]`` at position ``last[i]`` of each row (default the final one) of the forward begun."""
-        tokens = tokens.to(self.device)
-        if self._lean is not None:
-            logits = self._lean(tokens, self.cache.positions(), self.cache, last)
-        else:
-            logits = self.model(tokens, positions=self.cache.positions(), cache=self.cache)
-            logits = logits[:, -1] if last is None else logits[torch.arange(len(logits), device=logits.device), last]
-        self.cache.end_forward()
-        return logits
+        self._sample_and_retire(self._steps.decode(self._running), first_row=0)
 
     def _sample_and_retire(self, logits: torch.Tensor, first_row: int) -> None:
         """Sample one token for running rows ``first_row..`` from ``logits [b, V]``; retire finished rows."""

@@ -21,6 +21,7 @@ from archon.alloc import ModelAllocation
 from archon.config import Config, ConfigError, load_config
 from archon.launch.servers import LaunchSpec, RolloutLauncher, RolloutLaunchError, build_launch_specs
 from archon.rollout.client import RolloutClient
+from archon.server.app import parse_args
 from archon.wire.weight_group import ranks_per_server
 
 
@@ -184,6 +185,13 @@ def test_local_d2_specs(tmp_path):
     assert [s.addr for s in specs] == ["127.0.0.1:4100", "127.0.0.1:4101"]
     assert [s.log_path for s in specs] == [tmp_path / "rollout" / "server_0.log", tmp_path / "rollout" / "server_1.log"]
     assert ranks_per_server(ModelAllocation.from_str("local:d2")) == 1
+
+
+def test_local_servers_take_the_deterministic_inference_flag(tmp_path):
+    cfg = _cfg("rollout.backend=local:d1", "sglang.enable_deterministic_inference=true", f"output_dir='{tmp_path}'")
+    (spec,) = build_launch_specs(cfg, ports=[4100])
+    assert spec.cmd[-1] == "--enable-deterministic-inference"
+    assert parse_args(spec.cmd[3:]).enable_deterministic_inference  # the built-in server's own parser takes it
 
 
 def test_missing_model_path_is_a_clear_error(tmp_path):

@@ -37,11 +37,13 @@ def moe_path(tmp_path_factory) -> str:
     return str(folder)
 
 
-def test_generator_reports_the_experts_of_every_token_it_ran(moe_path):
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_generator_reports_the_experts_of_every_token_it_ran(moe_path, batch_invariant):
     model = models.load_hf_model(moe_path)
     prompts = [random_tokens(n, seed=n) for n in (3, 7, 5)]
     params = [SamplingParams(max_new_tokens=6, temperature=1.0, sampling_seed=s, ignore_eos=True) for s in range(3)]
-    with Generator(model, max_running_requests=2) as gen:  # 2 rows: prefills and decodes interleave
+    # 2 rows: prefills and decodes interleave (batch-invariant: one forward per row, routing kept after each).
+    with Generator(model, max_running_requests=2, batch_invariant=batch_invariant) as gen:
         results = gen.generate(
             [
                 GenerationRequest(p, sp, return_routed_experts=True, routed_experts_start_len=s)

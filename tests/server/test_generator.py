@@ -162,6 +162,31 @@ def test_continuous_batching_equals_one_at_a_time(qwen3):
     ]
 
 
+def test_batch_invariant_results_do_not_depend_on_the_requests_beside_them(qwen3):
+    # Batched forwards move logprobs in the last bits with the rows beside them; batch-invariant ones must not.
+    p = random_tokens(9, 70)
+    prompts = [p, random_tokens(4, 71), p, random_tokens(13, 72), random_tokens(6, 73), p]
+    requests = [
+        GenerationRequest(
+            prompt,
+            SamplingParams(max_new_tokens=4 + i, temperature=1.0, sampling_seed=i, ignore_eos=True),
+            return_logprob=True,
+        )
+        for i, prompt in enumerate(prompts)
+    ]
+    model = _Triggered(qwen3)
+    with Generator(model, max_running_requests=4, batch_invariant=True) as gen:
+        futures = [gen.submit(r) for r in requests[:3]]
+        model.triggers[2] = lambda: futures.extend(gen.submit(r) for r in requests[3:])
+        together = [f.result(timeout=300) for f in futures]
+        calls = list(model.calls)
+        alone = [gen.generate([r])[0] for r in requests]
+    assert {b for b, _ in calls} == {1}  # one row per forward
+    assert calls[:3] == [(1, 9), (1, 4), (1, 1)]  # the first prefill computed p once (its copy shares the row)
+    for t, a in zip(together, alone):
+        assert t.output_ids == a.output_ids and t.output_logprobs == a.output_logprobs  # bit for bit
+
+
 def test_identical_prompts_prefilled_once_give_per_request_results(qwen3):
     # A GRPO group: one prompt sampled several times, next to another prompt.
     p, q = random_tokens(9, 60), random_tokens(5, 61)
