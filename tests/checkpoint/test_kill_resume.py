@@ -237,16 +237,13 @@ def _assert_same_metrics(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "backend,plan",
-    [
-        # (The agent drill kills mid-rollout.)
-        ("archon:d2", [("checkpoint", 2), ("random", 3)]),
-        # The resumed run's first weight sync has two 1 MiB buckets: the kill lands between them.
-        ("archon:p2", [("optimizer_step", 2), ("weight_sync", 2)]),
-    ],
-)
-def test_rl_run_killed_anywhere_resumes_to_the_uninterrupted_metrics(demo_assets, tmp_path, backend, plan):
+def test_rl_run_killed_anywhere_resumes_to_the_uninterrupted_metrics(demo_assets, tmp_path):
+    # Two pipeline stages, each saving its own shards; each launch is killed at another place and resumes from the
+    # newest complete checkpoint (the agent drill kills mid-rollout). The third launch's first weight sync (of the
+    # resumed weights) has two 1 MiB buckets: the kill lands between them.
+    backend = "archon:p2"
+    plan = [("checkpoint", 2), ("optimizer_step", 2), ("weight_sync", 2), ("random", 3)]
+
     def args_for(out: Path) -> list[str]:
         return ["--config", str(CONFIG), *_overrides(demo_assets, out, backend)]
 

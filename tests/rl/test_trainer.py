@@ -75,22 +75,6 @@ def test_grpo_losses_do_not_depend_on_the_allocation(rl_setup):
     assert d1[-1]["kl_ref"] > 0  # the policy moved away from the reference
 
 
-@pytest.mark.slow  # a resume drill: exact RL resumes stay covered by the dynamic-filter test below, the metrics
-# file's by tests/checkpoint/test_checkpoint.py
-def test_resume_repeats_the_uninterrupted_run(rl_setup):
-    model, data, root = rl_setup
-    full = _run(1, overrides(model, data, root / "full", total_train_steps=4))
-    out = root / "resumed"
-    every_2: dict[str, Any] = {"saver.freq_steps": 2}
-    _run(1, overrides(model, data, out, total_train_steps=4, **every_2) + ["total_train_steps=2"])
-    resumed = _run(1, overrides(model, data, out, total_train_steps=4, **every_2))
-    assert [r["step"] for r in resumed] == [3, 4]
-    for key in ("actor/loss", "reward_mean", "response_len_mean", "actor/grad_norm"):
-        assert [r[key] for r in resumed] == pytest.approx([r[key] for r in full[2:]], abs=1e-5), key
-    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3, 4]
-
-
 def test_dynamic_filter_adaptive_kl_and_shuffled_epochs_resume_exactly_on_another_allocation(rl_setup):
     model, data, root = rl_setup
     extra = {
