@@ -176,8 +176,10 @@ def test_batch_invariant_results_do_not_depend_on_the_requests_beside_them(qwen3
     ]
     model = _Triggered(qwen3)
     with Generator(model, max_running_requests=4, batch_invariant=True) as gen:
+        gen.pause().result(timeout=60)  # queue the first three, then admit them in one prefill
         futures = [gen.submit(r) for r in requests[:3]]
         model.triggers[2] = lambda: futures.extend(gen.submit(r) for r in requests[3:])
+        gen.resume()
         together = [f.result(timeout=300) for f in futures]
         calls = list(model.calls)
         alone = [gen.generate([r])[0] for r in requests]
