@@ -18,7 +18,9 @@ def test_freeze_exempts_what_is_alive_and_thaw_hands_it_back():
     assert ids <= _collected_ids()
     try:
         frozen = freeze_startup_objects()
-        assert frozen == gc.get_freeze_count() >= len(alive)
+        # Frozen objects that die leave the permanent generation: a thread of an earlier test may free some
+        # meanwhile, so the count can only have fallen since the freeze.
+        assert frozen >= len(alive) and 0 < gc.get_freeze_count() <= frozen
         assert not ids & _collected_ids()
         later = [0]  # made after the freeze: collected as usual
         assert id(later) in _collected_ids()
