@@ -1,16 +1,22 @@
-"""``Linear``: ``nn.Linear`` whose float32 CPU matmuls run on oneDNN.
+"""``Linear``: ``nn.Linear`` whose float32 CPU matmuls run on oneDNN where that is faster.
 
 PyTorch sends float32 CPU matmuls to its BLAS (MKL in the official wheels) and low-precision
-ones to oneDNN.  On CPUs where MKL takes a slow code path (measured here on an AMD EPYC: a
+ones to oneDNN.  On CPUs where MKL takes a slow code path (measured on one AMD EPYC host: a
 2048^3 float32 matmul at ~95 GFLOP/s with MKL, ~200 with oneDNN) the same product through
 oneDNN's ``mkldnn::_linear_pointwise`` (the kernel Inductor uses for CPU linears) is about
 twice as fast, in training too: the backward's two products are linears as well
-(``grad_x = grad_y W`` and ``grad_W = grad_y^T x``, on strided views, no copies).
+(``grad_x = grad_y W`` and ``grad_W = grad_y^T x``; oneDNN copies ``grad_y^T`` to make it
+contiguous).  On other hosts of the same family MKL is as fast or faster (measured on another
+EPYC: 2048^3 at 143 GFLOP/s with MKL, 129 with oneDNN, and ``grad_W`` 1.6x faster with MKL,
+which needs no copy).  So by default the first use times both on a 512^3 product (best of
+four each, ~40 ms) and takes oneDNN only where it is clearly faster (by 1.25x, so that close
+timings do not flip the choice from one process to the next).
 
 Everything else stays on ``F.linear``: other devices and dtypes, autocast (its low-precision
 linears already use oneDNN), DTensor parameters (tensor parallel), ``torch.compile``.  The
 first use checks the kernel against ``F.linear`` and falls back for good if it is missing or
-disagrees.  ``use_onednn(False)`` switches it off (benchmarks, debugging).
+disagrees.  ``use_onednn(True)`` / ``use_onednn(False)`` force the choice (benchmarks,
+debugging, tests of either path); ``use_onednn(None)`` returns to the timed choice.
 
 ``PackedLinear`` is for inference: it keeps a copy of the weight in oneDNN's blocked layout
 (another ~1.5x on small batches, as in a decode step), re-packed whenever the weight has been
@@ -20,37 +26,81 @@ modified in place since (its version counter moved), so weight updates need no e
 from __future__ import annotations
 
 import functools
+import threading
+import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import _disable_current_modes
 
-_enabled = True
+_enabled: bool | None = None
+"""True / False: oneDNN forced on / off; None: where ``_onednn_faster`` finds it faster (the default)."""
+
+_PREFERENCE_MARGIN = 1.25
+"""How much faster oneDNN must be than the BLAS path to be chosen by timing."""
 
 
-def use_onednn(enabled: bool) -> None:
-    """Turn the oneDNN float32 CPU path on or off (on by default where it works)."""
+def use_onednn(enabled: bool | None) -> None:
+    """Force the oneDNN float32 CPU path on (where it works) or off; None: on where it is timed faster."""
     global _enabled
     _enabled = enabled
 
 
 @functools.lru_cache(maxsize=1)
 def _onednn_works() -> bool:
+    """Whether this build has oneDNN's linear and it agrees with ``F.linear`` (checked as ``_onednn_faster``
+    times: unseen by autograd and dispatch modes)."""
     op = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
     if op is None or not torch.backends.mkldnn.is_available():
         return False
     try:
-        g = torch.Generator().manual_seed(0)
-        x, w, b = (torch.randn(*shape, generator=g) for shape in ((5, 3, 16), (24, 16), (24,)))
-        got = op(x, w, b, "none", [], "")
-        return bool(torch.allclose(got, F.linear(x, w, b), rtol=1e-4, atol=1e-5))
+        with torch.no_grad(), _disable_current_modes():
+            g = torch.Generator().manual_seed(0)
+            x, w, b = (torch.randn(*shape, generator=g) for shape in ((5, 3, 16), (24, 16), (24,)))
+            got = op(x, w, b, "none", [], "")
+            return bool(torch.allclose(got, F.linear(x, w, b), rtol=1e-4, atol=1e-5))
     except Exception:  # an op with another signature, or no kernel in this build
         return False
 
 
+_probe_lock = threading.Lock()
+
+
+@functools.lru_cache(maxsize=1)
+def _onednn_faster() -> bool:
+    """Whether oneDNN computes a float32 512^3 product at least ``_PREFERENCE_MARGIN`` times faster than
+    ``F.linear`` (torch's BLAS) on this host, with the threads torch has now (best of four runs each).
+
+    The first call may come from inside a forward: the probe runs without autograd and outside any dispatch mode
+    (selective activation checkpointing records the forward's ops and replays them in the recomputation, which
+    does not probe again), and one thread at a time (two probes at once would time each other).
+    """
+    if not _onednn_works():
+        return False
+    with _probe_lock, torch.no_grad(), _disable_current_modes():
+        g = torch.Generator().manual_seed(0)
+        x, w = torch.randn(512, 512, generator=g), torch.randn(512, 512, generator=g)
+
+        def best_seconds(fn) -> float:
+            fn()  # warm-up: first-call allocations and kernel selection
+            times = []
+            for _ in range(4):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            return min(times)
+
+        return best_seconds(lambda: _mm(x, w)) * _PREFERENCE_MARGIN <= best_seconds(lambda: F.linear(x, w))
+
+
+def _onednn_chosen() -> bool:
+    return _onednn_works() and (_enabled if _enabled is not None else _onednn_faster())
+
+
 def _use_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (
-        _enabled
+        _enabled is not False
         and x.device.type == "cpu"
         and x.dtype == torch.float32
         and weight.dtype == torch.float32
@@ -60,7 +110,7 @@ def _use_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and weight.numel() > 0  # oneDNN has no empty products (an idle rank's microbatch)
         and not torch.is_autocast_enabled("cpu")
         and not torch.compiler.is_compiling()
-        and _onednn_works()
+        and _onednn_chosen()
     )
 
 

@@ -1,12 +1,23 @@
-"""``models.common.linear``: the oneDNN float32 CPU path computes F.linear's function and gradients."""
+"""``models.common.linear``: the oneDNN float32 CPU path computes F.linear's function and gradients, and is
+chosen by timing unless forced."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from models.common import linear as lin
+
+
+@pytest.fixture(autouse=True)
+def onednn_forced_on():
+    """These tests check the oneDNN path itself, whichever path this host's timing would choose."""
+    lin.use_onednn(True)
+    yield
+    lin.use_onednn(None)
 
 
 @pytest.mark.parametrize("shape", [(7, 16), (2, 5, 16), (1, 0, 16)])
@@ -50,11 +61,33 @@ def test_onednn_is_used_for_float32_cpu_and_not_under_autocast(monkeypatch):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert layer(x).dtype == torch.bfloat16  # autocast's own low-precision linear
     lin.use_onednn(False)
-    try:
-        layer(x)
-    finally:
-        lin.use_onednn(True)
+    layer(x)
     assert calls == []
+
+
+@pytest.mark.parametrize("slow", ["onednn", "blas"])
+def test_the_default_choice_takes_the_faster_kernel(monkeypatch, slow):
+    if not lin._onednn_works():
+        pytest.skip("this torch build has no oneDNN linear")
+
+    def slowed(fn):
+        def run(*args):
+            time.sleep(0.02)  # far beyond either kernel's time on a 512^3 product
+            return fn(*args)
+
+        return run
+
+    if slow == "onednn":
+        monkeypatch.setattr(lin, "_mm", slowed(lin._mm))
+    else:
+        monkeypatch.setattr(lin.F, "linear", slowed(F.linear))
+    lin.use_onednn(None)
+    lin._onednn_faster.cache_clear()
+    try:
+        assert lin._onednn_faster() is (slow == "blas")
+        assert lin._use_onednn(torch.randn(2, 4), torch.randn(3, 4)) is (slow == "blas")
+    finally:
+        lin._onednn_faster.cache_clear()  # the next use times the real kernels again
 
 
 def test_packed_linear_follows_in_place_weight_updates():
@@ -67,3 +100,30 @@ def test_packed_linear_follows_in_place_weight_updates():
     base.copy_(torch.randn(40, 16, generator=g))  # changes the view's storage in place
     torch.testing.assert_close(packed(x), F.linear(x, weight), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(packed.add(h, x), h + F.linear(x, weight), rtol=1e-5, atol=1e-5)
+
+
+def test_the_timing_probe_is_invisible_to_dispatch_modes_and_autograd():
+    """The first linear may run inside selective activation checkpointing, whose dispatch mode records the
+    forward's ops for the recomputation: the probe's products must not be among them."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    lin.use_onednn(None)
+    lin._onednn_works.cache_clear()
+    lin._onednn_faster.cache_clear()
+    x, layer = torch.randn(3, 8, requires_grad=True), lin.Linear(8, 4)
+    try:
+        with Recorder() as recorder:
+            layer(x)  # the first use since the caches were cleared: it checks and times oneDNN
+        assert lin._onednn_faster.cache_info().currsize == 1
+    finally:
+        lin._onednn_faster.cache_clear()
+    assert len(recorder.ops) <= 3, recorder.ops  # the layer's own product (and its transpose), none of the probe's
