@@ -8,6 +8,15 @@ import pytest
 import torch
 from hf_fixtures import make_tiny_tokenizer, save_tiny_hf
 
+from models.common.linear import cpu_linear_kernel
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Choose the float32 CPU linear kernel once, before any test starts a process: every rollout server, rank and
+    subprocess of the session inherits the choice (``$ARCHON_CPU_LINEAR``) and computes alike, as the tests that
+    compare two runs need."""
+    cpu_linear_kernel()
+
 
 @pytest.fixture(scope="module")
 def one_torch_thread():

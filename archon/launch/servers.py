@@ -67,6 +67,7 @@ from archon.rollout.server_api import HEALTH_PROBE_TIMEOUT_S
 from archon.rollout.tied_embeddings import untied_view
 from archon.runtime.cpu_pinning import share_of_slots
 from archon.wire.auth import API_KEY_ENV, generate_api_key, write_api_key
+from models.common.linear import CPU_LINEAR_ENV, cpu_linear_kernel
 
 logger = logging.getLogger("archon.launch.servers")
 
@@ -445,7 +446,8 @@ class RolloutLauncher:
         if spec.model_view is not None:
             untied_view(*spec.model_view)
             logger.info("%s ties its word embeddings: serving an untied view, %s", *spec.model_view)
-        env = server_environment(spec.env)
+        # Built-in servers compute float32 CPU linears with this process's kernel: the trainer's numerics.
+        env = server_environment({CPU_LINEAR_ENV: cpu_linear_kernel(), **spec.env})
         try:
             # A session of its own: stop() signals the whole group, SGLang's scheduler children included,
             # and a Ctrl-C in the terminal reaches the trainer only (which then stops the servers).

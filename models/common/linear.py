@@ -10,7 +10,10 @@ contiguous).  On other hosts of the same family MKL is as fast or faster (measur
 EPYC: 2048^3 at 143 GFLOP/s with MKL, 129 with oneDNN, and ``grad_W`` 1.6x faster with MKL,
 which needs no copy).  So by default the first use times both on a 512^3 product (best of
 four each, ~40 ms) and takes oneDNN only where it is clearly faster (by 1.25x, so that close
-timings do not flip the choice from one process to the next).
+timings do not flip the choice from one process to the next).  The choice is exported as
+``$ARCHON_CPU_LINEAR`` (``onednn`` or ``blas``), which the processes started afterwards (rollout
+servers, forked ranks, a test session's children) read instead of timing again, so that they
+compute alike; setting it beforehand pins the kernel without timing.
 
 Everything else stays on ``F.linear``: other devices and dtypes, autocast (its low-precision
 linears already use oneDNN), DTensor parameters (tensor parallel), ``torch.compile``.  The
@@ -26,6 +29,7 @@ modified in place since (its version counter moved), so weight updates need no e
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import time
 
@@ -36,6 +40,11 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 _enabled: bool | None = None
 """True / False: oneDNN forced on / off; None: where ``_onednn_faster`` finds it faster (the default)."""
+
+CPU_LINEAR_ENV = "ARCHON_CPU_LINEAR"
+"""Environment variable naming the float32 CPU linear kernel: ``onednn`` or ``blas`` (unset: timed, then set)."""
+
+_KERNELS = ("onednn", "blas")
 
 _PREFERENCE_MARGIN = 1.25
 """How much faster oneDNN must be than the BLAS path to be chosen by timing."""
@@ -94,8 +103,24 @@ def _onednn_faster() -> bool:
         return best_seconds(lambda: _mm(x, w)) * _PREFERENCE_MARGIN <= best_seconds(lambda: F.linear(x, w))
 
 
+@functools.lru_cache(maxsize=1)
+def cpu_linear_kernel() -> str:
+    """The float32 CPU linear kernel of this process, ``onednn`` or ``blas``: ``$ARCHON_CPU_LINEAR`` where set,
+    else the faster by ``_onednn_faster``, exported to ``$ARCHON_CPU_LINEAR`` for the processes started later."""
+    kernel = os.environ.get(CPU_LINEAR_ENV, "").strip().lower()
+    if kernel and kernel not in _KERNELS:
+        raise ValueError(
+            f"{CPU_LINEAR_ENV}={os.environ[CPU_LINEAR_ENV]!r} names no CPU linear kernel; set it to 'onednn' or "
+            "'blas', or unset it to time both"
+        )
+    if not kernel:
+        kernel = "onednn" if _onednn_faster() else "blas"
+        os.environ[CPU_LINEAR_ENV] = kernel
+    return kernel
+
+
 def _onednn_chosen() -> bool:
-    return _onednn_works() and (_enabled if _enabled is not None else _onednn_faster())
+    return _onednn_works() and (_enabled if _enabled is not None else cpu_linear_kernel() == "onednn")
 
 
 def _use_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -3,6 +3,7 @@ chosen by timing unless forced."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -82,12 +83,34 @@ def test_the_default_choice_takes_the_faster_kernel(monkeypatch, slow):
     else:
         monkeypatch.setattr(lin.F, "linear", slowed(F.linear))
     lin.use_onednn(None)
+    monkeypatch.delenv(lin.CPU_LINEAR_ENV, raising=False)  # restored after the test
     lin._onednn_faster.cache_clear()
+    lin.cpu_linear_kernel.cache_clear()
     try:
         assert lin._onednn_faster() is (slow == "blas")
         assert lin._use_onednn(torch.randn(2, 4), torch.randn(3, 4)) is (slow == "blas")
+        assert os.environ[lin.CPU_LINEAR_ENV] == ("onednn" if slow == "blas" else "blas")  # for child processes
     finally:
         lin._onednn_faster.cache_clear()  # the next use times the real kernels again
+        lin.cpu_linear_kernel.cache_clear()
+
+
+@pytest.mark.parametrize("kernel", ["onednn", "blas"])
+def test_the_environment_pins_the_kernel_without_timing(monkeypatch, kernel):
+    if not lin._onednn_works():
+        pytest.skip("this torch build has no oneDNN linear")
+    monkeypatch.setenv(lin.CPU_LINEAR_ENV, kernel.upper())
+    monkeypatch.setattr(lin, "_onednn_faster", lambda: pytest.fail("timed although the environment names a kernel"))
+    lin.use_onednn(None)
+    lin.cpu_linear_kernel.cache_clear()
+    try:
+        assert lin._use_onednn(torch.randn(2, 4), torch.randn(3, 4)) is (kernel == "onednn")
+        monkeypatch.setenv(lin.CPU_LINEAR_ENV, "mkl")
+        lin.cpu_linear_kernel.cache_clear()
+        with pytest.raises(ValueError, match="ARCHON_CPU_LINEAR='mkl' names no CPU linear kernel"):
+            lin.cpu_linear_kernel()
+    finally:
+        lin.cpu_linear_kernel.cache_clear()
 
 
 def test_packed_linear_follows_in_place_weight_updates():
@@ -102,7 +125,7 @@ def test_packed_linear_follows_in_place_weight_updates():
     torch.testing.assert_close(packed.add(h, x), h + F.linear(x, weight), rtol=1e-5, atol=1e-5)
 
 
-def test_the_timing_probe_is_invisible_to_dispatch_modes_and_autograd():
+def test_the_timing_probe_is_invisible_to_dispatch_modes_and_autograd(monkeypatch):
     """The first linear may run inside selective activation checkpointing, whose dispatch mode records the
     forward's ops for the recomputation: the probe's products must not be among them."""
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -117,8 +140,10 @@ def test_the_timing_probe_is_invisible_to_dispatch_modes_and_autograd():
             return func(*args, **(kwargs or {}))
 
     lin.use_onednn(None)
+    monkeypatch.delenv(lin.CPU_LINEAR_ENV, raising=False)
     lin._onednn_works.cache_clear()
     lin._onednn_faster.cache_clear()
+    lin.cpu_linear_kernel.cache_clear()
     x, layer = torch.randn(3, 8, requires_grad=True), lin.Linear(8, 4)
     try:
         with Recorder() as recorder:
@@ -126,4 +151,5 @@ def test_the_timing_probe_is_invisible_to_dispatch_modes_and_autograd():
         assert lin._onednn_faster.cache_info().currsize == 1
     finally:
         lin._onednn_faster.cache_clear()
+        lin.cpu_linear_kernel.cache_clear()
     assert len(recorder.ops) <= 3, recorder.ops  # the layer's own product (and its transpose), none of the probe's
