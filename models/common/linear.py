@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import _disable_current_modes
 
 _enabled: bool | None = None
-"""True / False: oneDNN forced on / off; None: where ``_onednn_faster`` finds it faster (the default)."""
+"""True / False: oneDNN forced on / off; None: as ``cpu_linear_kernel`` chooses (the default)."""
 
 CPU_LINEAR_ENV = "ARCHON_CPU_LINEAR"
 """Environment variable naming the float32 CPU linear kernel: ``onednn`` or ``blas`` (unset: timed, then set)."""
@@ -125,8 +125,7 @@ def _onednn_chosen() -> bool:
 
 def _use_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (
-        _enabled is not False
-        and x.device.type == "cpu"
+        x.device.type == "cpu"
         and x.dtype == torch.float32
         and weight.dtype == torch.float32
         and type(x) is torch.Tensor
