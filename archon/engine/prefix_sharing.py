@@ -85,17 +85,19 @@ def share_prefixes(batch: Batch, mb: PackedMicrobatch, multiple_of: int = 1) -> 
     input_ids = batch["input_ids"].cpu()
 
     starts = mb.cu_seqlens.tolist()
+    # Host-side index building in Python ints, one tensor each at the end: a small tensor op per segment would cost
+    # more than the attention it saves on a short completion.
     pieces: list[torch.Tensor] = []
-    positions: list[torch.Tensor] = []
+    positions: list[int] = []
     segments: list[Segment] = []
-    expand = torch.zeros(mb.total_len, dtype=torch.long)
+    expand = [0] * mb.total_len
     length = 0
 
     def add(tokens: torch.Tensor, first_position: int, context: tuple[int, int] = (0, 0)) -> int:
         nonlocal length
         start, n = length, tokens.numel()
         pieces.append(tokens)
-        positions.append(torch.arange(first_position, first_position + n))
+        positions.extend(range(first_position, first_position + n))
         segments.append(Segment(start, n, *context))
         length += n
         return start
@@ -109,15 +111,15 @@ def share_prefixes(batch: Batch, mb: PackedMicrobatch, multiple_of: int = 1) -> 
             continue
         if j not in shared:
             start = add(tokens(j), 0)
-            expand[starts[j] : starts[j] + mb.seqlens[j]] = torch.arange(start, start + mb.seqlens[j])
+            expand[starts[j] : starts[j] + mb.seqlens[j]] = range(start, start + mb.seqlens[j])
             done.add(j)
             continue
         members, a = shared[j]
         prefix = add(tokens(j)[:a], 0)
         for k in members:
             rest = add(tokens(k)[a:], a, (prefix, a))
-            expand[starts[k] : starts[k] + a] = torch.arange(prefix, prefix + a)
-            expand[starts[k] + a : starts[k] + mb.seqlens[k]] = torch.arange(rest, rest + mb.seqlens[k] - a)
+            expand[starts[k] : starts[k] + a] = range(prefix, prefix + a)
+            expand[starts[k] + a : starts[k] + mb.seqlens[k]] = range(rest, rest + mb.seqlens[k] - a)
             done.add(k)
     n_real = length
     target = math.ceil(max(n_real, 1) / multiple_of) * multiple_of
@@ -126,8 +128,8 @@ def share_prefixes(batch: Batch, mb: PackedMicrobatch, multiple_of: int = 1) -> 
     # The plain packing's padding reads any position: its outputs are never used.
     return SharedPacking(
         tokens=torch.cat(pieces).unsqueeze(0),
-        positions=torch.cat(positions).unsqueeze(0),
+        positions=torch.tensor(positions).unsqueeze(0),
         segments=segment_layout(segments, target),
-        expand=expand,
+        expand=torch.tensor(expand),
         n_real_tokens=n_real,
     )

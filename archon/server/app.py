@@ -162,8 +162,19 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
     return args
 
 
-def build_generator(args: ServerArgs) -> Generator:
-    """Load the model of ``args`` and start its generation thread."""
+def use_one_thread_here(device: str) -> int | None:
+    """On CPU, compute on this (the HTTP) thread with one intra-op thread from now on and return the count it had,
+    for the generation thread: one OpenMP team per process (``Generator``'s ``compute_threads``; measured on 2
+    cores: a decode step of 64 rows 18.5 -> 14.5 ms).  Elsewhere nothing changes (None)."""
+    if torch.device(device).type != "cpu":
+        return None
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    return threads
+
+
+def build_generator(args: ServerArgs, compute_threads: int | None = None) -> Generator:
+    """Load the model of ``args`` and start its generation thread (``compute_threads``: as ``Generator``'s)."""
     if args.tp_size != 1:
         logger.warning(
             "--tp-size %d is ignored: the built-in server runs one device per process "
@@ -180,6 +191,7 @@ def build_generator(args: ServerArgs) -> Generator:
         random_seed=seed,
         weight_version=args.weight_version,
         batch_invariant=args.enable_deterministic_inference,
+        compute_threads=compute_threads,
     )
     trained = getattr(generator.model.args, "max_seq_len", None)
     if trained is not None and generator.context_length > trained:
@@ -524,7 +536,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             # Before the generation thread starts: it inherits them.
             pin_process(parse_core_list(args.cpu_cores), "the rollout server")
         tokenizer = None if args.skip_tokenizer_init else openai_api.load_tokenizer(args.model_path)
-        generator = build_generator(args)
+        generator = build_generator(args, compute_threads=use_one_thread_here(args.device))
     except ValueError as e:  # a bad folder, config or option: one line, not a traceback
         raise SystemExit(f"archon.server.app: cannot serve {args.model_path}: {e}") from None
     state = RolloutServer(generator, args, tokenizer)

@@ -94,6 +94,13 @@ class Generator:
         cache_dtype: the KV cache's dtype; default the parameters' (set it to the compute dtype under autocast).
         batch_invariant: one row per forward, so that a request's logprobs do not depend on the requests computed
             beside it (``archon.server.forward_steps``); slower.
+        compute_threads: intra-op (OpenMP) threads of the generation thread; None: the constructing thread's.
+            Only one thread of a process should compute with several: libgomp keeps a team of workers for every
+            thread that has run a parallel kernel, and once a process holds more of them than it has cores it
+            stops spin-waiting between kernels, so every parallel kernel of every thread then pays a wake-up.
+            The built-in server computes on this thread only (``archon.server.app`` keeps its HTTP thread at
+            one); the in-process engine shares the trainer's process and takes one (``archon.rl.inprocess``).
+            The thread count of threads started later is left as the constructing thread found it.
     """
 
     def __init__(
@@ -109,6 +116,7 @@ class Generator:
         compute: Callable[[], AbstractContextManager[Any]] | None = None,
         cache_dtype: torch.dtype | None = None,
         batch_invariant: bool = False,
+        compute_threads: int | None = None,
     ) -> None:
         args: Any = getattr(model, "args", None)
         missing = [a for a in ("n_layers", "n_kv_heads", "head_dim", "vocab_size") if not hasattr(args, a)]
@@ -119,6 +127,8 @@ class Generator:
             )
         if max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}.")
+        if compute_threads is not None and compute_threads < 1:
+            raise ValueError(f"compute_threads must be >= 1 (or None for this thread's count), got {compute_threads}.")
         self.model = model if shared_weights else model.eval().requires_grad_(False)
         # The lean forward of a stock Decoder (fused projections, few kernels); None: call the model.  Shared weights
         # are not fused (fusing re-points the Parameters, which the optimizer holds), and a compute context (autocast)
@@ -175,8 +185,14 @@ class Generator:
         self._waiting: deque[ActiveSequence] = deque()
         self._running: list[ActiveSequence] = []
 
-        self._thread = threading.Thread(target=self._loop, name="archon-generator", daemon=True)
+        own_threads = torch.get_num_threads()
+        self._compute_threads = compute_threads or own_threads
+        threads_set = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(threads_set,), name="archon-generator", daemon=True)
         self._thread.start()
+        # torch.set_num_threads also sets the count threads started later begin with: put back this thread's.
+        threads_set.wait()
+        torch.set_num_threads(own_threads)
 
     @classmethod
     def from_hf(
@@ -390,6 +406,12 @@ class Generator:
             or self._running
             or (self._waiting and not self._paused and not self._memory.holds_requests)
         )
+
+    def _run(self, threads_set: threading.Event) -> None:
+        torch.get_num_threads()  # torch's once-per-thread setup, which would otherwise undo the next line later
+        torch.set_num_threads(self._compute_threads)
+        threads_set.set()
+        self._loop()
 
     def _loop(self) -> None:
         while True:

@@ -68,25 +68,25 @@ def _fits(shortest: int, longest: int, ratio: float, slack: int) -> bool:
 
 def _batch(members: list[Segment], done: int, scatter: torch.Tensor) -> SegmentBatch:
     """One padded batch of ``members``; writes their tokens' output rows (from ``done`` on) into ``scatter``."""
-    length = max(s.length for s in members)
-    context = max(s.context_length for s in members)
-    queries, keys, masks = [], [], []
-    own_causal = torch.ones(length, length, dtype=torch.bool).tril()
-    for k, s in enumerate(members):
-        own = torch.arange(s.start, s.start + s.length)
-        pad = own[-1:].expand(length - s.length)
-        queries.append(torch.cat([own, pad]))
-        ctx = torch.arange(s.context_start, s.context_start + s.context_length)
-        filler = (ctx[-1:] if s.context_length else own[-1:]).expand(context - s.context_length)
-        keys.append(torch.cat([ctx, filler, own, pad]))
-        rows = torch.arange(length).clamp(max=s.length - 1)  # a padded row sees what the last real one sees
-        seen_context = (torch.arange(context) < s.context_length).expand(length, -1)
-        seen_own = own_causal[rows] & (torch.arange(length) < s.length)
-        masks.append(torch.cat([seen_context, seen_own], dim=1))
-        scatter[own] = done + k * length + torch.arange(s.length)
-    padded = context > 0 or any(s.length != length for s in members)
-    mask = torch.stack(masks).unsqueeze(1) if padded else None
-    return SegmentBatch(len(members), length, context, torch.cat(queries), torch.cat(keys), mask)
+    # One column per field, members along dim 0: every index below is a broadcast, not a loop over members.
+    fields = torch.tensor([(s.start, s.length, s.context_start, s.context_length) for s in members])
+    starts, lengths, context_starts, context_lengths = fields.T[:, :, None]
+    length, context = int(lengths.max()), int(context_lengths.max())
+    slots, context_slots = torch.arange(length), torch.arange(context)
+    # A padded slot repeats the segment's last token: its query row sees what that token sees (never an empty row).
+    last = slots.minimum(lengths - 1)
+    own = starts + last
+    # Context slots past a segment's context read its last context token, or without one its last own token.
+    has_context = context_lengths > 0
+    last_context = torch.where(has_context, context_starts + context_lengths - 1, starts + lengths - 1)
+    ctx = torch.where(has_context, (context_starts + context_slots).minimum(last_context), last_context)
+    seen_context = (context_slots < context_lengths[:, :, None]).expand(-1, length, -1)
+    seen_own = (slots <= last[:, :, None]) & (slots < lengths[:, :, None])
+    real = slots < lengths
+    scatter[own[real]] = done + torch.arange(len(members) * length).view(len(members), length)[real]
+    padded = context > 0 or bool((lengths != length).any())
+    mask = torch.cat([seen_context, seen_own], dim=2).unsqueeze(1) if padded else None
+    return SegmentBatch(len(members), length, context, own.reshape(-1), torch.cat([ctx, own], dim=1).reshape(-1), mask)
 
 
 def _runs(items: list[Segment], size: Callable[[Segment], int], ratio: float, slack: int) -> list[list[Segment]]:

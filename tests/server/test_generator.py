@@ -8,6 +8,7 @@ sequence through the model at every step, logprobs from one full forward over
 from __future__ import annotations
 
 import json
+import threading
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ from generation_refs import _Triggered, greedy_reference, logprob_reference
 from hf_fixtures import random_tokens, save_tiny_hf
 
 import models
+from archon.server.app import use_one_thread_here
 from archon.server.generator import GenerationRequest, Generator
 from archon.server.kv_cache import BatchedKVCache
 from archon.server.sampling import SamplingParams
@@ -362,3 +364,44 @@ def test_a_request_of_higher_priority_is_admitted_before_the_queued_ones(qwen3):
         results = [f.result(timeout=300) for f in futures]
     assert finished == ["high", "low0", "low1", "low2"]
     assert results[-1].output_ids == greedy_reference(qwen3, high.input_ids, 3)  # priority changes order only
+
+
+def test_compute_threads_is_the_generation_threads_count_and_leaves_the_other_threads_theirs(qwen3):
+    """One OpenMP team per process: the engine thread computes with ``compute_threads``, while the constructing
+    thread and threads started later keep the counts they had (torch.set_num_threads also sets the latter)."""
+
+    def count_in_new_thread() -> int:
+        seen: list[int] = []
+        thread = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        thread.start()
+        thread.join()
+        return seen[0]
+
+    torch.set_num_threads(2)  # the module runs at one thread (one_torch_thread); back to it below
+    try:
+        with Generator(qwen3, compute_threads=1) as gen:
+            engine = gen.run_exclusive(lambda m: torch.get_num_threads()).result()
+            assert (engine, torch.get_num_threads(), count_in_new_thread()) == (1, 2, 2)
+        with Generator(qwen3) as gen:
+            assert gen.run_exclusive(lambda m: torch.get_num_threads()).result() == 2
+    finally:
+        torch.set_num_threads(1)
+    with pytest.raises(ValueError, match="compute_threads must be >= 1"):
+        Generator(qwen3, compute_threads=0)
+
+
+def test_a_cpu_server_leaves_its_http_thread_one_thread_and_hands_the_rest_to_generation():
+    seen: dict[str, Any] = {}
+
+    def http_thread() -> None:
+        torch.set_num_threads(2)
+        seen["cuda"] = use_one_thread_here("cuda")  # a GPU server changes nothing
+        seen["cuda_left"] = torch.get_num_threads()
+        seen["cpu"] = use_one_thread_here("cpu")
+        seen["cpu_left"] = torch.get_num_threads()
+
+    thread = threading.Thread(target=http_thread)
+    thread.start()
+    thread.join()
+    torch.set_num_threads(1)  # the count later threads start with, as the module had it
+    assert seen == {"cuda": None, "cuda_left": 2, "cpu": 2, "cpu_left": 1}
