@@ -21,7 +21,9 @@ per step (AdamW, same learning rate and clipping), float32 on CPU.
   is generation + rewards + advantages + the update.
 
 The two alternate step by step (an Archon step runs in a TRL callback between two TRL
-steps).  ``--clock cpu`` counts the CPU time of the whole process tree (the rollout server
+steps).  The modes share the machine's cores (the ``server`` and ``colocated`` modes' servers slow
+each other's rollouts on 2 cores): for a mode's figure, time it alone (``--modes colocated``).
+``--clock cpu`` counts the CPU time of the whole process tree (the rollout server
 included), which on a loaded machine measures the work rather than the wait for a core.
 
 Archon runs both ways: synchronous (``rollout.max_head_offpolicyness = 0``, the step above)
