@@ -2,10 +2,11 @@
 
 For a small model, or a debugging session, rollout servers cost more than they give: a process, a copy of the
 weights, and a weight sync after every step.  Here the trainer serves its own rollouts: a ``Generator`` (the built-in
-server's engine) runs on a thread of the training process over the actor engine's model itself, and the built-in
-server's app (``archon.server.app``: the same endpoints, sampling, logprobs, pause and abort as a ``local`` server)
-answers the rollout client in process, through httpx's ASGI transport (no socket, no HTTP server).  Everything above
-the client (both rollout strategies, agent workflows, the weight check) runs unchanged.
+server's engine) runs in the training process over the actor engine's model itself (on CPU the trainer's thread
+runs it while it waits for a rollout, ``InProcessRollout.serve``; its own thread serves what comes at other times),
+and the built-in server's app (``archon.server.app``: the same endpoints, sampling, logprobs, pause and abort as a
+``local`` server) answers the rollout client in process, through httpx's ASGI transport (no socket, no HTTP server).
+Everything above the client (both rollout strategies, agent workflows, the weight check) runs unchanged.
 
 The optimizer steps the very tensors generation reads, so a weight "sync" only publishes the new version
 (``InProcessWeightSync``).  Generation and training take turns (a synchronous run: the config refuses
@@ -22,9 +23,11 @@ ranks, so they are refused.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from concurrent.futures import Future
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -39,6 +42,8 @@ from parallel.dtypes import to_dtype
 from parallel.fsdp import gathered_parameters
 
 logger = logging.getLogger("archon.rl")
+
+T = TypeVar("T")
 
 INPROCESS_ADDR = "http://in-process"
 """The address the rollout client knows the in-process server by (never resolved: the app answers it)."""
@@ -89,6 +94,8 @@ class InProcessRollout:
                 "servers ('local:d1', 'sglang:d1')"
             )
         self.model = engine.model
+        # The trainer's thread, which serves the engine while it waits on CPU (serve); None: it never does.
+        self._serve_on = threading.current_thread() if engine.device.type == "cpu" else None
         self.generator: Generator | None = None
         self.client: RolloutClient | None = None
         self.weight_sync = InProcessWeightSync(None)
@@ -108,9 +115,11 @@ class InProcessRollout:
             compute=(lambda: engine.layout.autocast(cfg.actor.dtype)) if compute_dtype != param_dtype else None,
             cache_dtype=compute_dtype,
             batch_invariant=cfg.sglang.enable_deterministic_inference,
-            # The trainer's thread keeps the cores' OpenMP team (Generator's compute_threads): measured on 2 cores,
-            # a generator thread with a team of its own slowed every training kernel (step's training half 0.44 ->
-            # 0.39 s without it), while one thread decodes a small model's steps about as fast as two.
+            # One OpenMP team per process (Generator's compute_threads): the trainer's thread keeps the cores' team
+            # and runs the engine itself while it waits for rollouts (serve below); the generation thread, which
+            # serves what arrives at other times, computes with one.  Measured on 2 cores: a generation thread
+            # with a team of its own slowed every training kernel (the step's training half 0.44 -> 0.39 s without
+            # it), and a decode step of 64 rows takes ~20 ms on one thread, ~15 ms on the trainer's two.
             compute_threads=1 if engine.device.type == "cpu" else None,
         )
         args = ServerArgs(
@@ -122,7 +131,7 @@ class InProcessRollout:
             enable_deterministic_inference=cfg.sglang.enable_deterministic_inference,
         )
         self.server = RolloutServer(self.generator, args)
-        self.client = RolloutClient.from_config(cfg.rollout, [INPROCESS_ADDR], app=self.server.app)
+        self.client = RolloutClient.from_config(cfg.rollout, [INPROCESS_ADDR], app=self.server.app, serve=self.serve)
         self.weight_sync = InProcessWeightSync(self.generator)
         logger.info(
             "in-process rollout: generating on the actor's weights (%s, %s), context length %d",
@@ -130,6 +139,14 @@ class InProcessRollout:
             compute_dtype,
             self.generator.context_length,
         )
+
+    def serve(self, future: Future[T]) -> T:
+        """Wait for ``future``: the trainer's thread runs the engine meanwhile on CPU (``Generator.serve_until``);
+        other threads, and other devices, just wait."""
+        generator = self.generator
+        if generator is None or self._serve_on is not threading.current_thread():
+            return future.result()
+        return generator.serve_until(future)
 
     def generating(self) -> AbstractContextManager[None]:
         """Collective, around a rollout: every rank's parameters whole (under data parallel) until it ends."""

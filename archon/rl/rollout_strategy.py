@@ -170,7 +170,7 @@ class SyncRollout(RolloutStrategy):
                     )
                 )
                 drill_point("rollout")  # kill-and-resume drills stop here, requests in flight
-                return pending.result()
+                return client.result(pending)
 
             results = generate_or_recover(self.supervisor, generate)
             if results is None:

@@ -34,7 +34,7 @@ With an API key (given, or ``$ARCHON_API_KEY``) every request carries
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from archon.alloc import ModelAllocation
@@ -84,9 +84,12 @@ class RolloutClient:
         api: ServerAPI | None = None,
         api_key: str | None = None,
         app: Any = None,
+        serve: Callable[[concurrent.futures.Future[Any]], Any] | None = None,
     ):
         """``app``: an ASGI app that answers every address in this process instead of the network (the in-process
-        rollout engine, ``archon.rl.inprocess``); None: HTTP."""
+        rollout engine, ``archon.rl.inprocess``); None: HTTP.  ``serve``: how a blocking wait for the app's answer
+        waits (the in-process engine's ``Generator.serve_until``, which runs the engine on the waiting thread);
+        None: ``future.result()``."""
         if not addrs:
             raise ConfigError(
                 "RolloutClient needs at least one server address (host:port); launch servers with "
@@ -110,6 +113,7 @@ class RolloutClient:
             setup_timeout=setup_timeout,
             down_after=down_after,
             app=app,
+            serve=serve,
         )
         self._transport = transport
         # Requests made together go to their server as one batch where the API allows it.
@@ -125,9 +129,15 @@ class RolloutClient:
 
     @classmethod
     def from_config(
-        cls, cfg: RolloutConfig, addrs: Sequence[str], api_key: str | None = None, app: Any = None
+        cls,
+        cfg: RolloutConfig,
+        addrs: Sequence[str],
+        api_key: str | None = None,
+        app: Any = None,
+        serve: Callable[[concurrent.futures.Future[Any]], Any] | None = None,
     ) -> RolloutClient:
-        """A client of ``addrs`` speaking the API of ``cfg.backend``'s servers (``app``: see ``__init__``)."""
+        """A client of ``addrs`` speaking the API of ``cfg.backend``'s servers (``app``, ``serve``: see
+        ``__init__``)."""
         return cls(
             addrs,
             request_timeout=cfg.request_timeout,
@@ -136,6 +146,7 @@ class RolloutClient:
             api=api_for_backend(ModelAllocation.from_str(cfg.backend).backend),
             api_key=api_key,
             app=app,
+            serve=serve,
         )
 
     # ------------------------------------------------------------------ settings
@@ -173,6 +184,11 @@ class RolloutClient:
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Run a coroutine (e.g. ``client.ainit_weights_update_group(...)``) on the client's loop."""
         return self._transport.submit(coro)
+
+    def result(self, future: concurrent.futures.Future[T]) -> T:
+        """Block until ``future`` (from ``submit``) is done and return its result (an in-process client runs its
+        engine on this thread meanwhile: ``serve``)."""
+        return self._transport.result(future)
 
     def close(self) -> None:
         """Close connections and stop the loop thread (idempotent)."""

@@ -19,7 +19,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -96,6 +96,7 @@ class Transport:
         setup_timeout: float,
         down_after: int,
         app: Any = None,
+        serve: Callable[[concurrent.futures.Future[Any]], Any] | None = None,
     ):
         assert urls, "a Transport needs at least one server"
         self.servers = [ServerState(i, u) for i, u in enumerate(urls)]
@@ -111,6 +112,8 @@ class Transport:
         # An ASGI app (the in-process rollout engine's built-in server) is called directly: no socket, no process.
         self._app = app
         self._asgi: httpx.AsyncClient | None = None
+        # The in-process engine's serve_until: a blocking wait runs the engine on the waiting thread.
+        self._serve = serve
 
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name="archon-rollout-client", daemon=True)
@@ -156,7 +159,11 @@ class Transport:
                 "a blocking RolloutClient method was called on the client's own event loop; "
                 "await the async variant (a...) instead"
             )
-        return self.submit(coro).result()
+        return self.result(self.submit(coro))
+
+    def result(self, future: concurrent.futures.Future[T]) -> T:
+        """``future.result()``; with an in-process engine (``serve``) the waiting thread runs the engine meanwhile."""
+        return future.result() if self._serve is None else self._serve(future)
 
     def close(self) -> None:
         """Close connections and stop the loop thread (idempotent)."""

@@ -1,7 +1,8 @@
 """The generation engine of the built-in rollout server: continuous batching in one thread.
 
-One thread owns the model.  Callers (HTTP handlers, tests, scripts) ``submit`` requests and
-get ``concurrent.futures.Future`` objects back (``asyncio.wrap_future`` makes them awaitable).
+One thread at a time runs the engine: its own generation thread, or a caller waiting in ``serve_until`` (the
+in-process engine's trainer, whose thread then computes both phases).  Callers (HTTP handlers, tests, scripts)
+``submit`` requests and get ``concurrent.futures.Future`` objects back (``asyncio.wrap_future`` makes them awaitable).
 Between two decode steps the engine thread admits queued requests (one batched, right-padded
 prefill), then runs one decode forward over every running row, samples, and retires the rows
 that finished; the KV cache (``kv_cache.BatchedKVCache``) keeps one row per running request.
@@ -171,6 +172,8 @@ class Generator:
             moe.record_routing = True
         self._steps = ForwardSteps(self.model, self._lean, self.cache, self._moe, self._n_layers, batch_invariant)
 
+        # Held by whichever thread runs the engine: the generation thread, or a caller in serve_until.
+        self._engine = threading.Lock()
         # Shared with caller threads, guarded by _cond's lock.
         self._cond = threading.Condition()
         self._inbox: list[ActiveSequence] = []
@@ -181,7 +184,7 @@ class Generator:
         self._exclusive: deque[ExclusiveOp] = deque()
         self._stopping = False
 
-        # Owned by the engine thread.
+        # Owned by the thread holding _engine.
         self._waiting: deque[ActiveSequence] = deque()
         self._running: list[ActiveSequence] = []
 
@@ -270,7 +273,7 @@ class Generator:
             # Any JSON integer is a valid seed; torch takes 64 bits.
             rng = torch.Generator(device="cpu").manual_seed(int(seed) % 2**64)
             self._inbox.append(ActiveSequence(request, future, rng, frozenset(stop_ids), time.perf_counter()))
-            self._cond.notify()
+            self._cond.notify_all()
         return future
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
@@ -282,13 +285,13 @@ class Generator:
         """Finish the queued or running requests with id ``rid`` (reason ``abort``); unknown ids are ignored."""
         with self._cond:
             self._abort_rids.add(rid)
-            self._cond.notify()
+            self._cond.notify_all()
 
     def abort_all(self) -> None:
         """Finish every queued and running request with reason ``abort``."""
         with self._cond:
             self._abort_everything = True
-            self._cond.notify()
+            self._cond.notify_all()
 
     def pause(self, mode: str = "abort") -> Future:
         """Stop running requests and hold queued and new ones until ``resume()``.
@@ -303,14 +306,14 @@ class Generator:
         with self._cond:
             self._paused = True
             self._pause_waiters.append((future, mode))
-            self._cond.notify()
+            self._cond.notify_all()
         return future
 
     def resume(self) -> None:
         """Admit requests again after ``pause()``."""
         with self._cond:
             self._paused = False
-            self._cond.notify()
+            self._cond.notify_all()
 
     def run_exclusive(
         self, fn: Callable[[nn.Module], T], weight_version: str | None = None, abort_running: bool = False
@@ -325,7 +328,7 @@ class Generator:
             if self._stopping:
                 raise RuntimeError("the generator is closed; create a new one.")
             self._exclusive.append(ExclusiveOp(fn, future, weight_version, abort_running))
-            self._cond.notify()
+            self._cond.notify_all()
         return future
 
     def publish_weights(self, weight_version: str) -> Future:
@@ -381,11 +384,35 @@ class Generator:
 
         return self.run_exclusive(receive, weight_version, abort_running)
 
+    def serve_until(self, future: Future[T]) -> T:
+        """Wait for ``future`` running the engine on this thread meanwhile; its result.
+
+        For a caller that computes itself between waits (the in-process engine's trainer): on CPU its thread
+        already holds the process's OpenMP team, which then serves both phases (``compute_threads``), instead of
+        a second team on the generation thread.  The generation thread takes the engine back afterwards.
+        """
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("serve_until was called on the generator's own thread; wait on the future instead.")
+        future.add_done_callback(lambda _: self._notify())
+        with self._engine:
+            while True:
+                with self._cond:
+                    while not (future.done() or self._has_work()):
+                        self._cond.wait()
+                    if future.done() or self._stopping:
+                        break
+                self._iterate()
+        return future.result()
+
+    def _notify(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
     def close(self) -> None:
         """Abort everything still queued or running and stop the engine thread."""
         with self._cond:
             self._stopping = True
-            self._cond.notify()
+            self._cond.notify_all()
         self._thread.join()
 
     def __enter__(self) -> Generator:
@@ -416,42 +443,56 @@ class Generator:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                if not self._has_work():
-                    self.cache.release()  # idle: give back what a burst of requests grew the cache to
                 while not self._has_work():
                     self._cond.wait()
                 if self._stopping:
                     break
-                self._queue(self._inbox)
-                self._inbox = []
-                abort_rids, self._abort_rids = self._abort_rids, set()
-                abort_everything, self._abort_everything = self._abort_everything, False
-                pause_waiters, self._pause_waiters = self._pause_waiters, []
-                paused = self._paused or self._memory.holds_requests
-                exclusive = self._exclusive[0] if self._exclusive else None
+            with self._engine:  # a caller of serve_until may be running the engine: wait for it
+                self._iterate()
+                with self._cond:
+                    if not self._has_work():
+                        self.cache.release()  # idle: give back what a burst of requests grew the cache to
+        with self._engine:
+            self._shut_down()
 
-            self._drop_cancelled()
-            if abort_everything:
-                self._abort_where(lambda s: True, "aborted by abort_all")
-            elif abort_rids:
-                self._abort_where(lambda s, rids=abort_rids: s.request.rid in rids, "aborted by abort_request")
-            if pause_waiters:
-                if any(mode == "abort" for _, mode in pause_waiters):
-                    self._abort_running("aborted by pause_generation")
-                else:
-                    self._retract_running()
-                for f, _ in pause_waiters:
-                    resolve_future(f, None)
-            if exclusive is not None:
-                if exclusive.abort_running:
-                    self._abort_running("aborted for a weight update")
-                if not self._running:
-                    self._run_exclusive(exclusive)
-                    continue
-            elif not paused:
-                self._admit()
-            if self._running:
-                self._step(self._decode)
+    def _iterate(self) -> None:
+        """One round of the engine (with ``_engine`` held): take what arrived, apply aborts, pauses and weight
+        updates, admit, then one decode step over the running rows."""
+        with self._cond:
+            if self._stopping or not self._has_work():  # the other engine runner took it meanwhile
+                return
+            self._queue(self._inbox)
+            self._inbox = []
+            abort_rids, self._abort_rids = self._abort_rids, set()
+            abort_everything, self._abort_everything = self._abort_everything, False
+            pause_waiters, self._pause_waiters = self._pause_waiters, []
+            paused = self._paused or self._memory.holds_requests
+            exclusive = self._exclusive[0] if self._exclusive else None
+
+        self._drop_cancelled()
+        if abort_everything:
+            self._abort_where(lambda s: True, "aborted by abort_all")
+        elif abort_rids:
+            self._abort_where(lambda s, rids=abort_rids: s.request.rid in rids, "aborted by abort_request")
+        if pause_waiters:
+            if any(mode == "abort" for _, mode in pause_waiters):
+                self._abort_running("aborted by pause_generation")
+            else:
+                self._retract_running()
+            for f, _ in pause_waiters:
+                resolve_future(f, None)
+        if exclusive is not None:
+            if exclusive.abort_running:
+                self._abort_running("aborted for a weight update")
+            if not self._running:
+                self._run_exclusive(exclusive)
+                return
+        elif not paused:
+            self._admit()
+        if self._running:
+            self._step(self._decode)
+
+    def _shut_down(self) -> None:
         self._abort_where(lambda s: True, "the server is shutting down")
         with self._cond:
             for s in self._inbox:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
+from concurrent.futures import Future
 from typing import Any
 
 import pytest
@@ -405,3 +406,33 @@ def test_a_cpu_server_leaves_its_http_thread_one_thread_and_hands_the_rest_to_ge
     thread.join()
     torch.set_num_threads(1)  # the count later threads start with, as the module had it
     assert seen == {"cuda": None, "cuda_left": 2, "cpu": 2, "cpu_left": 1}
+
+
+def test_serve_until_runs_the_engine_on_the_waiting_thread_with_the_generation_threads_results(qwen3):
+    """The in-process engine's trainer waits in ``serve_until`` and computes the rollout itself: the same tokens
+    and logprobs as the generation thread gives, the engine's work done on the waiting thread, and the generation
+    thread serving again afterwards."""
+
+    def requests() -> list[GenerationRequest]:
+        prompts = [random_tokens(5 + i, seed=i) for i in range(4)]
+        return [
+            GenerationRequest(
+                p, SamplingParams(max_new_tokens=6, temperature=1.0, sampling_seed=i), return_logprob=True
+            )
+            for i, p in enumerate(prompts)
+        ]
+
+    # Batch-invariant: a request's logprobs do not depend on which thread admitted which requests together.
+    with Generator(qwen3, batch_invariant=True) as gen:
+        expected = gen.generate(requests())
+        futures = [gen.submit(r) for r in requests()]
+        served = [gen.serve_until(f) for f in futures]
+        assert [(r.output_ids, r.output_logprobs) for r in served] == [
+            (r.output_ids, r.output_logprobs) for r in expected
+        ]
+        # An engine operation queued while this thread serves runs on this thread.
+        assert gen.serve_until(gen.run_exclusive(lambda m: threading.current_thread())) is threading.current_thread()
+        assert gen.run_exclusive(lambda m: threading.current_thread()).result() is not threading.current_thread()
+        assert [r.output_ids for r in gen.generate(requests())] == [r.output_ids for r in expected]
+        with pytest.raises(RuntimeError, match="own thread"):
+            gen.run_exclusive(lambda m: gen.serve_until(Future())).result()
