@@ -174,6 +174,8 @@ class Generator:
 
         # Held by whichever thread runs the engine: the generation thread, or a caller in serve_until.
         self._engine = threading.Lock()
+        self._callers_serving = 0
+        """Callers in serve_until (guarded by _cond): while any is, the generation thread leaves the work to it."""
         # Shared with caller threads, guarded by _cond's lock.
         self._cond = threading.Condition()
         self._inbox: list[ActiveSequence] = []
@@ -394,14 +396,24 @@ class Generator:
         if threading.current_thread() is self._thread:
             raise RuntimeError("serve_until was called on the generator's own thread; wait on the future instead.")
         future.add_done_callback(lambda _: self._notify())
-        with self._engine:
-            while True:
-                with self._cond:
-                    while not (future.done() or self._has_work()):
-                        self._cond.wait()
-                    if future.done() or self._stopping:
-                        break
-                self._iterate()
+        with self._cond:
+            self._callers_serving += 1  # from here on the generation thread takes no more work
+        try:
+            with self._engine:  # once the generation thread's round in progress, if any, is over
+                while True:
+                    with self._cond:
+                        while not (future.done() or self._has_work()):
+                            self._cond.wait()
+                        if future.done() or self._stopping:
+                            idle = not self._has_work()
+                            break
+                    self._iterate()
+                if idle:
+                    self.cache.release()  # as the generation thread does when it runs out of work
+        finally:
+            with self._cond:
+                self._callers_serving -= 1
+                self._cond.notify_all()
         return future.result()
 
     def _notify(self) -> None:
@@ -443,11 +455,14 @@ class Generator:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._has_work():
+                while not self._stopping and (self._callers_serving or not self._has_work()):
                     self._cond.wait()
                 if self._stopping:
                     break
-            with self._engine:  # a caller of serve_until may be running the engine: wait for it
+            with self._engine:
+                with self._cond:
+                    if self._callers_serving:  # a caller came to serve meanwhile: the work is its
+                        continue
                 self._iterate()
                 with self._cond:
                     if not self._has_work():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any
 
@@ -408,13 +409,29 @@ def test_a_cpu_server_leaves_its_http_thread_one_thread_and_hands_the_rest_to_ge
     assert seen == {"cuda": None, "cuda_left": 2, "cpu": 2, "cpu_left": 1}
 
 
+def _all_done(futures: list[Future]) -> Future:
+    """A future done once every one of ``futures`` is."""
+    done: Future = Future()
+    left, lock = [len(futures)], threading.Lock()
+
+    def count(_: Future) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0] == 0:
+                done.set_result(None)
+
+    for f in futures:
+        f.add_done_callback(count)
+    return done
+
+
 def test_serve_until_runs_the_engine_on_the_waiting_thread_with_the_generation_threads_results(qwen3):
     """The in-process engine's trainer waits in ``serve_until`` and computes the rollout itself: the same tokens
     and logprobs as the generation thread gives, the engine's work done on the waiting thread, and the generation
     thread serving again afterwards."""
 
     def requests() -> list[GenerationRequest]:
-        prompts = [random_tokens(5 + i, seed=i) for i in range(4)]
+        prompts = [random_tokens(5 + i, seed=i) for i in range(12)]  # more rows than the cache starts with
         return [
             GenerationRequest(
                 p, SamplingParams(max_new_tokens=6, temperature=1.0, sampling_seed=i), return_logprob=True
@@ -424,15 +441,27 @@ def test_serve_until_runs_the_engine_on_the_waiting_thread_with_the_generation_t
 
     # Batch-invariant: a request's logprobs do not depend on which thread admitted which requests together.
     with Generator(qwen3, batch_invariant=True) as gen:
+        idle_cache_bytes = gen.cache.nbytes
         expected = gen.generate(requests())
         futures = [gen.submit(r) for r in requests()]
-        served = [gen.serve_until(f) for f in futures]
+        gen.serve_until(_all_done(futures))
+        served = [f.result() for f in futures]
+        assert gen.cache.nbytes == idle_cache_bytes  # released once the served work ran out, as when idle
         assert [(r.output_ids, r.output_logprobs) for r in served] == [
             (r.output_ids, r.output_logprobs) for r in expected
         ]
-        # An engine operation queued while this thread serves runs on this thread.
-        assert gen.serve_until(gen.run_exclusive(lambda m: threading.current_thread())) is threading.current_thread()
-        assert gen.run_exclusive(lambda m: threading.current_thread()).result() is not threading.current_thread()
+        # Work arriving while a thread serves is that thread's: here a thread serving until the test says stop.
+        stop: Future = Future()
+        server = threading.Thread(target=gen.serve_until, args=(stop,))
+        server.start()
+        deadline = time.monotonic() + 30
+        while gen._callers_serving == 0 and time.monotonic() < deadline:  # the state the assertion needs
+            time.sleep(0.001)
+        where = gen.run_exclusive(lambda m: threading.current_thread()).result(timeout=30)
+        stop.set_result(None)
+        server.join(timeout=30)
+        assert where is server
+        assert gen.run_exclusive(lambda m: threading.current_thread()).result() is gen._thread
         assert [r.output_ids for r in gen.generate(requests())] == [r.output_ids for r in expected]
         with pytest.raises(RuntimeError, match="own thread"):
             gen.run_exclusive(lambda m: gen.serve_until(Future())).result()
