@@ -31,6 +31,10 @@ class SeedEchoClient:
     def submit(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
+    def result(self, future):
+        """As ``RolloutClient.result`` without an in-process engine."""
+        return future.result()
+
     async def agenerate_many(self, prompts, params, **_: Any) -> list[GenerateResult]:
         if self.failures:
             self.failures -= 1
