@@ -405,11 +405,9 @@ class Generator:
                         while not (future.done() or self._has_work()):
                             self._cond.wait()
                         if future.done() or self._stopping:
-                            idle = not self._has_work()
                             break
                     self._iterate()
-                if idle:
-                    self.cache.release()  # as the generation thread does when it runs out of work
+                self._release_if_idle()  # as the generation thread does when it runs out of work
         finally:
             with self._cond:
                 self._callers_serving -= 1
@@ -464,11 +462,15 @@ class Generator:
                     if self._callers_serving:  # a caller came to serve meanwhile: the work is its
                         continue
                 self._iterate()
-                with self._cond:
-                    if not self._has_work():
-                        self.cache.release()  # idle: give back what a burst of requests grew the cache to
+                self._release_if_idle()
         with self._engine:
             self._shut_down()
+
+    def _release_if_idle(self) -> None:
+        """With ``_engine`` held: give back what a burst of requests grew the KV cache to, once no work is left."""
+        with self._cond:
+            if not self._has_work():
+                self.cache.release()
 
     def _iterate(self) -> None:
         """One round of the engine (with ``_engine`` held): take what arrived, apply aborts, pauses and weight
