@@ -8,9 +8,11 @@ twice as fast, in training too: the backward's two products are linears as well
 (``grad_x = grad_y W`` and ``grad_W = grad_y^T x``; oneDNN copies ``grad_y^T`` to make it
 contiguous).  On other hosts of the same family MKL is as fast or faster (measured on another
 EPYC: 2048^3 at 143 GFLOP/s with MKL, 129 with oneDNN, and ``grad_W`` 1.6x faster with MKL,
-which needs no copy).  So by default the first use times both on a 512^3 product (best of
-four each, ~40 ms) and takes oneDNN only where it is clearly faster (by 1.25x, so that close
-timings do not flip the choice from one process to the next).  The choice is exported as
+which needs no copy; on a third, forward products equal and ``grad_W`` 1.7x faster with MKL).
+So by default the first use times both on a 512^3 linear's forward and backward products (best
+of five each, alternating, ~0.1 s) and takes oneDNN only where it is clearly faster (by 1.25x, so
+that close timings do not flip the choice from one process to the next: a forward-only probe
+did flip on the third host, and its training steps then ran ~10% slower).  The choice is exported as
 ``$ARCHON_CPU_LINEAR`` (``onednn`` or ``blas``), which the processes started afterwards (rollout
 servers, forked ranks, a test session's children) read instead of timing again, so that they
 compute alike; setting it beforehand pins the kernel without timing.
@@ -78,8 +80,10 @@ _probe_lock = threading.Lock()
 
 @functools.lru_cache(maxsize=1)
 def _onednn_faster() -> bool:
-    """Whether oneDNN computes a float32 512^3 product at least ``_PREFERENCE_MARGIN`` times faster than
-    ``F.linear`` (torch's BLAS) on this host, with the threads torch has now (best of four runs each).
+    """Whether oneDNN does a float32 512^3 linear's training work (the forward product, ``grad_x`` and ``grad_W``
+    with its copy of ``grad_y^T``) at least ``_PREFERENCE_MARGIN`` times faster than torch's BLAS path on this
+    host, with the threads torch has now (best of five runs each, the two alternating so that a slow moment of
+    the host does not fall on one of them only).
 
     The first call may come from inside a forward: the probe runs without autograd and outside any dispatch mode
     (selective activation checkpointing records the forward's ops and replays them in the recomputation, which
@@ -89,18 +93,27 @@ def _onednn_faster() -> bool:
         return False
     with _probe_lock, torch.no_grad(), _disable_current_modes():
         g = torch.Generator().manual_seed(0)
-        x, w = torch.randn(512, 512, generator=g), torch.randn(512, 512, generator=g)
+        x, w, grad = (torch.randn(512, 512, generator=g) for _ in range(3))
 
-        def best_seconds(fn) -> float:
-            fn()  # warm-up: first-call allocations and kernel selection
-            times = []
-            for _ in range(4):
+        def onednn() -> None:
+            _mm(x, w)
+            _mm(grad, w.t())
+            _mm(grad.t(), x.t())
+
+        def blas() -> None:
+            F.linear(x, w)
+            torch.mm(grad, w)
+            torch.mm(grad.t(), x)
+
+        best = {onednn: float("inf"), blas: float("inf")}
+        for fn in best:  # warm-up: first-call allocations and kernel selection
+            fn()
+        for _ in range(5):
+            for fn in best:
                 t0 = time.perf_counter()
                 fn()
-                times.append(time.perf_counter() - t0)
-            return min(times)
-
-        return best_seconds(lambda: _mm(x, w)) * _PREFERENCE_MARGIN <= best_seconds(lambda: F.linear(x, w))
+                best[fn] = min(best[fn], time.perf_counter() - t0)
+        return best[onednn] * _PREFERENCE_MARGIN <= best[blas]
 
 
 @functools.lru_cache(maxsize=1)

@@ -66,8 +66,10 @@ def test_onednn_is_used_for_float32_cpu_and_not_under_autocast(monkeypatch):
     assert calls == []
 
 
-@pytest.mark.parametrize("slow", ["onednn", "blas"])
+@pytest.mark.parametrize("slow", ["onednn", "blas", "blas-backward"])
 def test_the_default_choice_takes_the_faster_kernel(monkeypatch, slow):
+    """The probe times a linear's training work, backward products included: BLAS slow only there (as where
+    oneDNN's copy of ``grad_y^T`` is cheap next to MKL's slow path) still makes oneDNN the faster."""
     if not lin._onednn_works():
         pytest.skip("this torch build has no oneDNN linear")
 
@@ -80,16 +82,19 @@ def test_the_default_choice_takes_the_faster_kernel(monkeypatch, slow):
 
     if slow == "onednn":
         monkeypatch.setattr(lin, "_mm", slowed(lin._mm))
-    else:
+    elif slow == "blas":
         monkeypatch.setattr(lin.F, "linear", slowed(F.linear))
+    else:
+        monkeypatch.setattr(lin.torch, "mm", slowed(torch.mm))
     lin.use_onednn(None)
     monkeypatch.delenv(lin.CPU_LINEAR_ENV, raising=False)  # restored after the test
     lin._onednn_faster.cache_clear()
     lin.cpu_linear_kernel.cache_clear()
     try:
-        assert lin._onednn_faster() is (slow == "blas")
-        assert lin._use_onednn(torch.randn(2, 4), torch.randn(3, 4)) is (slow == "blas")
-        assert os.environ[lin.CPU_LINEAR_ENV] == ("onednn" if slow == "blas" else "blas")  # for child processes
+        onednn = slow != "onednn"
+        assert lin._onednn_faster() is onednn
+        assert lin._use_onednn(torch.randn(2, 4), torch.randn(3, 4)) is onednn
+        assert os.environ[lin.CPU_LINEAR_ENV] == ("onednn" if onednn else "blas")  # for child processes
     finally:
         lin._onednn_faster.cache_clear()  # the next use times the real kernels again
         lin.cpu_linear_kernel.cache_clear()
