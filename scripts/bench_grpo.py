@@ -3,6 +3,7 @@
     pip install -e ".[bench]"      # TRL is a benchmark-only dependency
     python scripts/bench_grpo.py [--quick] [--prompts 8 --samples 8 --new-tokens 16] [--threads 1 --clock cpu]
                                  [--async-k 1] [--modes server,inprocess] [--vocab 64]
+                                 [--trl-checkpointing off]
 
 Both train the same random Qwen3 (hidden 256, 4 layers by default, a word-level tokenizer;
 nothing is downloaded) on the same prompts: ``--prompts`` prompts x ``--samples``
@@ -18,7 +19,9 @@ per step (AdamW, same learning rate and clipping), float32 on CPU.
   ``colocated``, the server of ``server`` taking turns with the trainer (``rollout.colocate``:
   it releases its memory while the trainer trains; weights handed over by reference).
 * TRL: ``GRPOTrainer`` generating with ``model.generate`` in the training process; a step
-  is generation + rewards + advantages + the update.
+  is generation + rewards + advantages + the update.  ``GRPOConfig`` turns gradient
+  checkpointing on by default (the forward runs again in the backward); Archon runs without
+  activation checkpointing.  ``--trl-checkpointing off`` times TRL without it too.
 
 The two alternate step by step (an Archon step runs in a TRL callback between two TRL
 steps).  The modes share the machine's cores (the ``server`` and ``colocated`` modes' servers slow
@@ -205,6 +208,7 @@ def _trl_trainer(root: Path, model_folder: Path, args, callback):
         seed=1,
         # Exactly max_completion_length tokens, as Archon's ignore_eos.
         generation_kwargs={"eos_token_id": None},
+        gradient_checkpointing=args.trl_checkpointing == "on",
     )
     model = AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32)
     return GRPOTrainer(
@@ -247,6 +251,13 @@ def main() -> None:
         dest="prefix_sharing",
         action="store_false",
         help="train each completion with its own copy of the prompt (actor.archon.prefix_sharing = false)",
+    )
+    parser.add_argument(
+        "--trl-checkpointing",
+        choices=["on", "off"],
+        default="on",
+        help="TRL's gradient checkpointing (on: GRPOConfig's default, which recomputes the forward in the backward; "
+        "Archon runs without it, actor.archon.ac_mode = none)",
     )
     parser.add_argument("--reps", type=int, default=None, help="timed steps per side (default 7, quick 3)")
     parser.add_argument(
@@ -354,7 +365,7 @@ def main() -> None:
         f"GRPO step, Archon RLTrainer (archon:d1) vs TRL {trl.__version__} GRPOTrainer; "
         f"qwen3 hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, float32; {args.prompts} prompts x "
         f"{args.samples} completions x {args.new_tokens} tokens (prompt {args.prompt_len}), one update; "
-        f"{machine_note(args.clock)}"
+        f"TRL gradient checkpointing {args.trl_checkpointing}, Archon none; {machine_note(args.clock)}"
     )
     print(markdown_table(["", "TRL s/step", "Archon s/step", "Archon / TRL time"], rows))
     for mode in modes:
