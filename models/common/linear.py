@@ -95,10 +95,10 @@ def _onednn_faster() -> bool:
         g = torch.Generator().manual_seed(0)
         x, w, grad = (torch.randn(512, 512, generator=g) for _ in range(3))
 
-        def onednn() -> None:
+        def onednn() -> None:  # what _OneDNNLinear computes
             _mm(x, w)
-            _mm(grad, w.t())
-            _mm(grad.t(), x.t())
+            _grad_input(grad, w)
+            _grad_weight(grad, x)
 
         def blas() -> None:
             F.linear(x, w)
@@ -155,6 +155,16 @@ def _mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None)
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
+def _grad_input(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``grad_y W`` through oneDNN, with ``W^T`` as the "weight" (a view)."""
+    return _mm(grad, weight.t())
+
+
+def _grad_weight(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``grad_y^T x`` over all leading dimensions through oneDNN (which copies ``grad_y^T`` to make it contiguous)."""
+    return _mm(grad.reshape(-1, grad.shape[-1]).t(), x.reshape(-1, x.shape[-1]).t())
+
+
 class _OneDNNLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -167,12 +177,11 @@ class _OneDNNLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = _mm(grad, weight.t())  # grad_y W, with W^T as the "weight" (a view)
-        flat_grad = grad.reshape(-1, grad.shape[-1])
+            grad_x = _grad_input(grad, weight)
         if ctx.needs_input_grad[1]:
-            grad_w = _mm(flat_grad.t(), x.reshape(-1, x.shape[-1]).t())  # grad_y^T x
+            grad_w = _grad_weight(grad, x)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = flat_grad.sum(0)
+            grad_b = grad.reshape(-1, grad.shape[-1]).sum(0)
         return grad_x, grad_w, grad_b
 
 
